@@ -1,0 +1,52 @@
+"""One exception base for the project; each subclass also inherits the stdlib class it refines
+and carries the HTTP status the server answers it with."""
+
+from __future__ import annotations
+
+__all__ = [
+    "AgentboltError",
+    "ConfigError",
+    "InvalidTransition",
+    "LeaseLost",
+    "NotFound",
+    "ServerUnavailable",
+]
+
+
+class AgentboltError(Exception):
+    status_code = 500
+
+
+class NotFound(AgentboltError, KeyError):
+    status_code = 404
+
+    def __init__(self, kind: str, object_id: object) -> None:
+        super().__init__(f"{kind} {object_id!r} not found")
+        self.kind, self.object_id = kind, object_id
+
+    def __str__(self) -> str:  # KeyError would add quotes
+        return str(self.args[0])
+
+
+class InvalidTransition(AgentboltError, ValueError):
+    status_code = 409
+
+    def __init__(self, kind: str, object_id: str, old: str, new: str) -> None:
+        super().__init__(f"{kind} {object_id!r} cannot go from {old!r} to {new!r}")
+        self.kind, self.object_id, self.old, self.new = kind, object_id, old, new
+
+
+class LeaseLost(AgentboltError, RuntimeError):
+    """The attempt is no longer held by the caller (it ended, expired or belongs to another)."""
+
+    status_code = 409
+
+
+class ConfigError(AgentboltError, ValueError):
+    status_code = 400
+
+
+class ServerUnavailable(AgentboltError, ConnectionError):
+    """The server could not be reached after all retries."""
+
+    status_code = 503

@@ -1,0 +1,329 @@
+"""The data model: every object that crosses a process boundary is defined here.
+
+Create / Read / Patch models are kept apart (the habit of agent-lightning's schemas module):
+what a client may send is stricter (``extra="forbid"``) than what the store returns.
+Lifecycles are one ``StrEnum`` per object plus one table of allowed transitions, checked by
+:func:`check_transition` — the only place that decides whether a status change is legal.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from enum import StrEnum
+import math
+from typing import Annotated, Any, Generic, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from agentbolt.errors import InvalidTransition
+
+__all__ = [
+    "LLM",
+    "Attempt",
+    "AttemptFinish",
+    "AttemptStatus",
+    "Claim",
+    "Event",
+    "EventCreate",
+    "EventType",
+    "Mode",
+    "ModelWeights",
+    "Page",
+    "PromptTemplate",
+    "Resource",
+    "Resources",
+    "ResourcesCreate",
+    "Rollout",
+    "RolloutCreate",
+    "RolloutStatus",
+    "Task",
+    "Trajectory",
+    "Worker",
+    "check_transition",
+    "new_id",
+    "now",
+]
+
+
+T = TypeVar("T")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:16]}"
+
+
+def now() -> float:
+    return time.time()
+
+
+class _Strict(BaseModel):
+    """What clients send: unknown fields are an error, not silently dropped."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---------------------------------------------------------------------------- lifecycles
+
+
+class Mode(StrEnum):
+    TRAIN = "train"
+    VAL = "val"
+    TEST = "test"
+
+
+class RolloutStatus(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def is_final(self) -> bool:
+        return self in _FINAL_ROLLOUT
+
+
+class AttemptStatus(StrEnum):
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    TIMED_OUT = "timed_out"
+    LEASE_EXPIRED = "lease_expired"
+    RELEASED = "released"  # given back by a runner that is stopping; does not use up an attempt
+
+
+_FINAL_ROLLOUT = {RolloutStatus.SUCCEEDED, RolloutStatus.FAILED, RolloutStatus.CANCELLED}
+
+VALID_TRANSITIONS: dict[type[StrEnum], dict[StrEnum, set[StrEnum]]] = {
+    RolloutStatus: {
+        RolloutStatus.QUEUED: {RolloutStatus.RUNNING, RolloutStatus.CANCELLED},
+        # running -> queued is a requeue after a lost attempt
+        RolloutStatus.RUNNING: {
+            RolloutStatus.QUEUED,
+            RolloutStatus.SUCCEEDED,
+            RolloutStatus.FAILED,
+            RolloutStatus.CANCELLED,
+        },
+        RolloutStatus.SUCCEEDED: set(),
+        RolloutStatus.FAILED: set(),
+        RolloutStatus.CANCELLED: set(),
+    },
+    AttemptStatus: {
+        AttemptStatus.RUNNING: {
+            AttemptStatus.SUCCEEDED,
+            AttemptStatus.FAILED,
+            AttemptStatus.TIMED_OUT,
+            AttemptStatus.LEASE_EXPIRED,
+            AttemptStatus.RELEASED,
+        },
+        AttemptStatus.SUCCEEDED: set(),
+        AttemptStatus.FAILED: set(),
+        AttemptStatus.TIMED_OUT: set(),
+        AttemptStatus.LEASE_EXPIRED: set(),
+        AttemptStatus.RELEASED: set(),
+    },
+}
+
+
+def check_transition(kind: str, object_id: str, old: StrEnum, new: StrEnum) -> None:
+    """Raise :class:`InvalidTransition` (HTTP 409) unless ``old -> new`` is allowed."""
+    allowed = VALID_TRANSITIONS[type(old)][old]
+    if new not in allowed:
+        raise InvalidTransition(kind, object_id, str(old), str(new))
+
+
+# ---------------------------------------------------------------------------- tasks and rollouts
+
+
+class Task(BaseModel):
+    """The input an agent works on. ``data`` is free-form JSON (the seed uses ``user_input``)."""
+
+    id: str = Field(default_factory=lambda: new_id("task"))
+    data: dict[str, Any] = Field(default_factory=dict)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @classmethod
+    def of(cls, item: Task | dict[str, Any]) -> Task:
+        """Accept a Task or a plain dict of task data (``{"id": ...}`` is taken as the id)."""
+        if isinstance(item, Task):
+            return item
+        data = dict(item)
+        task_id = data.get("id")
+        return cls(id=str(task_id), data=data) if task_id is not None else cls(data=data)
+
+
+class RolloutCreate(_Strict):
+    """One rollout to enqueue. Supplying ``id`` makes the enqueue idempotent."""
+
+    id: str | None = Field(default=None, max_length=200)
+    task: Task
+    mode: Mode = Mode.TRAIN
+    resources_version: int | None = Field(default=None, ge=1, description="None: latest at dequeue time")
+    timeout_seconds: float | None = Field(default=None, gt=0, le=7 * 24 * 3600)
+    max_attempts: int = Field(default=3, ge=1, le=100)
+    group_id: str | None = Field(default=None, max_length=200, description="e.g. a GRPO group")
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class Rollout(BaseModel):
+    id: str
+    task: Task
+    mode: Mode
+    status: RolloutStatus
+    resources_version: int | None
+    timeout_seconds: float | None
+    max_attempts: int
+    attempts: int = Field(description="attempts started so far (released ones excluded)")
+    group_id: str | None = None
+    reward: float | None = None
+    error: str | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    created_at: float
+    updated_at: float
+    started_at: float | None = None
+    ended_at: float | None = None
+
+
+class Attempt(BaseModel):
+    id: str
+    rollout_id: str
+    number: int
+    worker_id: str
+    status: AttemptStatus
+    started_at: float
+    heartbeat_at: float
+    lease_expires_at: float
+    ended_at: float | None = None
+    reward: float | None = None
+    error: str | None = None
+
+
+class AttemptFinish(_Strict):
+    status: Literal[AttemptStatus.SUCCEEDED, AttemptStatus.FAILED, AttemptStatus.RELEASED]
+    reward: float | None = None
+    error: str | None = Field(default=None, max_length=100_000)
+
+    @field_validator("reward")
+    @classmethod
+    def _finite(cls, value: float | None) -> float | None:
+        if value is not None and not math.isfinite(value):
+            raise ValueError("reward must be a finite number")
+        return value
+
+
+class Claim(BaseModel):
+    """What a runner gets from a dequeue: the rollout, its new attempt and the resources to use."""
+
+    rollout: Rollout
+    attempt: Attempt
+    resources: Resources | None
+
+
+class Worker(BaseModel):
+    id: str
+    last_seen: float
+    claims: int
+    running: int = 0
+
+
+# ---------------------------------------------------------------------------- events
+
+
+class EventType(StrEnum):
+    LLM_CALL = "llm_call"
+    REWARD = "reward"
+    TOOL_CALL = "tool_call"
+    MESSAGE = "message"
+    EXCEPTION = "exception"
+    SPAN = "span"
+
+
+class EventCreate(_Strict):
+    """An append-only record. ``sequence`` is per attempt; re-sending one is a no-op.
+    Events recorded by the server itself (the gateway, OTLP ingest) carry no sequence."""
+
+    sequence: int | None = Field(default=None, ge=0, le=2**62)
+    type: str = Field(min_length=1, max_length=100, description="an EventType or a user type")
+    timestamp: float = Field(default_factory=now)
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
+class Event(BaseModel):
+    id: int
+    rollout_id: str
+    attempt_id: str
+    sequence: int | None
+    type: str
+    timestamp: float
+    data: dict[str, Any]
+
+
+# ---------------------------------------------------------------------------- resources
+
+
+class PromptTemplate(BaseModel):
+    type: Literal["prompt_template"] = "prompt_template"
+    template: str
+    engine: Literal["f-string", "plain"] = "f-string"
+
+    def format(self, **kwargs: Any) -> str:
+        return self.template.format(**kwargs) if self.engine == "f-string" else self.template
+
+    def __str__(self) -> str:
+        return self.template
+
+
+class LLM(BaseModel):
+    """An OpenAI-compatible endpoint. Inside a rollout ``base_url`` points at the gateway."""
+
+    type: Literal["llm"] = "llm"
+    base_url: str
+    model: str
+    api_key: str | None = Field(default=None, description="never stored in events; see the gateway")
+    sampling_parameters: dict[str, Any] = Field(default_factory=dict)
+
+
+class ModelWeights(BaseModel):
+    type: Literal["model_weights"] = "model_weights"
+    path: str
+    base_model: str | None = None
+    format: Literal["lora", "full"] = "lora"
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+Resource = Annotated[PromptTemplate | LLM | ModelWeights, Field(discriminator="type")]
+
+
+class ResourcesCreate(_Strict):
+    resources: dict[str, Resource]
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class Resources(BaseModel):
+    version: int
+    resources: dict[str, Resource]
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    created_at: float
+
+
+# ---------------------------------------------------------------------------- results
+
+
+class Trajectory(BaseModel):
+    """What one rollout produced (the seed's shape); ``trace`` holds free-form steps."""
+
+    model_config = ConfigDict(extra="allow")
+
+    task_id: str | None = None
+    final_response: Any = None
+    total_reward: float | None = None
+    trace: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class Page(BaseModel, Generic[T]):
+    items: list[T]
+    next_cursor: str | None = None
+
+
+Claim.model_rebuild()

@@ -1,0 +1,20 @@
+"""Storage behind one object: :class:`SqlStore` over a SQLite or PostgreSQL database."""
+
+from __future__ import annotations
+
+from agentbolt.store.sql import Database, SqlStore
+from agentbolt.store.sqlite import SqliteDatabase
+
+__all__ = ["Database", "SqlStore", "SqliteDatabase", "open_store"]
+
+
+def open_store(url: str = ":memory:", lease_seconds: float | None = None) -> SqlStore:
+    """Open a store from a URL: a SQLite path, ``sqlite:///path``, ``:memory:``, or
+    ``postgresql://...`` (needs the PostgreSQL backend)."""
+    kwargs = {"lease_seconds": lease_seconds} if lease_seconds else {}
+    if url.startswith(("postgresql://", "postgres://")):
+        from agentbolt.store.postgres import PostgresDatabase  # type: ignore[import-not-found]
+
+        return SqlStore(PostgresDatabase(url), **kwargs)
+    path = url.removeprefix("sqlite:///").removeprefix("sqlite://")
+    return SqlStore(SqliteDatabase(path or ":memory:"), **kwargs)

@@ -1,0 +1,619 @@
+"""The store: the only owner of state (queue, attempts, events, resources).
+
+All queue logic lives in :class:`SqlStore`, written once in portable SQL with ``?`` placeholders.
+A backend (:mod:`.sqlite`, :mod:`.postgres`) supplies only a :class:`Database` — connections,
+transactions, placeholder style — and the one statement that differs: how dequeue locks the
+row it claims. The store is synchronous; the server decides how to call it (directly for
+SQLite, from a thread for PostgreSQL).
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import orjson
+
+from agentbolt.errors import LeaseLost, NotFound
+from agentbolt.schemas import (
+    Attempt,
+    AttemptFinish,
+    AttemptStatus,
+    Claim,
+    Event,
+    EventCreate,
+    Mode,
+    Page,
+    Resources,
+    ResourcesCreate,
+    Rollout,
+    RolloutCreate,
+    RolloutStatus,
+    Task,
+    Worker,
+    check_transition,
+    new_id,
+    now,
+)
+
+__all__ = ["Database", "SqlStore", "Tx"]
+
+DEFAULT_LEASE_SECONDS = 30.0
+MAX_PAGE = 1000
+
+
+def _dumps(value: Any) -> str:
+    return orjson.dumps(value).decode()
+
+
+def _loads(text: str | bytes | None) -> Any:
+    return orjson.loads(text) if text else {}
+
+
+class Tx(abc.ABC):
+    """One transaction: run statements written with ``?`` placeholders."""
+
+    @abc.abstractmethod
+    def all(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]: ...
+
+    @abc.abstractmethod
+    def run(self, sql: str, params: Sequence[Any] = ()) -> int:
+        """Execute; return the number of rows changed."""
+
+    @abc.abstractmethod
+    def many(self, sql: str, rows: Sequence[Sequence[Any]]) -> None: ...
+
+    def one(self, sql: str, params: Sequence[Any] = ()) -> tuple[Any, ...] | None:
+        rows = self.all(sql, params)
+        return rows[0] if rows else None
+
+
+class Database(abc.ABC):
+    """What a backend provides to :class:`SqlStore`."""
+
+    name: str
+    #: appended to the SELECT that picks the rollout to claim (``FOR UPDATE SKIP LOCKED`` on PostgreSQL)
+    claim_lock: str = ""
+
+    @abc.abstractmethod
+    def transaction(self) -> Any:
+        """A context manager yielding a :class:`Tx`; commits on success, rolls back on error."""
+
+    @abc.abstractmethod
+    def migrate(self, migrations: Sequence[tuple[int, list[str]]]) -> None: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+# Versioned schema; a backend applies the ones it has not recorded yet. Types are portable:
+# REAL/DOUBLE PRECISION differ, so {real} and {serial} (an auto-increasing integer primary key)
+# are filled in per backend. ``qseq`` is the queue order.
+MIGRATIONS: list[tuple[int, list[str]]] = [
+    (
+        1,
+        [
+            """CREATE TABLE tasks (id TEXT PRIMARY KEY, data TEXT NOT NULL, metadata TEXT NOT NULL)""",
+            """CREATE TABLE rollouts (
+                qseq {serial}, id TEXT NOT NULL UNIQUE, task_id TEXT NOT NULL, mode TEXT NOT NULL,
+                status TEXT NOT NULL, resources_version INTEGER, timeout_seconds {real},
+                max_attempts INTEGER NOT NULL, attempts INTEGER NOT NULL DEFAULT 0, group_id TEXT,
+                reward {real}, error TEXT, metadata TEXT NOT NULL, created_at {real} NOT NULL,
+                updated_at {real} NOT NULL, started_at {real}, ended_at {real})""",
+            "CREATE INDEX rollouts_status ON rollouts (status, qseq)",
+            "CREATE INDEX rollouts_mode ON rollouts (mode, qseq)",
+            "CREATE INDEX rollouts_version ON rollouts (resources_version, qseq)",
+            "CREATE INDEX rollouts_group ON rollouts (group_id)",
+            """CREATE TABLE attempts (
+                id TEXT PRIMARY KEY, rollout_id TEXT NOT NULL, number INTEGER NOT NULL,
+                worker_id TEXT NOT NULL, status TEXT NOT NULL, started_at {real} NOT NULL,
+                heartbeat_at {real} NOT NULL, lease_expires_at {real} NOT NULL, deadline {real},
+                ended_at {real}, reward {real}, error TEXT)""",
+            "CREATE INDEX attempts_rollout ON attempts (rollout_id, number)",
+            "CREATE INDEX attempts_live ON attempts (status, lease_expires_at)",
+            """CREATE TABLE events (
+                id {serial}, rollout_id TEXT NOT NULL, attempt_id TEXT NOT NULL, sequence INTEGER,
+                type TEXT NOT NULL, timestamp {real} NOT NULL, data TEXT NOT NULL)""",
+            "CREATE UNIQUE INDEX events_seq ON events (attempt_id, sequence)",
+            "CREATE INDEX events_rollout ON events (rollout_id, timestamp, id)",
+            "CREATE INDEX events_type ON events (type, id)",
+            """CREATE TABLE resources (version INTEGER PRIMARY KEY, resources TEXT NOT NULL,
+                metadata TEXT NOT NULL, created_at {real} NOT NULL)""",
+            """CREATE TABLE workers (id TEXT PRIMARY KEY, last_seen {real} NOT NULL,
+                claims INTEGER NOT NULL DEFAULT 0)""",
+        ],
+    ),
+]
+
+_ROLLOUT_COLS = (
+    "r.id, r.task_id, t.data, t.metadata, r.mode, r.status, r.resources_version, r.timeout_seconds, "
+    "r.max_attempts, r.attempts, r.group_id, r.reward, r.error, r.metadata, r.created_at, "
+    "r.updated_at, r.started_at, r.ended_at"
+)
+_ROLLOUT_FROM = "rollouts r JOIN tasks t ON t.id = r.task_id"
+_ATTEMPT_COLS = (
+    "id, rollout_id, number, worker_id, status, started_at, heartbeat_at, lease_expires_at, "
+    "ended_at, reward, error"
+)
+
+
+def _rollout(row: tuple[Any, ...]) -> Rollout:
+    (rid, task_id, data, tmeta, mode, status, version, timeout, max_att, att, group, reward, error,
+     meta, created, updated, started, ended) = row  # fmt: skip
+    return Rollout(
+        id=rid,
+        task=Task(id=task_id, data=_loads(data), metadata=_loads(tmeta)),
+        mode=Mode(mode),
+        status=RolloutStatus(status),
+        resources_version=version,
+        timeout_seconds=timeout,
+        max_attempts=max_att,
+        attempts=att,
+        group_id=group,
+        reward=reward,
+        error=error,
+        metadata=_loads(meta),
+        created_at=created,
+        updated_at=updated,
+        started_at=started,
+        ended_at=ended,
+    )
+
+
+def _attempt(row: tuple[Any, ...]) -> Attempt:
+    keys = _ATTEMPT_COLS.split(", ")
+    values = dict(zip(keys, row, strict=True))
+    values["status"] = AttemptStatus(values["status"])
+    return Attempt(**values)
+
+
+def _event(row: tuple[Any, ...]) -> Event:
+    rollout_id, attempt_id, seq, kind, ts, data, event_id = row
+    return Event(
+        id=event_id,
+        rollout_id=rollout_id,
+        attempt_id=attempt_id,
+        sequence=seq,
+        type=kind,
+        timestamp=ts,
+        data=_loads(data),
+    )
+
+
+class SqlStore:
+    """Queue with leases, attempts, events and versioned resources over a :class:`Database`."""
+
+    def __init__(self, db: Database, lease_seconds: float = DEFAULT_LEASE_SECONDS) -> None:
+        self.db = db
+        self.lease_seconds = lease_seconds
+        self._resources_cache: dict[int, Resources] = {}
+        self._cache_lock = threading.Lock()
+        db.migrate(MIGRATIONS)
+
+    @property
+    def backend(self) -> str:
+        return self.db.name
+
+    def close(self) -> None:
+        self.db.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[Tx]:
+        with self.db.transaction() as tx:
+            yield tx
+
+    # ------------------------------------------------------------------ enqueue
+
+    def enqueue(self, items: Sequence[RolloutCreate]) -> list[Rollout]:
+        """Create rollouts (and their tasks). An item whose ``id`` exists already is returned as is."""
+        ts = now()
+        ids = [item.id or new_id("ro") for item in items]
+        with self._tx() as tx:
+            for rid, item in zip(ids, items, strict=True):
+                self._insert_rollout(tx, rid, item, ts)
+            return self._rollouts_by_id(tx, ids)
+
+    def _insert_rollout(self, tx: Tx, rid: str, item: RolloutCreate, ts: float) -> None:
+        if item.id is not None and tx.one("SELECT 1 FROM rollouts WHERE id = ?", (rid,)):
+            return  # idempotent: the first enqueue wins
+        task = item.task
+        tx.run(
+            "INSERT INTO tasks (id, data, metadata) VALUES (?, ?, ?) "
+            "ON CONFLICT (id) DO UPDATE SET data = excluded.data, metadata = excluded.metadata",
+            (task.id, _dumps(task.data), _dumps(task.metadata)),
+        )
+        tx.run(
+            "INSERT INTO rollouts (id, task_id, mode, status, resources_version, timeout_seconds, "
+            "max_attempts, attempts, group_id, metadata, created_at, updated_at) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?, ?)",
+            (rid, task.id, item.mode.value, RolloutStatus.QUEUED.value, item.resources_version,
+             item.timeout_seconds, item.max_attempts, item.group_id, _dumps(item.metadata), ts, ts),
+        )  # fmt: skip
+
+    def _rollouts_by_id(self, tx: Tx, ids: Sequence[str]) -> list[Rollout]:
+        found: dict[str, Rollout] = {}
+        for start in range(0, len(ids), 500):
+            chunk = list(ids[start : start + 500])
+            marks = ", ".join("?" * len(chunk))
+            for row in tx.all(f"SELECT {_ROLLOUT_COLS} FROM {_ROLLOUT_FROM} WHERE r.id IN ({marks})", chunk):
+                found[row[0]] = _rollout(row)
+        return [found[i] for i in ids if i in found]
+
+    # ------------------------------------------------------------------ dequeue and leases
+
+    def dequeue(self, worker_id: str, lease_seconds: float | None = None) -> Claim | None:
+        """Claim one new attempt for the oldest queued rollout, or return None."""
+        lease = lease_seconds or self.lease_seconds
+        ts = now()
+        self.expire(ts)
+        with self._tx() as tx:
+            self._touch_worker(tx, worker_id, ts, claimed=0)
+            row = tx.one(
+                "SELECT id, attempts, timeout_seconds, resources_version FROM rollouts "
+                f"WHERE status = ? ORDER BY qseq LIMIT 1 {self.db.claim_lock}",
+                (RolloutStatus.QUEUED.value,),
+            )
+            if row is None:
+                return None
+            rid, attempts, timeout, version = row
+            if version is None:
+                latest = tx.one("SELECT MAX(version) FROM resources")
+                version = latest[0] if latest else None
+            attempt_id = new_id("at")
+            deadline = ts + timeout if timeout else None
+            tx.run(
+                f"INSERT INTO attempts ({_ATTEMPT_COLS}, deadline) VALUES (?, ?, ?, ?, ?, ?, ?, ?, NULL, NULL, NULL, ?)",
+                (attempt_id, rid, attempts + 1, worker_id, AttemptStatus.RUNNING.value, ts, ts, ts + lease, deadline),
+            )  # fmt: skip
+            changed = tx.run(
+                "UPDATE rollouts SET status = ?, attempts = attempts + 1, resources_version = ?, "
+                "started_at = COALESCE(started_at, ?), updated_at = ? WHERE id = ? AND status = ?",
+                (RolloutStatus.RUNNING.value, version, ts, ts, rid, RolloutStatus.QUEUED.value),
+            )
+            if changed != 1:  # lost a race on a backend without row locks: give up this round
+                raise RuntimeError(f"rollout {rid} was claimed concurrently")
+            tx.run("UPDATE workers SET claims = claims + 1 WHERE id = ?", (worker_id,))
+            rollout = self._rollouts_by_id(tx, [rid])[0]
+            attempt = _attempt(self._attempt_row(tx, attempt_id))
+        resources = self.get_resources(version) if version is not None else None
+        return Claim(rollout=rollout, attempt=attempt, resources=resources)
+
+    def _touch_worker(self, tx: Tx, worker_id: str, ts: float, claimed: int) -> None:
+        tx.run(
+            "INSERT INTO workers (id, last_seen, claims) VALUES (?, ?, ?) "
+            "ON CONFLICT (id) DO UPDATE SET last_seen = excluded.last_seen",
+            (worker_id, ts, claimed),
+        )
+
+    def _attempt_row(self, tx: Tx, attempt_id: str) -> tuple[Any, ...]:
+        row = tx.one(f"SELECT {_ATTEMPT_COLS} FROM attempts WHERE id = ?", (attempt_id,))
+        if row is None:
+            raise NotFound("attempt", attempt_id)
+        return row
+
+    def _held(self, tx: Tx, attempt_id: str, worker_id: str | None) -> Attempt:
+        attempt = _attempt(self._attempt_row(tx, attempt_id))
+        if attempt.status != AttemptStatus.RUNNING:
+            raise LeaseLost(f"attempt {attempt_id!r} is {attempt.status.value}, not running")
+        if worker_id is not None and attempt.worker_id != worker_id:
+            raise LeaseLost(f"attempt {attempt_id!r} is held by another worker")
+        return attempt
+
+    def heartbeat(self, attempt_id: str, worker_id: str | None = None, lease_seconds: float | None = None) -> Attempt:
+        """Extend the lease of a running attempt (409 :class:`LeaseLost` when it is no longer held)."""
+        ts = now()
+        self.expire(ts)
+        with self._tx() as tx:
+            attempt = self._held(tx, attempt_id, worker_id)
+            expires = ts + (lease_seconds or self.lease_seconds)
+            tx.run(
+                "UPDATE attempts SET heartbeat_at = ?, lease_expires_at = ? WHERE id = ?",
+                (ts, expires, attempt_id),
+            )
+            self._touch_worker(tx, attempt.worker_id, ts, claimed=0)
+            return attempt.model_copy(update={"heartbeat_at": ts, "lease_expires_at": expires})
+
+    def expire(self, ts: float | None = None) -> int:
+        """End attempts whose lease lapsed or whose rollout timed out; requeue or fail their rollouts."""
+        ts = ts or now()
+        with self._tx() as tx:
+            rows = tx.all(
+                "SELECT id, rollout_id, lease_expires_at, deadline FROM attempts "
+                "WHERE status = ? AND (lease_expires_at < ? OR deadline < ?)",
+                (AttemptStatus.RUNNING.value, ts, ts),
+            )
+            for attempt_id, rollout_id, lease_end, deadline in rows:
+                timed_out = deadline is not None and deadline < ts
+                status = AttemptStatus.TIMED_OUT if timed_out else AttemptStatus.LEASE_EXPIRED
+                why = "timed out" if timed_out else f"lease expired at {lease_end:.3f}"
+                self._end_attempt(tx, attempt_id, rollout_id, AttemptFinish(status=AttemptStatus.FAILED, error=why),
+                                  status, ts)  # fmt: skip
+        return len(rows)
+
+    # ------------------------------------------------------------------ finishing
+
+    def finish_attempt(self, attempt_id: str, finish: AttemptFinish, worker_id: str | None = None) -> Rollout:
+        """End a running attempt. Success ends the rollout; failure requeues it while attempts
+        remain; ``released`` (a runner stopping) requeues it without using up an attempt."""
+        ts = now()
+        with self._tx() as tx:
+            attempt = self._held(tx, attempt_id, worker_id)
+            self._end_attempt(tx, attempt_id, attempt.rollout_id, finish, AttemptStatus(finish.status), ts)
+            return self._rollouts_by_id(tx, [attempt.rollout_id])[0]
+
+    def _end_attempt(
+        self, tx: Tx, attempt_id: str, rollout_id: str, finish: AttemptFinish, status: AttemptStatus, ts: float
+    ) -> None:
+        check_transition("attempt", attempt_id, AttemptStatus.RUNNING, status)
+        tx.run(
+            "UPDATE attempts SET status = ?, ended_at = ?, reward = ?, error = ? WHERE id = ? AND status = ?",
+            (status.value, ts, finish.reward, finish.error, attempt_id, AttemptStatus.RUNNING.value),
+        )
+        row = tx.one("SELECT status, attempts, max_attempts FROM rollouts WHERE id = ?", (rollout_id,))
+        if row is None:
+            raise NotFound("rollout", rollout_id)
+        old, attempts, max_attempts = RolloutStatus(row[0]), row[1], row[2]
+        if status == AttemptStatus.SUCCEEDED:
+            new, used = RolloutStatus.SUCCEEDED, attempts
+        elif status == AttemptStatus.RELEASED:
+            new, used = RolloutStatus.QUEUED, attempts - 1
+        else:
+            new, used = (RolloutStatus.QUEUED if attempts < max_attempts else RolloutStatus.FAILED), attempts
+        if old != RolloutStatus.RUNNING:
+            return  # e.g. cancelled meanwhile: the attempt ends, the rollout stays as it is
+        check_transition("rollout", rollout_id, old, new)
+        tx.run(
+            "UPDATE rollouts SET status = ?, attempts = ?, reward = ?, error = ?, updated_at = ?, ended_at = ? "
+            "WHERE id = ?",
+            (new.value, used, finish.reward, finish.error if new != RolloutStatus.SUCCEEDED else None, ts,
+             ts if new.is_final else None, rollout_id),
+        )  # fmt: skip
+
+    def cancel(self, rollout_id: str) -> Rollout:
+        ts = now()
+        with self._tx() as tx:
+            rollout = self._rollouts_by_id(tx, [rollout_id])
+            if not rollout:
+                raise NotFound("rollout", rollout_id)
+            check_transition("rollout", rollout_id, rollout[0].status, RolloutStatus.CANCELLED)
+            tx.run(
+                "UPDATE rollouts SET status = ?, updated_at = ?, ended_at = ? WHERE id = ?",
+                (RolloutStatus.CANCELLED.value, ts, ts, rollout_id),
+            )
+            return self._rollouts_by_id(tx, [rollout_id])[0]
+
+    # ------------------------------------------------------------------ events
+
+    def add_events(self, attempt_id: str, events: Sequence[EventCreate], worker_id: str | None = None) -> int:
+        """Append events to a running attempt; a (attempt, sequence) already stored is skipped.
+        Returns how many were new."""
+        with self._tx() as tx:
+            attempt = self._held(tx, attempt_id, worker_id)
+            return self._insert_events(tx, attempt.rollout_id, attempt_id, events)
+
+    def _insert_events(self, tx: Tx, rollout_id: str, attempt_id: str, events: Sequence[EventCreate]) -> int:
+        seqs = [e.sequence for e in events if e.sequence is not None]
+        existing: set[int] = set()
+        if seqs:
+            marks = ", ".join("?" * len(seqs))
+            existing = {
+                r[0]
+                for r in tx.all(
+                    f"SELECT sequence FROM events WHERE attempt_id = ? AND sequence IN ({marks})",
+                    [attempt_id, *seqs],
+                )
+            }
+        fresh, seen = [], set()
+        for e in events:
+            if e.sequence is not None and (e.sequence in existing or e.sequence in seen):
+                continue
+            seen.add(e.sequence)
+            fresh.append((rollout_id, attempt_id, e.sequence, e.type, e.timestamp, _dumps(e.data)))
+        if fresh:
+            tx.many(
+                "INSERT INTO events (rollout_id, attempt_id, sequence, type, timestamp, data) VALUES (?, ?, ?, ?, ?, ?)",
+                fresh,
+            )
+        return len(fresh)
+
+    def list_events(
+        self,
+        rollout_id: str | None = None,
+        *,
+        attempt_id: str | None = None,
+        types: Sequence[str] | None = None,
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> Page[Event]:
+        """Events ordered by (timestamp, id); ``cursor`` continues after the last page."""
+        where, params = [], []
+        if rollout_id is not None:
+            where.append("rollout_id = ?")
+            params.append(rollout_id)
+        if attempt_id is not None:
+            where.append("attempt_id = ?")
+            params.append(attempt_id)
+        if types:
+            where.append(f"type IN ({', '.join('?' * len(types))})")
+            params.extend(types)
+        if cursor:
+            ts, last_id = _parse_event_cursor(cursor)
+            where.append("(timestamp > ? OR (timestamp = ? AND id > ?))")
+            params.extend([ts, ts, last_id])
+        limit = _clamp(limit)
+        sql = "SELECT rollout_id, attempt_id, sequence, type, timestamp, data, id FROM events"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY timestamp, id LIMIT ?"
+        with self._tx() as tx:
+            if rollout_id is not None and not tx.one("SELECT 1 FROM rollouts WHERE id = ?", (rollout_id,)):
+                raise NotFound("rollout", rollout_id)
+            items = [_event(r) for r in tx.all(sql, [*params, limit + 1])]
+        more = len(items) > limit
+        items = items[:limit]
+        nxt = f"{items[-1].timestamp!r}:{items[-1].id}" if more and items else None
+        return Page[Event](items=items, next_cursor=nxt)
+
+    # ------------------------------------------------------------------ resources
+
+    def publish_resources(self, create: ResourcesCreate) -> Resources:
+        ts = now()
+        with self._tx() as tx:
+            row = tx.one("SELECT MAX(version) FROM resources")
+            version = (row[0] if row and row[0] is not None else 0) + 1
+            body = _dumps({k: v.model_dump(mode="json") for k, v in create.resources.items()})
+            tx.run(
+                "INSERT INTO resources (version, resources, metadata, created_at) VALUES (?, ?, ?, ?)",
+                (version, body, _dumps(create.metadata), ts),
+            )
+        return Resources(version=version, resources=create.resources, metadata=create.metadata, created_at=ts)
+
+    def get_resources(self, version: int) -> Resources:
+        with self._cache_lock:  # versions never change once written: cache them
+            cached = self._resources_cache.get(version)
+        if cached is not None:
+            return cached
+        with self._tx() as tx:
+            row = tx.one("SELECT version, resources, metadata, created_at FROM resources WHERE version = ?", (version,))
+        if row is None:
+            raise NotFound("resources version", version)
+        res = Resources(version=row[0], resources=_loads(row[1]), metadata=_loads(row[2]), created_at=row[3])
+        with self._cache_lock:
+            self._resources_cache[version] = res
+        return res
+
+    def latest_resources(self) -> Resources | None:
+        with self._tx() as tx:
+            row = tx.one("SELECT MAX(version) FROM resources")
+        return self.get_resources(row[0]) if row and row[0] is not None else None
+
+    def list_resources(self, limit: int = 100, cursor: str | None = None) -> Page[Resources]:
+        before = int(cursor) if cursor else None
+        limit = _clamp(limit)
+        with self._tx() as tx:
+            rows = tx.all(
+                "SELECT version FROM resources WHERE (? IS NULL OR version < ?) ORDER BY version DESC LIMIT ?",
+                (before, before, limit + 1),
+            )
+        versions = [r[0] for r in rows]
+        items = [self.get_resources(v) for v in versions[:limit]]
+        nxt = str(items[-1].version) if len(versions) > limit and items else None
+        return Page[Resources](items=items, next_cursor=nxt)
+
+    # ------------------------------------------------------------------ queries
+
+    def get_rollout(self, rollout_id: str) -> Rollout:
+        with self._tx() as tx:
+            found = self._rollouts_by_id(tx, [rollout_id])
+        if not found:
+            raise NotFound("rollout", rollout_id)
+        return found[0]
+
+    def get_rollouts(self, rollout_ids: Sequence[str]) -> list[Rollout]:
+        """The rollouts that exist among ``rollout_ids``, in that order."""
+        with self._tx() as tx:
+            return self._rollouts_by_id(tx, rollout_ids)
+
+    def list_rollouts(
+        self,
+        *,
+        status: Sequence[RolloutStatus] | None = None,
+        mode: Mode | None = None,
+        resources_version: int | None = None,
+        group_id: str | None = None,
+        limit: int = 100,
+        cursor: str | None = None,
+        newest_first: bool = False,
+    ) -> Page[Rollout]:
+        where, params = ["1 = 1"], []
+        if status:
+            where.append(f"r.status IN ({', '.join('?' * len(status))})")
+            params.extend(s.value for s in status)
+        for column, value in (("mode", mode), ("resources_version", resources_version), ("group_id", group_id)):
+            if value is not None:
+                where.append(f"r.{column} = ?")
+                params.append(value.value if isinstance(value, Mode) else value)
+        if cursor:
+            where.append("r.qseq < ?" if newest_first else "r.qseq > ?")
+            params.append(_int_cursor(cursor))
+        limit = _clamp(limit)
+        order = "DESC" if newest_first else "ASC"
+        sql = (
+            f"SELECT {_ROLLOUT_COLS}, r.qseq FROM {_ROLLOUT_FROM} WHERE {' AND '.join(where)} "
+            f"ORDER BY r.qseq {order} LIMIT ?"
+        )
+        with self._tx() as tx:
+            rows = tx.all(sql, [*params, limit + 1])
+        items = [_rollout(r[:-1]) for r in rows[:limit]]
+        nxt = str(rows[limit - 1][-1]) if len(rows) > limit else None
+        return Page[Rollout](items=items, next_cursor=nxt)
+
+    def list_attempts(self, rollout_id: str) -> list[Attempt]:
+        with self._tx() as tx:
+            if not tx.one("SELECT 1 FROM rollouts WHERE id = ?", (rollout_id,)):
+                raise NotFound("rollout", rollout_id)
+            rows = tx.all(f"SELECT {_ATTEMPT_COLS} FROM attempts WHERE rollout_id = ? ORDER BY number", (rollout_id,))
+        return [_attempt(r) for r in rows]
+
+    def get_attempt(self, attempt_id: str) -> Attempt:
+        with self._tx() as tx:
+            return _attempt(self._attempt_row(tx, attempt_id))
+
+    def list_workers(self, limit: int = 100) -> list[Worker]:
+        with self._tx() as tx:
+            rows = tx.all(
+                "SELECT w.id, w.last_seen, w.claims, "
+                "(SELECT COUNT(*) FROM attempts a WHERE a.worker_id = w.id AND a.status = ?) "
+                "FROM workers w ORDER BY w.last_seen DESC LIMIT ?",
+                (AttemptStatus.RUNNING.value, _clamp(limit)),
+            )
+        return [Worker(id=r[0], last_seen=r[1], claims=r[2], running=r[3]) for r in rows]
+
+    def stats(self) -> dict[str, Any]:
+        """Counts by status and mode, plus reward means per resources version and mode."""
+        with self._tx() as tx:
+            by_status = dict(tx.all("SELECT status, COUNT(*) FROM rollouts GROUP BY status"))
+            rewards = tx.all(
+                "SELECT resources_version, mode, COUNT(*), AVG(reward), "
+                "SUM(CASE WHEN status = ? THEN 1 ELSE 0 END), SUM(CASE WHEN status = ? THEN 1 ELSE 0 END) "
+                "FROM rollouts WHERE status IN (?, ?) GROUP BY resources_version, mode ORDER BY resources_version",
+                (RolloutStatus.SUCCEEDED.value, RolloutStatus.FAILED.value,
+                 RolloutStatus.SUCCEEDED.value, RolloutStatus.FAILED.value),
+            )  # fmt: skip
+            events = tx.one("SELECT COUNT(*) FROM events")
+        return {
+            "rollouts": {s.value: int(by_status.get(s.value, 0)) for s in RolloutStatus},
+            "events": int(events[0]) if events else 0,
+            "by_version": [
+                {"resources_version": v, "mode": m, "count": int(n), "mean_reward": _finite(avg),
+                 "succeeded": int(ok or 0), "failed": int(bad or 0)}
+                for v, m, n, avg, ok, bad in rewards
+            ],  # fmt: skip
+        }
+
+
+def _finite(value: Any) -> float | None:
+    return float(value) if value is not None and math.isfinite(float(value)) else None
+
+
+def _clamp(limit: int) -> int:
+    return max(1, min(int(limit), MAX_PAGE))
+
+
+def _int_cursor(cursor: str) -> int:
+    try:
+        return int(cursor)
+    except ValueError:
+        raise ValueError(f"invalid cursor {cursor!r}") from None
+
+
+def _parse_event_cursor(cursor: str) -> tuple[float, int]:
+    try:
+        ts, last = cursor.rsplit(":", 1)
+        return float(ts), int(last)
+    except ValueError:
+        raise ValueError(f"invalid cursor {cursor!r}") from None
