@@ -16,6 +16,16 @@ __all__ = [
 class AgentboltError(Exception):
     status_code = 500
 
+    @classmethod
+    def from_message(cls, message: str) -> AgentboltError:
+        """Rebuild an error from the message a server sent (the client side of an HTTP error)."""
+        err = cls.__new__(cls)
+        Exception.__init__(err, message)
+        return err
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else type(self).__name__
+
 
 class NotFound(AgentboltError, KeyError):
     status_code = 404
@@ -23,9 +33,6 @@ class NotFound(AgentboltError, KeyError):
     def __init__(self, kind: str, object_id: object) -> None:
         super().__init__(f"{kind} {object_id!r} not found")
         self.kind, self.object_id = kind, object_id
-
-    def __str__(self) -> str:  # KeyError would add quotes
-        return str(self.args[0])
 
 
 class InvalidTransition(AgentboltError, ValueError):

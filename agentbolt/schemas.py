@@ -8,10 +8,10 @@ Lifecycles are one ``StrEnum`` per object plus one table of allowed transitions,
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from enum import StrEnum
-import math
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -19,6 +19,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from agentbolt.errors import InvalidTransition
 
 __all__ = [
+    "WaitResult",
+    "WaitRequest",
+    "FinishRequest",
+    "EventsRequest",
+    "HeartbeatRequest",
+    "DequeueRequest",
+    "EnqueueRequest",
     "LLM",
     "Attempt",
     "AttemptFinish",
@@ -319,6 +326,42 @@ class Trajectory(BaseModel):
     final_response: Any = None
     total_reward: float | None = None
     trace: list[dict[str, Any]] = Field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------- request bodies
+
+
+class EnqueueRequest(_Strict):
+    rollouts: list[RolloutCreate] = Field(min_length=1, max_length=10_000)
+
+
+class DequeueRequest(_Strict):
+    worker_id: str = Field(min_length=1, max_length=200)
+    lease_seconds: float | None = Field(default=None, gt=0, le=24 * 3600)
+
+
+class HeartbeatRequest(_Strict):
+    worker_id: str | None = Field(default=None, max_length=200)
+    lease_seconds: float | None = Field(default=None, gt=0, le=24 * 3600)
+
+
+class EventsRequest(_Strict):
+    worker_id: str | None = Field(default=None, max_length=200)
+    events: list[EventCreate] = Field(max_length=10_000)
+
+
+class FinishRequest(AttemptFinish):
+    worker_id: str | None = Field(default=None, max_length=200)
+
+
+class WaitRequest(_Strict):
+    rollout_ids: list[str] = Field(min_length=1, max_length=10_000)
+    timeout: float = Field(default=10.0, ge=0, le=60)
+
+
+class WaitResult(BaseModel):
+    rollouts: list[Rollout]
+    done: bool
 
 
 class Page(BaseModel, Generic[T]):

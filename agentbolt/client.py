@@ -1,0 +1,368 @@
+"""HTTP clients for the server: :class:`Client` (sync) and :class:`AsyncClient`.
+
+Every call has a timeout. Connection errors and 5xx answers are retried with exponential
+backoff and full jitter; 4xx answers are never retried and raise the matching error
+(404 :class:`NotFound`, 409 :class:`LeaseLost`/:class:`InvalidTransition`, else
+:class:`RequestError`). Each endpoint is described once (:class:`_Call`) and sent by either
+transport, so the two clients cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import httpx
+from pydantic import TypeAdapter
+
+from agentbolt.errors import AgentboltError, InvalidTransition, LeaseLost, NotFound, ServerUnavailable
+from agentbolt.schemas import (
+    Attempt,
+    AttemptStatus,
+    Claim,
+    Event,
+    EventCreate,
+    Mode,
+    Page,
+    Resource,
+    Resources,
+    Rollout,
+    RolloutCreate,
+    RolloutStatus,
+    WaitResult,
+    Worker,
+)
+
+__all__ = ["AsyncClient", "Client", "RequestError", "RetryPolicy"]
+
+T = TypeVar("T")
+
+
+class RequestError(AgentboltError, ValueError):
+    """The server rejected a request (4xx other than 404/409)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status_code = status
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    attempts: int = 6
+    """Tries per call; ``0`` retries forever (the runner uses that while the server is down)."""
+    base_delay: float = 0.2
+    max_delay: float = 10.0
+
+    def delay(self, attempt: int) -> float:
+        return random.uniform(0, min(self.max_delay, self.base_delay * 2**attempt))
+
+    def gives_up(self, attempt: int) -> bool:
+        return self.attempts > 0 and attempt + 1 >= self.attempts
+
+
+@dataclass
+class _Call(Generic[T]):
+    method: str
+    path: str
+    parse: Callable[[Any], T]
+    json: Any = None
+    params: dict[str, Any] = field(default_factory=dict)
+    timeout: float | None = None
+
+
+def _raise_for(response: httpx.Response) -> None:
+    try:
+        body = response.json()
+        message = body["error"]["message"] if "error" in body else str(body)
+    except Exception:
+        message = response.text[:500]
+    status = response.status_code
+    if status == 404:
+        raise NotFound.from_message(message)
+    if status == 409:
+        raise (InvalidTransition.from_message(message) if "cannot go from" in message else LeaseLost(message))
+    raise RequestError(status, message)
+
+
+def _retryable(exc: Exception) -> bool:
+    return isinstance(exc, httpx.TransportError) or (
+        isinstance(exc, _ServerError) and exc.status >= 500
+    )
+
+
+class _ServerError(Exception):
+    def __init__(self, status: int, text: str) -> None:
+        super().__init__(f"HTTP {status}: {text[:200]}")
+        self.status = status
+
+
+def _adapter(tp: Any) -> Callable[[Any], Any]:
+    ta = TypeAdapter(tp)
+    return ta.validate_python
+
+
+_rollout = _adapter(Rollout)
+_rollouts = _adapter(list[Rollout])
+_claim = _adapter(Claim | None)
+_attempt = _adapter(Attempt)
+_attempts = _adapter(list[Attempt])
+_resources = _adapter(Resources)
+_resources_opt = _adapter(Resources | None)
+_page_rollouts = _adapter(Page[Rollout])
+_page_events = _adapter(Page[Event])
+_page_resources = _adapter(Page[Resources])
+_workers = _adapter(list[Worker])
+_wait = _adapter(WaitResult)
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+class _Api:
+    """Endpoint descriptions shared by both clients."""
+
+    @staticmethod
+    def enqueue(items: Sequence[RolloutCreate]) -> _Call[list[Rollout]]:
+        body = {"rollouts": [i.model_dump(mode="json", exclude_none=True) for i in items]}
+        return _Call("POST", "/api/rollouts", _rollouts, json=body)
+
+    @staticmethod
+    def dequeue(worker_id: str, lease_seconds: float | None) -> _Call[Claim | None]:
+        return _Call("POST", "/api/dequeue", _claim, json={"worker_id": worker_id, "lease_seconds": lease_seconds})
+
+    @staticmethod
+    def heartbeat(attempt_id: str, worker_id: str | None, lease_seconds: float | None) -> _Call[Attempt]:
+        body = {"worker_id": worker_id, "lease_seconds": lease_seconds}
+        return _Call("POST", f"/api/attempts/{attempt_id}/heartbeat", _attempt, json=body)
+
+    @staticmethod
+    def add_events(attempt_id: str, events: Sequence[EventCreate], worker_id: str | None) -> _Call[int]:
+        body = {"worker_id": worker_id, "events": [e.model_dump(mode="json") for e in events]}
+        return _Call("POST", f"/api/attempts/{attempt_id}/events", lambda j: int(j["added"]), json=body)
+
+    @staticmethod
+    def finish(
+        attempt_id: str, status: AttemptStatus, reward: float | None, error: str | None, worker_id: str | None
+    ) -> _Call[Rollout]:
+        body = {"status": status.value, "reward": reward, "error": error, "worker_id": worker_id}
+        return _Call("POST", f"/api/attempts/{attempt_id}/finish", _rollout, json=body)
+
+    @staticmethod
+    def wait(rollout_ids: Sequence[str], timeout: float) -> _Call[WaitResult]:
+        body = {"rollout_ids": list(rollout_ids), "timeout": timeout}
+        return _Call("POST", "/api/rollouts/wait", _wait, json=body, timeout=timeout + 30)
+
+    @staticmethod
+    def list_rollouts(**filters: Any) -> _Call[Page[Rollout]]:
+        params = {k: (v.value if hasattr(v, "value") else v) for k, v in filters.items() if v is not None}
+        if "status" in params and not isinstance(params["status"], str):
+            params["status"] = [s.value if hasattr(s, "value") else s for s in params["status"]]
+        return _Call("GET", "/api/rollouts", _page_rollouts, params=params)
+
+    @staticmethod
+    def list_events(rollout_id: str, **filters: Any) -> _Call[Page[Event]]:
+        params = {k: v for k, v in filters.items() if v is not None}
+        return _Call("GET", f"/api/rollouts/{rollout_id}/events", _page_events, params=params)
+
+    @staticmethod
+    def publish(resources: dict[str, Resource], metadata: dict[str, Any] | None) -> _Call[Resources]:
+        body = {"resources": {k: v.model_dump(mode="json") for k, v in resources.items()}, "metadata": metadata or {}}
+        return _Call("POST", "/api/resources", _resources, json=body)
+
+
+class _Base:
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        timeout: float = 30.0,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.token = token
+        self.timeout = timeout
+        self.retry = retry or RetryPolicy()
+        self.headers = {"authorization": f"Bearer {token}"} if token else {}
+
+    def _handle(self, call: _Call[T], response: httpx.Response) -> T:
+        if response.status_code >= 500:
+            raise _ServerError(response.status_code, response.text)
+        if response.status_code >= 400:
+            _raise_for(response)
+        return call.parse(response.json())
+
+    def _give_up(self, call: _Call[Any], exc: Exception) -> ServerUnavailable:
+        return ServerUnavailable(f"{call.method} {self.url}{call.path} failed after {self.retry.attempts} tries: {exc}")
+
+
+class Client(_Base):
+    """Synchronous client (algorithms, Trainer, CLI)."""
+
+    def __init__(self, url: str, token: str | None = None, timeout: float = 30.0, retry: RetryPolicy | None = None,
+                 transport: httpx.BaseTransport | None = None) -> None:  # fmt: skip
+        super().__init__(url, token, timeout, retry)
+        self.http = httpx.Client(base_url=self.url, headers=self.headers, timeout=timeout, transport=transport)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _send(self, call: _Call[T]) -> T:
+        attempt = 0
+        while True:
+            try:
+                response = self.http.request(
+                    call.method, call.path, json=call.json, params=call.params or None,
+                    timeout=call.timeout or self.timeout,
+                )  # fmt: skip
+                return self._handle(call, response)
+            except Exception as exc:
+                if not _retryable(exc):
+                    raise
+                if self.retry.gives_up(attempt):
+                    raise self._give_up(call, exc) from exc
+                time.sleep(self.retry.delay(attempt))
+                attempt += 1
+
+    def health(self) -> dict[str, Any]:
+        return self._send(_Call("GET", "/health", _identity))
+
+    def enqueue(self, items: Sequence[RolloutCreate]) -> list[Rollout]:
+        return self._send(_Api.enqueue(items))
+
+    def dequeue(self, worker_id: str, lease_seconds: float | None = None) -> Claim | None:
+        return self._send(_Api.dequeue(worker_id, lease_seconds))
+
+    def heartbeat(self, attempt_id: str, worker_id: str | None = None, lease_seconds: float | None = None) -> Attempt:
+        return self._send(_Api.heartbeat(attempt_id, worker_id, lease_seconds))
+
+    def add_events(self, attempt_id: str, events: Sequence[EventCreate], worker_id: str | None = None) -> int:
+        return self._send(_Api.add_events(attempt_id, events, worker_id))
+
+    def finish(self, attempt_id: str, status: AttemptStatus, reward: float | None = None, error: str | None = None,
+               worker_id: str | None = None) -> Rollout:  # fmt: skip
+        return self._send(_Api.finish(attempt_id, status, reward, error, worker_id))
+
+    def get_rollout(self, rollout_id: str) -> Rollout:
+        return self._send(_Call("GET", f"/api/rollouts/{rollout_id}", _rollout))
+
+    def cancel(self, rollout_id: str) -> Rollout:
+        return self._send(_Call("POST", f"/api/rollouts/{rollout_id}/cancel", _rollout))
+
+    def list_rollouts(
+        self, *, status: Sequence[RolloutStatus] | None = None, mode: Mode | None = None,
+        resources_version: int | None = None, group_id: str | None = None, limit: int = 100,
+        cursor: str | None = None, newest_first: bool = False,
+    ) -> Page[Rollout]:  # fmt: skip
+        return self._send(_Api.list_rollouts(
+            status=status, mode=mode, resources_version=resources_version, group_id=group_id, limit=limit,
+            cursor=cursor, newest_first=newest_first or None,
+        ))  # fmt: skip
+
+    def list_attempts(self, rollout_id: str) -> list[Attempt]:
+        return self._send(_Call("GET", f"/api/rollouts/{rollout_id}/attempts", _attempts))
+
+    def list_events(self, rollout_id: str, *, attempt_id: str | None = None, type: Sequence[str] | None = None,
+                    limit: int = 1000, cursor: str | None = None) -> Page[Event]:  # fmt: skip
+        return self._send(_Api.list_events(rollout_id, attempt_id=attempt_id, type=type, limit=limit, cursor=cursor))
+
+    def all_events(self, rollout_id: str, **filters: Any) -> list[Event]:
+        """Every event of a rollout, following pagination."""
+        out: list[Event] = []
+        cursor = None
+        while True:
+            page = self.list_events(rollout_id, cursor=cursor, **filters)
+            out.extend(page.items)
+            if not page.next_cursor:
+                return out
+            cursor = page.next_cursor
+
+    def wait(self, rollout_ids: Sequence[str], timeout: float = 10.0) -> WaitResult:
+        return self._send(_Api.wait(rollout_ids, min(timeout, 60.0)))
+
+    def publish_resources(self, resources: dict[str, Resource], metadata: dict[str, Any] | None = None) -> Resources:
+        return self._send(_Api.publish(resources, metadata))
+
+    def get_resources(self, version: int) -> Resources:
+        return self._send(_Call("GET", f"/api/resources/{version}", _resources))
+
+    def latest_resources(self) -> Resources | None:
+        return self._send(_Call("GET", "/api/resources/latest", _resources_opt))
+
+    def list_resources(self, limit: int = 100, cursor: str | None = None) -> Page[Resources]:
+        params = {"limit": limit, **({"cursor": cursor} if cursor else {})}
+        return self._send(_Call("GET", "/api/resources", _page_resources, params=params))
+
+    def list_workers(self) -> list[Worker]:
+        return self._send(_Call("GET", "/api/workers", _workers))
+
+    def stats(self) -> dict[str, Any]:
+        return self._send(_Call("GET", "/api/stats", _identity))
+
+
+class AsyncClient(_Base):
+    """Asynchronous client (the runner)."""
+
+    def __init__(self, url: str, token: str | None = None, timeout: float = 30.0, retry: RetryPolicy | None = None,
+                 transport: httpx.AsyncBaseTransport | None = None, max_connections: int = 100) -> None:  # fmt: skip
+        super().__init__(url, token, timeout, retry)
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self.http = httpx.AsyncClient(base_url=self.url, headers=self.headers, timeout=timeout, transport=transport,
+                                      limits=limits)  # fmt: skip
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def _send(self, call: _Call[T]) -> T:
+        attempt = 0
+        while True:
+            try:
+                response = await self.http.request(
+                    call.method, call.path, json=call.json, params=call.params or None,
+                    timeout=call.timeout or self.timeout,
+                )  # fmt: skip
+                return self._handle(call, response)
+            except Exception as exc:
+                if not _retryable(exc):
+                    raise
+                if self.retry.gives_up(attempt):
+                    raise self._give_up(call, exc) from exc
+                await asyncio.sleep(self.retry.delay(attempt))
+                attempt += 1
+
+    async def health(self) -> dict[str, Any]:
+        return await self._send(_Call("GET", "/health", _identity))
+
+    async def enqueue(self, items: Sequence[RolloutCreate]) -> list[Rollout]:
+        return await self._send(_Api.enqueue(items))
+
+    async def dequeue(self, worker_id: str, lease_seconds: float | None = None) -> Claim | None:
+        return await self._send(_Api.dequeue(worker_id, lease_seconds))
+
+    async def heartbeat(
+        self, attempt_id: str, worker_id: str | None = None, lease_seconds: float | None = None
+    ) -> Attempt:
+        return await self._send(_Api.heartbeat(attempt_id, worker_id, lease_seconds))
+
+    async def add_events(self, attempt_id: str, events: Sequence[EventCreate], worker_id: str | None = None) -> int:
+        return await self._send(_Api.add_events(attempt_id, events, worker_id))
+
+    async def finish(self, attempt_id: str, status: AttemptStatus, reward: float | None = None,
+                     error: str | None = None, worker_id: str | None = None) -> Rollout:  # fmt: skip
+        return await self._send(_Api.finish(attempt_id, status, reward, error, worker_id))
+
+    async def wait(self, rollout_ids: Sequence[str], timeout: float = 10.0) -> WaitResult:
+        return await self._send(_Api.wait(rollout_ids, min(timeout, 60.0)))
+
+    async def get_resources(self, version: int) -> Resources:
+        return await self._send(_Call("GET", f"/api/resources/{version}", _resources))

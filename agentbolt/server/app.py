@@ -1,0 +1,300 @@
+"""The HTTP server: ``create_app(config)`` builds the FastAPI app over one store.
+
+Routes are thin: parse, call the store, serialise. Hot paths (dequeue, events, finish) return
+pre-serialised JSON to skip FastAPI's response re-validation; their ``response_model`` still
+documents them in the OpenAPI schema.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any, TypeVar
+
+import anyio.to_thread
+from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+from pydantic_core import to_json
+
+from agentbolt.errors import AgentboltError
+from agentbolt.schemas import (
+    Attempt,
+    AttemptFinish,
+    Claim,
+    DequeueRequest,
+    EnqueueRequest,
+    Event,
+    EventsRequest,
+    FinishRequest,
+    HeartbeatRequest,
+    Mode,
+    Page,
+    Resources,
+    ResourcesCreate,
+    Rollout,
+    RolloutStatus,
+    WaitRequest,
+    WaitResult,
+    Worker,
+)
+from agentbolt.server.config import ServerConfig
+from agentbolt.server.middleware import AuthMiddleware, BodyLimitMiddleware
+from agentbolt.store import SqlStore, open_store
+
+__all__ = ["create_app"]
+
+log = logging.getLogger("agentbolt.server")
+R = TypeVar("R")
+
+
+class StoreCaller:
+    """Calls the synchronous store: inline for SQLite (sub-millisecond, one connection), in a
+    worker thread for PostgreSQL (network round trips must not block the event loop)."""
+
+    def __init__(self, store: SqlStore) -> None:
+        self.store = store
+        self.inline = store.backend == "sqlite"
+
+    async def __call__(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+        if self.inline:
+            return fn(*args, **kwargs)
+        return await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
+
+
+def _json(model: BaseModel | list[Any] | dict[str, Any], status: int = 200) -> Response:
+    if isinstance(model, BaseModel):
+        body = model.model_dump_json()
+    else:
+        body = to_json(model).decode()
+    return Response(content=body, status_code=status, media_type="application/json")
+
+
+def _error(status: int, kind: str, message: str, **extra: Any) -> JSONResponse:
+    return JSONResponse({"error": {"type": kind, "message": message, **extra}}, status_code=status)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(AgentboltError)
+    async def _agentbolt_error(request: Request, exc: AgentboltError) -> JSONResponse:
+        return _error(exc.status_code, type(exc).__name__, str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        details = [
+            {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")} for e in exc.errors()
+        ]
+        first = details[0] if details else {"loc": [], "msg": "invalid request"}
+        where = ".".join(str(p) for p in first["loc"])
+        return _error(422, "validation_error", f"{where}: {first['msg']}", details=details)
+
+    @app.exception_handler(ValueError)
+    async def _value_error(request: Request, exc: ValueError) -> JSONResponse:
+        return _error(400, "bad_request", str(exc))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return _error(500, "internal_error", "internal server error (see the server log)")
+
+
+def _store_router(call: StoreCaller, config: ServerConfig) -> APIRouter:
+    api = APIRouter(prefix="/api")
+    store = call.store
+
+    @api.post("/rollouts", response_model=list[Rollout], status_code=201, tags=["queue"])
+    async def enqueue(body: EnqueueRequest) -> Response:
+        """Enqueue rollouts (one per item); items with an existing ``id`` are returned unchanged."""
+        return _json(await call(store.enqueue, body.rollouts), 201)
+
+    @api.get("/rollouts", response_model=Page[Rollout], tags=["queue"])
+    async def list_rollouts(
+        status: Annotated[list[RolloutStatus] | None, Query()] = None,
+        mode: Mode | None = None,
+        resources_version: Annotated[int | None, Query(ge=1)] = None,
+        group_id: str | None = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+        cursor: str | None = None,
+        newest_first: bool = False,
+    ) -> Response:
+        page = await call(
+            store.list_rollouts, status=status, mode=mode, resources_version=resources_version,
+            group_id=group_id, limit=limit, cursor=cursor, newest_first=newest_first,
+        )  # fmt: skip
+        return _json(page)
+
+    @api.post("/rollouts/wait", response_model=WaitResult, tags=["queue"])
+    async def wait(body: WaitRequest) -> Response:
+        """Long-poll until every listed rollout is final or ``timeout`` seconds pass."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + body.timeout
+        while True:
+            rollouts = await call(store.get_rollouts, body.rollout_ids)
+            done = len(rollouts) == len(set(body.rollout_ids)) and all(r.status.is_final for r in rollouts)
+            if done or loop.time() >= deadline:
+                return _json(WaitResult(rollouts=rollouts, done=done))
+            await asyncio.sleep(min(0.1, max(0.0, deadline - loop.time())))
+
+    @api.get("/rollouts/{rollout_id}", response_model=Rollout, tags=["queue"])
+    async def get_rollout(rollout_id: str) -> Response:
+        return _json(await call(store.get_rollout, rollout_id))
+
+    @api.post("/rollouts/{rollout_id}/cancel", response_model=Rollout, tags=["queue"])
+    async def cancel(rollout_id: str) -> Response:
+        return _json(await call(store.cancel, rollout_id))
+
+    @api.get("/rollouts/{rollout_id}/attempts", response_model=list[Attempt], tags=["queue"])
+    async def list_attempts(rollout_id: str) -> Response:
+        return _json(await call(store.list_attempts, rollout_id))
+
+    @api.get("/rollouts/{rollout_id}/events", response_model=Page[Event], tags=["events"])
+    async def list_events(
+        rollout_id: str,
+        attempt_id: str | None = None,
+        type: Annotated[list[str] | None, Query()] = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+        cursor: str | None = None,
+    ) -> Response:
+        page = await call(store.list_events, rollout_id, attempt_id=attempt_id, types=type, limit=limit, cursor=cursor)
+        return _json(page)
+
+    @api.post("/dequeue", response_model=Claim | None, tags=["runner"])
+    async def dequeue(body: DequeueRequest, request: Request) -> Response:
+        """Claim the oldest queued rollout as a new attempt; ``null`` when the queue is empty."""
+        claim = await call(store.dequeue, body.worker_id, body.lease_seconds)
+        if claim is None:
+            return Response(content=b"null", media_type="application/json")
+        hook = getattr(request.app.state, "claim_hook", None)
+        if hook is not None:
+            claim = hook(claim, request)
+        return _json(claim)
+
+    @api.get("/attempts/{attempt_id}", response_model=Attempt, tags=["runner"])
+    async def get_attempt(attempt_id: str) -> Response:
+        return _json(await call(store.get_attempt, attempt_id))
+
+    @api.post("/attempts/{attempt_id}/heartbeat", response_model=Attempt, tags=["runner"])
+    async def heartbeat(attempt_id: str, body: HeartbeatRequest) -> Response:
+        return _json(await call(store.heartbeat, attempt_id, body.worker_id, body.lease_seconds))
+
+    @api.post("/attempts/{attempt_id}/events", tags=["runner"])
+    async def add_events(attempt_id: str, body: EventsRequest) -> Response:
+        """Append events; ones whose (attempt, sequence) is already stored are skipped."""
+        added = await call(store.add_events, attempt_id, body.events, body.worker_id)
+        return _json({"added": added})
+
+    @api.post("/attempts/{attempt_id}/finish", response_model=Rollout, tags=["runner"])
+    async def finish(attempt_id: str, body: FinishRequest) -> Response:
+        finish = body.model_dump(exclude={"worker_id"})
+        return _json(await call(store.finish_attempt, attempt_id, AttemptFinish(**finish), body.worker_id))
+
+    @api.post("/resources", response_model=Resources, status_code=201, tags=["resources"])
+    async def publish(body: ResourcesCreate) -> Response:
+        return _json(await call(store.publish_resources, body), 201)
+
+    @api.get("/resources", response_model=Page[Resources], tags=["resources"])
+    async def list_resources(
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100, cursor: str | None = None
+    ) -> Response:
+        return _json(await call(store.list_resources, limit, cursor))
+
+    @api.get("/resources/latest", response_model=Resources | None, tags=["resources"])
+    async def latest() -> Response:
+        res = await call(store.latest_resources)
+        return _json(res) if res is not None else Response(b"null", media_type="application/json")
+
+    @api.get("/resources/{version}", response_model=Resources, tags=["resources"])
+    async def get_resources(version: int) -> Response:
+        return _json(await call(store.get_resources, version))
+
+    @api.get("/workers", response_model=list[Worker], tags=["status"])
+    async def workers() -> Response:
+        return _json(await call(store.list_workers))
+
+    @api.get("/stats", tags=["status"])
+    async def stats() -> Response:
+        return _json(await call(store.stats))
+
+    return api
+
+
+def create_app(config: ServerConfig | None = None, store: SqlStore | None = None) -> FastAPI:
+    """Build the server app. ``store`` defaults to ``open_store(config.db)``."""
+    config = config or ServerConfig()
+    store = store or open_store(config.db, lease_seconds=config.lease_seconds)
+    call = StoreCaller(store)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        sweeper = asyncio.create_task(_sweep(call, config.sweep_interval))
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sweeper
+
+    app = FastAPI(
+        title="agentbolt",
+        version=_version(),
+        description="Task queue, resources and run records for training agents from their real runs.",
+        lifespan=lifespan,
+    )
+    app.state.store, app.state.config, app.state.call = store, config, call
+    _install_error_handlers(app)
+
+    @app.get("/health", tags=["status"])
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "backend": store.backend, "version": _version()}
+
+    app.include_router(_store_router(call, config))
+    _mount_extensions(app, config)
+    app.add_middleware(AuthMiddleware, tokens=config.tokens)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    if config.cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_headers=["*"],
+                           allow_methods=["*"])  # fmt: skip
+    return app
+
+
+def _mount_extensions(app: FastAPI, config: ServerConfig) -> None:
+    """Optional parts (gateway, OTLP ingest, dashboard) register themselves here."""
+    import importlib
+
+    for module, attr in (
+        ("agentbolt.server.gateway", "install"),
+        ("agentbolt.server.otlp", "install"),
+        ("agentbolt.server.dashboard", "install"),
+    ):
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+            continue
+        getattr(mod, attr)(app, config)
+
+
+async def _sweep(call: StoreCaller, interval: float) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            expired = await call(call.store.expire)
+            if expired:
+                log.info("expired %d attempt(s)", expired)
+        except Exception:
+            log.exception("lease sweep failed")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("agentbolt")
+    except PackageNotFoundError:
+        return "0.0.0"

@@ -1,0 +1,46 @@
+"""Server configuration: one frozen dataclass, filled from the CLI or by the Trainer."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+__all__ = ["Role", "ServerConfig"]
+
+
+class Role(StrEnum):
+    ADMIN = "admin"  # everything
+    RUNNER = "runner"  # read, and work on the attempts it holds (dequeue, events, finish, gateway)
+    READER = "reader"  # read only (the dashboard)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    db: str = "agentbolt.db"
+    """Store URL: a SQLite file path, ``:memory:``, or ``postgresql://...``."""
+    host: str = "127.0.0.1"
+    port: int = 8765
+    tokens: dict[str, Role] = field(default_factory=dict)
+    """Bearer token -> role. Empty: no authentication (only sensible on loopback)."""
+    lease_seconds: float = 30.0
+    """How long a dequeued attempt is held without a heartbeat."""
+    max_body_bytes: int = 16 * 1024 * 1024
+    """Larger request bodies get 413."""
+    sweep_interval: float = 1.0
+    """Seconds between sweeps that expire lapsed leases and timed-out attempts."""
+    cors_origins: tuple[str, ...] = ()
+    """Origins allowed by CORS; empty (the default) sends no CORS headers at all."""
+    upstream_api_keys: dict[str, str] = field(default_factory=dict)
+    """Gateway: API key per upstream base URL (or ``"*"``), kept out of events and responses."""
+    upstream_timeout: float = 300.0
+    """Gateway: seconds an upstream model call may take."""
+    dashboard: bool = True
+
+    @staticmethod
+    def with_token(token: str | None, **kwargs: object) -> ServerConfig:
+        """A config with one admin token (``token="auto"`` makes a random one)."""
+        if token == "auto":
+            token = secrets.token_urlsafe(24)
+        tokens = {token: Role.ADMIN} if token else {}
+        return ServerConfig(tokens=tokens, **kwargs)  # type: ignore[arg-type]

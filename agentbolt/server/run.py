@@ -1,0 +1,138 @@
+"""Running the server: in the foreground (CLI), in a background thread (tests, Trainer) or in
+its own process (benchmarks, chaos tests)."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import socket
+import threading
+import time
+from typing import Any
+
+import httpx
+import uvicorn
+
+from agentbolt.server.app import create_app
+from agentbolt.server.config import ServerConfig
+
+__all__ = ["ServerProcess", "ServerThread", "free_port", "serve", "wait_healthy"]
+
+log = logging.getLogger("agentbolt.server")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _uvicorn_config(app: Any, config: ServerConfig, log_level: str) -> uvicorn.Config:
+    return uvicorn.Config(
+        app, host=config.host, port=config.port, log_level=log_level, access_log=False,
+        timeout_graceful_shutdown=5, lifespan="on",
+    )  # fmt: skip
+
+
+def serve(config: ServerConfig, log_level: str = "info") -> None:
+    """Run the server in the foreground until SIGINT/SIGTERM."""
+    uvicorn.Server(_uvicorn_config(create_app(config), config, log_level)).run()
+
+
+def wait_healthy(url: str, timeout: float = 30.0, token: str | None = None) -> None:
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2, headers=headers).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"server at {url} not healthy after {timeout:.0f} s")
+        time.sleep(0.05)
+
+
+class ServerThread:
+    """The server in a daemon thread of this process, on an ephemeral port by default."""
+
+    def __init__(self, config: ServerConfig | None = None, store: Any = None, log_level: str = "warning") -> None:
+        config = config or ServerConfig(db=":memory:")
+        if config.port == 0 or config.port == ServerConfig.port:
+            from dataclasses import replace
+
+            config = replace(config, port=free_port())
+        self.config = config
+        self.app = create_app(config, store=store)
+        self._server = uvicorn.Server(_uvicorn_config(self.app, config, log_level))
+        self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        self._thread = threading.Thread(target=self._server.run, name="agentbolt-server", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.config.port}"
+
+    def start(self) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the agentbolt server thread failed to start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _process_main(config: ServerConfig, log_level: str) -> None:
+    logging.basicConfig(level=log_level.upper())
+    serve(config, log_level)
+
+
+class ServerProcess:
+    """The server in a child process (so it can be killed with SIGKILL and restarted)."""
+
+    def __init__(self, config: ServerConfig, log_level: str = "warning") -> None:
+        if config.port == ServerConfig.port or config.port == 0:
+            from dataclasses import replace
+
+            config = replace(config, port=free_port())
+        self.config, self.log_level = config, log_level
+        self.process: multiprocessing.process.BaseProcess | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.config.port}"
+
+    def start(self, timeout: float = 30.0) -> ServerProcess:
+        ctx = multiprocessing.get_context("spawn")
+        self.process = ctx.Process(target=_process_main, args=(self.config, self.log_level), daemon=True)
+        self.process.start()
+        token = next(iter(self.config.tokens), None)
+        wait_healthy(self.url, timeout, token)
+        return self
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.is_alive():
+            self.process.terminate()
+            self.process.join(10)
+            self.kill()
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
