@@ -89,9 +89,7 @@ def _raise_for(response: httpx.Response) -> None:
 
 
 def _retryable(exc: Exception) -> bool:
-    return isinstance(exc, httpx.TransportError) or (
-        isinstance(exc, _ServerError) and exc.status >= 500
-    )
+    return isinstance(exc, httpx.TransportError) or (isinstance(exc, _ServerError) and exc.status >= 500)
 
 
 class _ServerError(Exception):
@@ -133,7 +131,9 @@ class _Api:
 
     @staticmethod
     def dequeue(worker_id: str, lease_seconds: float | None) -> _Call[Claim | None]:
-        return _Call("POST", "/api/dequeue", _claim, json={"worker_id": worker_id, "lease_seconds": lease_seconds})
+        return _Call(
+            "POST", "/api/dequeue", _claim, json={"worker_id": worker_id, "lease_seconds": lease_seconds}
+        )
 
     @staticmethod
     def heartbeat(attempt_id: str, worker_id: str | None, lease_seconds: float | None) -> _Call[Attempt]:
@@ -171,7 +171,10 @@ class _Api:
 
     @staticmethod
     def publish(resources: dict[str, Resource], metadata: dict[str, Any] | None) -> _Call[Resources]:
-        body = {"resources": {k: v.model_dump(mode="json") for k, v in resources.items()}, "metadata": metadata or {}}
+        body = {
+            "resources": {k: v.model_dump(mode="json") for k, v in resources.items()},
+            "metadata": metadata or {},
+        }
         return _Call("POST", "/api/resources", _resources, json=body)
 
 
@@ -197,7 +200,9 @@ class _Base:
         return call.parse(response.json())
 
     def _give_up(self, call: _Call[Any], exc: Exception) -> ServerUnavailable:
-        return ServerUnavailable(f"{call.method} {self.url}{call.path} failed after {self.retry.attempts} tries: {exc}")
+        return ServerUnavailable(
+            f"{call.method} {self.url}{call.path} failed after {self.retry.attempts} tries: {exc}"
+        )
 
 
 class Client(_Base):
@@ -206,7 +211,9 @@ class Client(_Base):
     def __init__(self, url: str, token: str | None = None, timeout: float = 30.0, retry: RetryPolicy | None = None,
                  transport: httpx.BaseTransport | None = None) -> None:  # fmt: skip
         super().__init__(url, token, timeout, retry)
-        self.http = httpx.Client(base_url=self.url, headers=self.headers, timeout=timeout, transport=transport)
+        self.http = httpx.Client(
+            base_url=self.url, headers=self.headers, timeout=timeout, transport=transport
+        )
 
     def close(self) -> None:
         self.http.close()
@@ -243,7 +250,9 @@ class Client(_Base):
     def dequeue(self, worker_id: str, lease_seconds: float | None = None) -> Claim | None:
         return self._send(_Api.dequeue(worker_id, lease_seconds))
 
-    def heartbeat(self, attempt_id: str, worker_id: str | None = None, lease_seconds: float | None = None) -> Attempt:
+    def heartbeat(
+        self, attempt_id: str, worker_id: str | None = None, lease_seconds: float | None = None
+    ) -> Attempt:
         return self._send(_Api.heartbeat(attempt_id, worker_id, lease_seconds))
 
     def add_events(self, attempt_id: str, events: Sequence[EventCreate], worker_id: str | None = None) -> int:
@@ -274,7 +283,9 @@ class Client(_Base):
 
     def list_events(self, rollout_id: str, *, attempt_id: str | None = None, type: Sequence[str] | None = None,
                     limit: int = 1000, cursor: str | None = None) -> Page[Event]:  # fmt: skip
-        return self._send(_Api.list_events(rollout_id, attempt_id=attempt_id, type=type, limit=limit, cursor=cursor))
+        return self._send(
+            _Api.list_events(rollout_id, attempt_id=attempt_id, type=type, limit=limit, cursor=cursor)
+        )
 
     def all_events(self, rollout_id: str, **filters: Any) -> list[Event]:
         """Every event of a rollout, following pagination."""
@@ -290,7 +301,9 @@ class Client(_Base):
     def wait(self, rollout_ids: Sequence[str], timeout: float = 10.0) -> WaitResult:
         return self._send(_Api.wait(rollout_ids, min(timeout, 60.0)))
 
-    def publish_resources(self, resources: dict[str, Resource], metadata: dict[str, Any] | None = None) -> Resources:
+    def publish_resources(
+        self, resources: dict[str, Resource], metadata: dict[str, Any] | None = None
+    ) -> Resources:
         return self._send(_Api.publish(resources, metadata))
 
     def get_resources(self, version: int) -> Resources:
@@ -354,7 +367,9 @@ class AsyncClient(_Base):
     ) -> Attempt:
         return await self._send(_Api.heartbeat(attempt_id, worker_id, lease_seconds))
 
-    async def add_events(self, attempt_id: str, events: Sequence[EventCreate], worker_id: str | None = None) -> int:
+    async def add_events(
+        self, attempt_id: str, events: Sequence[EventCreate], worker_id: str | None = None
+    ) -> int:
         return await self._send(_Api.add_events(attempt_id, events, worker_id))
 
     async def finish(self, attempt_id: str, status: AttemptStatus, reward: float | None = None,

@@ -85,7 +85,8 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         details = [
-            {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")} for e in exc.errors()
+            {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
+            for e in exc.errors()
         ]
         first = details[0] if details else {"loc": [], "msg": "invalid request"}
         where = ".".join(str(p) for p in first["loc"])
@@ -158,7 +159,9 @@ def _store_router(call: StoreCaller, config: ServerConfig) -> APIRouter:
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
         cursor: str | None = None,
     ) -> Response:
-        page = await call(store.list_events, rollout_id, attempt_id=attempt_id, types=type, limit=limit, cursor=cursor)
+        page = await call(
+            store.list_events, rollout_id, attempt_id=attempt_id, types=type, limit=limit, cursor=cursor
+        )
         return _json(page)
 
     @api.post("/dequeue", response_model=Claim | None, tags=["runner"])

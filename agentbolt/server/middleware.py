@@ -20,7 +20,9 @@ OPEN_PATHS = ("/health", "/", "/favicon.ico", "/dashboard", "/static/")
 RUNNER_WRITES = ("/api/dequeue", "/api/attempts/", "/gateway/", "/v1/traces")
 
 
-async def _send_json(send: Any, status: int, body: dict[str, Any], headers: list[tuple[bytes, bytes]] = ()) -> None:  # type: ignore[assignment]
+async def _send_json(
+    send: Any, status: int, body: dict[str, Any], headers: list[tuple[bytes, bytes]] = ()
+) -> None:  # type: ignore[assignment]
     payload = orjson.dumps(body)
     await send(
         {
@@ -48,7 +50,9 @@ class BodyLimitMiddleware:
             return await self.app(scope, receive, send)
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                return await _send_json(send, 413, _error(f"body larger than {self.max_bytes} bytes", "too_large"))
+                return await _send_json(
+                    send, 413, _error(f"body larger than {self.max_bytes} bytes", "too_large")
+                )
         seen = 0
 
         async def limited() -> dict[str, Any]:
@@ -106,6 +110,8 @@ class AuthMiddleware:
                 [(b"www-authenticate", b"Bearer")],
             )  # fmt: skip
         if role is not None and not role_allows(role, method, path):
-            return await _send_json(send, 403, _error(f"role {role.value!r} may not {method} {path}", "forbidden"))
+            return await _send_json(
+                send, 403, _error(f"role {role.value!r} may not {method} {path}", "forbidden")
+            )
         scope["agentbolt.role"] = role
         await self.app(scope, receive, send)

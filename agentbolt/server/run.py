@@ -56,7 +56,9 @@ def wait_healthy(url: str, timeout: float = 30.0, token: str | None = None) -> N
 class ServerThread:
     """The server in a daemon thread of this process, on an ephemeral port by default."""
 
-    def __init__(self, config: ServerConfig | None = None, store: Any = None, log_level: str = "warning") -> None:
+    def __init__(
+        self, config: ServerConfig | None = None, store: Any = None, log_level: str = "warning"
+    ) -> None:
         config = config or ServerConfig(db=":memory:")
         if config.port == 0 or config.port == ServerConfig.port:
             from dataclasses import replace

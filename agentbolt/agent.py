@@ -1,0 +1,257 @@
+"""The agent API: what a user writes, and the per-rollout context it runs in.
+
+Two shapes:
+
+* subclass :class:`LitAgent` and implement ``execute_rollout(self, task)`` (sync or async),
+  reading resources with ``self.get_resource("system_prompt")`` — the seed article's shape;
+* decorate a plain function with :func:`rollout`; its parameters are filled from the task and
+  the resources, by name first and then by type annotation.
+
+Inside a rollout, :func:`emit_reward`, :func:`emit_message`, :func:`emit_tool_call` and
+:func:`emit_event` record events from anywhere (any depth, any thread or task started from it):
+the current rollout lives in a :mod:`contextvars` variable, which both ``asyncio`` tasks and
+``run_in_executor``/``to_thread`` copy.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any, get_type_hints
+
+from agentbolt.errors import ConfigError
+from agentbolt.schemas import (
+    LLM,
+    Attempt,
+    EventCreate,
+    EventType,
+    ModelWeights,
+    PromptTemplate,
+    Resources,
+    Rollout,
+    Task,
+    Trajectory,
+)
+
+__all__ = [
+    "LitAgent",
+    "RolloutContext",
+    "current_rollout",
+    "emit_event",
+    "emit_exception",
+    "emit_message",
+    "emit_reward",
+    "emit_tool_call",
+    "rollout",
+]
+
+_current: contextvars.ContextVar[RolloutContext | None] = contextvars.ContextVar(
+    "agentbolt_rollout", default=None
+)
+
+
+class RolloutContext:
+    """The rollout being run: its task, attempt, resources, and a thread-safe event buffer.
+
+    Events get their per-attempt sequence number when emitted, so re-sending a batch after a
+    network error cannot duplicate them.
+    """
+
+    def __init__(self, rollout: Rollout, attempt: Attempt, resources: Resources | None) -> None:
+        self.rollout, self.attempt, self.resources = rollout, attempt, resources
+        self._lock = threading.Lock()
+        self._pending: list[EventCreate] = []
+        self._next_seq = 0
+        self.rewards: list[float] = []  # rollout-level rewards emitted so far
+        self.listeners: list[Callable[[EventCreate], None]] = []  # e.g. the OpenTelemetry tracer
+
+    @property
+    def task(self) -> Task:
+        return self.rollout.task
+
+    def emit(self, type: str, data: dict[str, Any]) -> EventCreate:
+        with self._lock:
+            event = EventCreate(sequence=self._next_seq, type=type, timestamp=time.time(), data=data)
+            self._next_seq += 1
+            self._pending.append(event)
+        for listener in self.listeners:
+            listener(event)
+        return event
+
+    def take_pending(self) -> list[EventCreate]:
+        with self._lock:
+            out, self._pending = self._pending, []
+        return out
+
+    def put_back(self, events: list[EventCreate]) -> None:
+        """Return events whose upload failed, to be sent with the next batch."""
+        with self._lock:
+            self._pending[:0] = events
+
+    @property
+    def pending_count(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def resource(self, name: str) -> Any:
+        if self.resources is None or name not in self.resources.resources:
+            have = sorted(self.resources.resources) if self.resources else []
+            raise ConfigError(f"no resource named {name!r} in this rollout (available: {have or 'none'})")
+        return self.resources.resources[name]
+
+    def activate(self) -> contextvars.Token[RolloutContext | None]:
+        return _current.set(self)
+
+
+def current_rollout() -> RolloutContext:
+    """The rollout being run; raises outside a rollout."""
+    ctx = _current.get()
+    if ctx is None:
+        raise RuntimeError(
+            "not inside a rollout: emit_* and get_resource work only while a runner runs the agent"
+        )
+    return ctx
+
+
+def _emit(type: str, data: dict[str, Any]) -> EventCreate | None:
+    ctx = _current.get()
+    return ctx.emit(type, data) if ctx is not None else None
+
+
+def emit_reward(value: float, name: str | None = None, llm_call_id: int | None = None) -> None:
+    """Record a reward. With ``llm_call_id`` it belongs to that model call, else to the rollout
+    (a rollout whose agent returns None gets the sum of its rollout-level rewards)."""
+    value = float(value)
+    data: dict[str, Any] = {"value": value}
+    if name is not None:
+        data["name"] = name
+    if llm_call_id is not None:
+        data["llm_call_id"] = llm_call_id
+    ctx = _current.get()
+    if ctx is not None and llm_call_id is None:
+        ctx.rewards.append(value)
+    _emit(EventType.REWARD, data)
+
+
+def emit_message(content: str, role: str = "log") -> None:
+    _emit(EventType.MESSAGE, {"role": role, "content": content})
+
+
+def emit_tool_call(
+    name: str,
+    arguments: Any = None,
+    result: Any = None,
+    error: str | None = None,
+    duration_ms: float | None = None,
+) -> None:
+    _emit(EventType.TOOL_CALL, {"name": name, "arguments": arguments, "result": result, "error": error,
+                                "duration_ms": duration_ms})  # fmt: skip
+
+
+def emit_event(type: str, data: dict[str, Any] | None = None) -> None:
+    """Record an event of a user-defined type."""
+    _emit(type, data or {})
+
+
+def emit_exception(exc: BaseException) -> None:
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    _emit(EventType.EXCEPTION, {"type": type(exc).__name__, "message": str(exc), "traceback": tb})
+
+
+def resource_value(resource: Any) -> Any:
+    """What ``get_resource`` hands out: a prompt's template text, other resources as they are."""
+    return resource.template if isinstance(resource, PromptTemplate) else resource
+
+
+class LitAgent:
+    """Base class for agents. Implement :meth:`execute_rollout` (plain or ``async def``)."""
+
+    def __init__(self) -> None:
+        pass
+
+    def execute_rollout(self, task: Task) -> Trajectory | float | None:
+        raise NotImplementedError(f"{type(self).__name__} must implement execute_rollout(self, task)")
+
+    def get_resource(self, name: str) -> Any:
+        """The named resource of the current rollout: a prompt template's text (a ``str``),
+        or the :class:`LLM` / :class:`ModelWeights` object."""
+        return resource_value(current_rollout().resource(name))
+
+    @property
+    def rollout(self) -> RolloutContext:
+        return current_rollout()
+
+    @property
+    def is_async(self) -> bool:
+        return inspect.iscoroutinefunction(self.execute_rollout)
+
+
+_BY_TYPE = (PromptTemplate, LLM, ModelWeights)
+
+
+def _inject(fn: Callable[..., Any], task: Task, ctx: RolloutContext) -> dict[str, Any]:
+    """Arguments for ``fn``: ``task`` (by name or ``Task`` type), then resources by parameter
+    name, then by annotated type (the first resource of that type)."""
+    hints = get_type_hints(fn)
+    resources = ctx.resources.resources if ctx.resources else {}
+    kwargs: dict[str, Any] = {}
+    for name, param in inspect.signature(fn).parameters.items():
+        hint = hints.get(name)
+        if name == "task" or hint is Task:
+            kwargs[name] = task
+        elif name in resources:
+            res = resources[name]
+            kwargs[name] = res if isinstance(hint, type) and isinstance(res, hint) else resource_value(res)
+        elif isinstance(hint, type) and issubclass(hint, _BY_TYPE):
+            match = next((r for r in resources.values() if isinstance(r, hint)), None)
+            if match is None:
+                raise ConfigError(f"parameter {name!r} wants a {hint.__name__} resource and there is none")
+            kwargs[name] = match
+        elif param.default is inspect.Parameter.empty:
+            raise ConfigError(
+                f"cannot fill parameter {name!r} of {fn.__name__}: name it 'task', after a resource "
+                f"({sorted(resources) or 'none published'}), or annotate it with a resource type"
+            )
+    return kwargs
+
+
+class FunctionAgent(LitAgent):
+    """A plain function as an agent (see :func:`rollout`)."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        super().__init__()
+        self.fn = fn
+        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+        if inspect.iscoroutinefunction(fn):
+
+            async def run_async(task: Task) -> Any:
+                return await fn(**_inject(fn, task, current_rollout()))
+
+            self.execute_rollout = run_async  # type: ignore[method-assign,assignment]
+
+    def execute_rollout(self, task: Task) -> Trajectory | float | None:
+        return self.fn(**_inject(self.fn, task, current_rollout()))  # type: ignore[no-any-return]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+
+def rollout(fn: Callable[..., Any]) -> FunctionAgent:
+    """Make a plain (sync or async) function an agent; its parameters are injected."""
+    return FunctionAgent(fn)
+
+
+def as_agent(obj: Any) -> LitAgent:
+    """Accept an agent instance, a LitAgent subclass (built without arguments) or a function."""
+    if isinstance(obj, LitAgent):
+        return obj
+    if isinstance(obj, type) and issubclass(obj, LitAgent):
+        return obj()
+    if callable(obj):
+        return FunctionAgent(obj)
+    raise ConfigError(f"{obj!r} is not an agent: expected a LitAgent, a LitAgent subclass or a function")
