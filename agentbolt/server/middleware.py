@@ -69,7 +69,7 @@ class BodyLimitMiddleware:
             await _send_json(send, 413, _error(f"body larger than {self.max_bytes} bytes", "too_large"))
 
 
-class _TooLarge(Exception):
+class _TooLarge(BaseException):  # not Exception: request parsing must not swallow it
     pass
 
 

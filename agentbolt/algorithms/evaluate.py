@@ -1,0 +1,63 @@
+"""Evaluate: run the agent on tasks with the current resources and summarise. No training."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rich.table import Table
+
+from agentbolt.algorithms.base import Algorithm, BatchResult, TrainContext, run_rollouts
+from agentbolt.schemas import Mode
+
+__all__ = ["EvalSummary", "Evaluate", "summary_table"]
+
+
+@dataclass(frozen=True)
+class EvalSummary:
+    count: int
+    succeeded: int
+    failed: int
+    mean_reward: float | None
+    timed_out: int
+    resources_version: int | None
+
+    @staticmethod
+    def of(batch: BatchResult) -> EvalSummary:
+        versions = {r.resources_version for r in batch.rollouts if r.resources_version is not None}
+        return EvalSummary(
+            count=len(batch.rollouts), succeeded=len(batch.succeeded), failed=len(batch.failed),
+            mean_reward=batch.mean_reward, timed_out=batch.timed_out,
+            resources_version=max(versions) if versions else None,
+        )  # fmt: skip
+
+
+def summary_table(rows: dict[str, EvalSummary], title: str = "evaluation") -> Table:
+    table = Table(title=title)
+    for column in ("set", "count", "succeeded", "failed", "mean reward", "resources"):
+        table.add_column(column, justify="left" if column == "set" else "right")
+    for name, s in rows.items():
+        reward = f"{s.mean_reward:.3f}" if s.mean_reward is not None else "-"
+        version = str(s.resources_version) if s.resources_version is not None else "-"
+        table.add_row(name, str(s.count), str(s.succeeded), str(s.failed), reward, version)
+    return table
+
+
+@dataclass
+class Evaluate(Algorithm):
+    """Run every validation task (or, without any, every training task) once and report."""
+
+    timeout: float = 600.0
+    """Seconds to wait for the whole batch; stragglers are cancelled and counted."""
+    rollout_timeout: float | None = None
+    """Seconds one attempt may take before the server ends it."""
+    max_attempts: int = 1
+
+    def run(self, ctx: TrainContext) -> EvalSummary:
+        tasks, mode = (ctx.val_tasks, Mode.VAL) if ctx.val_tasks else (ctx.train_tasks, Mode.TRAIN)
+        batch = run_rollouts(
+            ctx.client, tasks, mode=mode, timeout=self.timeout, rollout_timeout=self.rollout_timeout,
+            max_attempts=self.max_attempts, console=ctx.console, label="evaluating",
+        )  # fmt: skip
+        summary = EvalSummary.of(batch)
+        ctx.console.print(summary_table({mode.value: summary}))
+        return summary

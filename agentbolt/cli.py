@@ -1,0 +1,184 @@
+"""The ``agentbolt`` command line. Problems are reported as one plain message, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from agentbolt.errors import AgentboltError
+from agentbolt.schemas import Mode, RolloutStatus, Task
+
+app = typer.Typer(help="Train any AI agent from its real runs.", no_args_is_help=True, add_completion=False)
+rollouts_app = typer.Typer(help="Inspect rollouts stored on a server.", no_args_is_help=True)
+app.add_typer(rollouts_app, name="rollouts")
+console = Console()
+err_console = Console(stderr=True)
+
+ServerOpt = Annotated[str, typer.Option("--server", "-s", envvar="AGENTBOLT_SERVER", help="Server URL.")]
+TokenOpt = Annotated[str | None, typer.Option("--token", envvar="AGENTBOLT_TOKEN", help="Bearer token.")]
+DEFAULT_SERVER = "http://127.0.0.1:8765"
+
+
+def _fail(message: str, code: int = 2) -> typer.Exit:
+    err_console.print(f"[bold red]error:[/] {message}")
+    return typer.Exit(code)
+
+
+def _load_tasks(path: Path) -> list[Task]:
+    """Tasks from a JSON list or JSON-lines file; each item is task data (``id`` optional)."""
+    if not path.exists():
+        raise _fail(f"task file {path} does not exist")
+    text = path.read_text()
+    try:
+        items = json.loads(text) if text.lstrip().startswith("[") else [json.loads(x) for x in text.splitlines() if x.strip()]
+    except json.JSONDecodeError as exc:
+        raise _fail(f"{path}: not JSON or JSON lines ({exc})") from None
+    if not all(isinstance(i, dict) for i in items):
+        raise _fail(f"{path}: every task must be a JSON object")
+    return [Task.of(i) for i in items]
+
+
+@app.command()
+def server(
+    db: Annotated[str, typer.Option(help="SQLite file, ':memory:' or postgresql:// URL.")] = "agentbolt.db",
+    host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port.")] = 8765,
+    token: Annotated[str | None, typer.Option(envvar="AGENTBOLT_TOKEN", help="Admin bearer token.")] = None,
+    runner_token: Annotated[str | None, typer.Option(envvar="AGENTBOLT_RUNNER_TOKEN", help="Runner token.")] = None,
+    reader_token: Annotated[str | None, typer.Option(envvar="AGENTBOLT_READER_TOKEN", help="Read-only token.")] = None,
+    lease_seconds: Annotated[float, typer.Option(help="Attempt lease without heartbeat.")] = 30.0,
+    log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
+) -> None:
+    """Run the server: store API, gateway, OTLP ingest and dashboard."""
+    from agentbolt.server import Role, ServerConfig, serve
+
+    tokens = {t: r for t, r in ((token, Role.ADMIN), (runner_token, Role.RUNNER), (reader_token, Role.READER)) if t}
+    if host not in ("127.0.0.1", "localhost", "::1") and not tokens:
+        err_console.print("[yellow]warning:[/] binding a non-loopback address without --token: anyone can write")
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = ServerConfig(db=db, host=host, port=port, tokens=tokens, lease_seconds=lease_seconds)
+    console.print(f"agentbolt server on http://{host}:{port}  (store: {db})")
+    serve(config, log_level)
+
+
+@app.command()
+def runner(
+    agent: Annotated[str, typer.Option("--agent", "-a", help="module:object or file.py:object.")],
+    server: ServerOpt = DEFAULT_SERVER,
+    token: TokenOpt = None,
+    concurrency: Annotated[int, typer.Option("--concurrency", "-n", min=1, help="Rollouts at a time.")] = 1,
+    lease_seconds: Annotated[float | None, typer.Option(help="Lease per attempt.")] = None,
+    max_rollouts: Annotated[int | None, typer.Option(help="Exit after this many rollouts.")] = None,
+) -> None:
+    """Run an agent on queued rollouts until stopped (Ctrl-C finishes or releases running ones)."""
+    from agentbolt.runner import Runner, load_agent
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    sys.path.insert(0, os.getcwd())
+    loaded = load_agent(agent)
+    Runner(loaded, server, token=token, concurrency=concurrency, lease_seconds=lease_seconds,
+           max_rollouts=max_rollouts).run_sync()  # fmt: skip
+
+
+@app.command("eval")
+def eval_(
+    agent: Annotated[str, typer.Option("--agent", "-a", help="module:object or file.py:object.")],
+    tasks: Annotated[Path, typer.Option("--tasks", "-t", help="JSON or JSON-lines file of tasks.")],
+    server: Annotated[str | None, typer.Option("--server", "-s", help="Use this server instead of an embedded one.")] = None,
+    token: TokenOpt = None,
+    runners: Annotated[int, typer.Option(min=0, help="Local runner processes to start.")] = 2,
+    prompt: Annotated[str | None, typer.Option(help="Publish this system_prompt resource first.")] = None,
+) -> None:
+    """Evaluate an agent on a task file (embedded server and local runners unless --server)."""
+    from agentbolt.algorithms import Evaluate
+    from agentbolt.runner import load_agent
+    from agentbolt.schemas import PromptTemplate
+    from agentbolt.trainer import Trainer
+
+    sys.path.insert(0, os.getcwd())
+    loaded = load_agent(agent)
+    resources: dict[str, Any] | None = {"system_prompt": PromptTemplate(template=prompt)} if prompt else None
+    trainer = Trainer(Evaluate(), n_runners=runners, server_url=server, token=token, resources=resources)
+    trainer.fit(loaded, val_tasks=_load_tasks(tasks))
+
+
+@rollouts_app.command("list")
+def rollouts_list(
+    server: ServerOpt = DEFAULT_SERVER,
+    token: TokenOpt = None,
+    status: Annotated[list[RolloutStatus] | None, typer.Option(help="Filter by status (repeatable).")] = None,
+    mode: Annotated[Mode | None, typer.Option(help="Filter by mode.")] = None,
+    version: Annotated[int | None, typer.Option(help="Filter by resources version.")] = None,
+    limit: Annotated[int, typer.Option(min=1, max=1000)] = 50,
+) -> None:
+    """List the newest rollouts."""
+    from agentbolt.client import Client
+
+    with Client(server, token) as client:
+        page = client.list_rollouts(status=status, mode=mode, resources_version=version, limit=limit,
+                                    newest_first=True)  # fmt: skip
+    table = Table(title=f"rollouts ({len(page.items)} shown)")
+    for column in ("id", "task", "mode", "status", "attempts", "reward", "version"):
+        table.add_column(column)
+    for r in page.items:
+        reward = f"{r.reward:.3f}" if r.reward is not None else "-"
+        table.add_row(r.id, r.task.id, r.mode.value, r.status.value, str(r.attempts), reward,
+                      str(r.resources_version or "-"))  # fmt: skip
+    console.print(table)
+
+
+@rollouts_app.command("show")
+def rollouts_show(
+    rollout_id: Annotated[str, typer.Argument(help="Rollout id.")],
+    server: ServerOpt = DEFAULT_SERVER,
+    token: TokenOpt = None,
+) -> None:
+    """Show a rollout with its attempts and events (LLM calls, rewards, exceptions) as a tree."""
+    from agentbolt.client import Client
+    from agentbolt.render import render_rollout
+
+    with Client(server, token) as client:
+        rollout = client.get_rollout(rollout_id)
+        attempts = client.list_attempts(rollout_id)
+        events = client.all_events(rollout_id)
+    console.print(render_rollout(rollout, attempts, events))
+
+
+def _mount_optional() -> None:
+    """Sub-commands whose modules may not be present in every build."""
+    import importlib
+
+    for module, attr, name in (
+        ("agentbolt.engine.cli", "model_app", "model"),
+        ("agentbolt.export_cli", "export_app", "export"),
+    ):
+        try:
+            sub = getattr(importlib.import_module(module), attr)
+        except (ModuleNotFoundError, AttributeError):
+            continue
+        app.add_typer(sub, name=name)
+    try:
+        from agentbolt.demo import demo_command
+
+        app.command("demo")(demo_command)
+    except ModuleNotFoundError:
+        pass
+
+
+def main() -> None:
+    _mount_optional()
+    try:
+        app()
+    except AgentboltError as exc:
+        err_console.print(f"[bold red]error:[/] {exc}")
+        raise SystemExit(1) from None
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
