@@ -1,0 +1,506 @@
+"""Shared numeric core of GRPO and SFT: advantages, batching, log-probs, losses, the optimizer
+step, checkpoints and weight export. Small functions over rows and tensors; no store access.
+
+Shapes are in the names: ``B`` batch, ``T`` tokens, ``V`` vocabulary, ``G`` group.
+``logprobs_BT[b, t]`` is ``log p(input_ids[b, t] | input_ids[b, :t])``; position 0 has no
+prefix and holds 0. ``loss_mask_BT`` is aligned the same way (1 on model-generated tokens), so
+recorded gateway logprobs, recomputed logprobs and masks line up without shifting.
+
+Where this departs from the papers:
+
+- GRPO (Shao et al. 2024) averages per sequence, then over the group. We use DAPO's token-level
+  mean (Yu et al. 2025): the loss is summed over every model token of the whole batch and divided
+  by their count, so long answers are not down-weighted; with gradient accumulation the count is
+  that of all micro-batches together. DAPO's asymmetric clip (``clip_high`` 0.28) is the default;
+  pass 0.2 for the symmetric PPO clip.
+- The advantage std is the population std (``correction=0``); ``normalize_std=False`` gives the
+  Dr. GRPO variant. Groups whose rewards are all equal carry no signal and are skipped, not
+  trained on with zero advantage (that only costs a backward pass).
+- The KL penalty is optional (off by default, as in DAPO); when on it is the k3 estimator
+  ``exp(ref - new) - (ref - new) - 1`` of GRPO, added per token.
+- One sample is one rollout attempt: a rollout split into several rows (prefix mismatches)
+  counts once in its group's statistics, and every row gets its advantage.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import shutil
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from agentbolt.adapters import TrajectoryRow
+
+__all__ = [
+    "AdvantageStats",
+    "Batch",
+    "Checkpoint",
+    "LossFn",
+    "PolicyLoss",
+    "TrainConfig",
+    "TrainRow",
+    "TrainState",
+    "capture_rng_state",
+    "clipped_policy_loss",
+    "entropy_from_logits",
+    "export_weights",
+    "forward_logits",
+    "group_advantages",
+    "grouped_advantages",
+    "load_checkpoint",
+    "logprobs_from_logits",
+    "make_train_state",
+    "make_trainable",
+    "merged_state_dict",
+    "micro_batches",
+    "optimizer_step",
+    "pad_batch",
+    "reference_logprobs",
+    "restore_rng_state",
+    "save_checkpoint",
+    "sft_loss",
+    "token_logprobs",
+]
+
+
+# ---------------------------------------------------------------------------- advantages
+
+
+def group_advantages(rewards_G: Tensor, eps: float = 1e-6, normalize_std: bool = True) -> Tensor:
+    """``(r - mean) / (std + eps)`` over one group (or just ``r - mean``)."""
+    advantages_G = rewards_G - rewards_G.mean()
+    return advantages_G / (rewards_G.std(correction=0) + eps) if normalize_std else advantages_G
+
+
+@dataclass(frozen=True)
+class TrainRow:
+    """One sequence to train on."""
+
+    input_ids: tuple[int, ...]
+    loss_mask: tuple[int, ...]
+    old_logprobs: tuple[float, ...] | None = None
+    advantage: float = 0.0
+
+    @classmethod
+    def of(cls, row: TrajectoryRow, advantage: float = 0.0) -> TrainRow:
+        return cls(row.input_ids, row.loss_mask, row.logprobs, advantage)
+
+
+@dataclass(frozen=True)
+class AdvantageStats:
+    groups: int = 0
+    zero_spread_groups: int = 0
+    """Groups skipped because every sample had the same reward (incl. groups of one)."""
+    no_reward_rows: int = 0
+    """Rows skipped because their reward is None."""
+    rows: int = 0
+    """Rows returned."""
+
+
+def _group_key(row: TrajectoryRow) -> str:
+    return row.group_id or row.task_id or f"rollout:{row.rollout_id}"
+
+
+def grouped_advantages(
+    rows: Sequence[TrajectoryRow], eps: float = 1e-6, normalize_std: bool = True
+) -> tuple[list[TrainRow], AdvantageStats]:
+    """Group rows by ``group_id`` (else ``task_id``, else alone), compute each sample's
+    advantage in its group and return the rows of groups with a reward spread."""
+    groups: dict[str, dict[tuple[str, str], list[TrajectoryRow]]] = {}
+    rewarded = [r for r in rows if r.reward is not None]
+    for row in rewarded:
+        groups.setdefault(_group_key(row), {}).setdefault((row.rollout_id, row.attempt_id), []).append(row)
+    out: list[TrainRow] = []
+    zero_spread = 0
+    for samples in groups.values():
+        rewards_G = torch.tensor([rs[0].reward for rs in samples.values()], dtype=torch.float64)
+        if float(rewards_G.max() - rewards_G.min()) == 0.0:
+            zero_spread += 1
+            continue
+        advantages_G = group_advantages(rewards_G, eps, normalize_std).tolist()
+        out += [
+            TrainRow.of(r, adv) for rs, adv in zip(samples.values(), advantages_G, strict=True) for r in rs
+        ]
+    stats = AdvantageStats(len(groups), zero_spread, len(rows) - len(rewarded), len(out))
+    return out, stats
+
+
+# ---------------------------------------------------------------------------- batching
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Right-padded tensors of a list of :class:`TrainRow`."""
+
+    input_ids_BT: Tensor
+    attention_mask_BT: Tensor
+    loss_mask_BT: Tensor
+    """float, 0 on padding"""
+    old_logprobs_BT: Tensor | None
+    """None when any row lacks recorded logprobs: the loss then uses the current policy's."""
+    advantages_B: Tensor
+    ref_logprobs_BT: Tensor | None = None
+    """Reference-policy logprobs for the KL term, see :func:`reference_logprobs`."""
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.loss_mask_BT.sum().item())
+
+
+def _pad(seqs: Sequence[Sequence[float]], length: int, value: float, dtype: torch.dtype) -> Tensor:
+    return torch.tensor([list(s[:length]) + [value] * (length - len(s[:length])) for s in seqs], dtype=dtype)
+
+
+def pad_batch(rows: Sequence[TrainRow], pad_token_id: int = 0, max_len: int | None = None) -> Batch:
+    """Right-pad rows to the longest (cut to ``max_len`` tokens, keeping the start)."""
+    T = max(len(r.input_ids) for r in rows)
+    T = min(T, max_len) if max_len else T
+    old = [r.old_logprobs for r in rows]
+    return Batch(
+        input_ids_BT=_pad([r.input_ids for r in rows], T, pad_token_id, torch.long),
+        attention_mask_BT=_pad([[1] * len(r.input_ids) for r in rows], T, 0, torch.long),
+        loss_mask_BT=_pad([r.loss_mask for r in rows], T, 0, torch.float32),
+        old_logprobs_BT=None if any(o is None for o in old) else _pad(old, T, 0.0, torch.float32),  # type: ignore[arg-type]
+        advantages_B=torch.tensor([r.advantage for r in rows], dtype=torch.float32),
+    )
+
+
+def micro_batches(
+    rows: Sequence[TrainRow], max_tokens: int | None = None, micro_batch_size: int | None = None
+) -> list[list[TrainRow]]:
+    """Split rows, in order, so that each padded micro-batch has at most ``max_tokens`` tokens
+    (B x longest) and ``micro_batch_size`` rows; a row longer than ``max_tokens`` goes alone."""
+    out: list[list[TrainRow]] = []
+    longest = 0
+    for row in rows:
+        n = len(row.input_ids)
+        full = bool(out) and (
+            (max_tokens is not None and (len(out[-1]) + 1) * max(longest, n) > max_tokens)
+            or (micro_batch_size is not None and len(out[-1]) >= micro_batch_size)
+        )
+        if not out or full:
+            out.append([])
+            longest = 0
+        out[-1].append(row)
+        longest = max(longest, n)
+    return out
+
+
+# ---------------------------------------------------------------------------- log-probs
+
+
+def forward_logits(model: nn.Module, input_ids_BT: Tensor, attention_mask_BT: Tensor) -> Tensor:
+    return model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False).logits
+
+
+def logprobs_from_logits(logits_BTV: Tensor, input_ids_BT: Tensor) -> Tensor:
+    """``logprobs_BT[:, t] = log softmax(logits[:, t-1])[input_ids[:, t]]``; column 0 is 0."""
+    logits_BTV = logits_BTV[:, :-1].float()
+    picked_BT = logits_BTV.gather(-1, input_ids_BT[:, 1:, None]).squeeze(-1)
+    logprobs_BT = picked_BT - torch.logsumexp(logits_BTV, dim=-1)
+    return torch.nn.functional.pad(logprobs_BT, (1, 0))
+
+
+def entropy_from_logits(logits_BTV: Tensor) -> Tensor:
+    """Entropy of the distribution each token was drawn from, aligned like the logprobs."""
+    logp_BTV = torch.log_softmax(logits_BTV[:, :-1].float(), dim=-1)
+    entropy_BT = -(logp_BTV.exp() * logp_BTV).sum(-1)
+    return torch.nn.functional.pad(entropy_BT, (1, 0))
+
+
+def token_logprobs(model: nn.Module, input_ids_BT: Tensor, attention_mask_BT: Tensor) -> Tensor:
+    return logprobs_from_logits(forward_logits(model, input_ids_BT, attention_mask_BT), input_ids_BT)
+
+
+@contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+@torch.no_grad()
+def reference_logprobs(model: nn.Module, batch: Batch) -> Tensor:
+    """Logprobs of the reference policy: a PEFT model with its adapter disabled, or ``model``
+    itself otherwise (pass a frozen copy of the base model for full fine-tuning)."""
+    with _eval_mode(model):
+        if isinstance(model, PeftModel):
+            with model.disable_adapter():
+                return token_logprobs(model, batch.input_ids_BT, batch.attention_mask_BT)
+        return token_logprobs(model, batch.input_ids_BT, batch.attention_mask_BT)
+
+
+# ---------------------------------------------------------------------------- losses
+
+
+def _masked_mean(values_BT: Tensor, mask_BT: Tensor) -> float:
+    return float((values_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1))
+
+
+def clipped_policy_loss(
+    new_logprobs_BT: Tensor,
+    old_logprobs_BT: Tensor,
+    advantages_B: Tensor,
+    loss_mask_BT: Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    ref_logprobs_BT: Tensor | None = None,
+    kl_coef: float = 0.0,
+    entropy_BT: Tensor | None = None,
+    num_tokens: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """PPO-clipped surrogate, token-level mean (DAPO) over the model tokens of the batch.
+
+    ``num_tokens`` is the divisor (default: this batch's mask sum); pass the total over all
+    micro-batches when accumulating so the summed gradient equals that of the whole batch."""
+    log_ratio_BT = new_logprobs_BT - old_logprobs_BT
+    ratio_BT = log_ratio_BT.exp()
+    adv_BT = advantages_B[:, None].to(ratio_BT.dtype)
+    clipped_BT = ratio_BT.clamp(1 - clip_low, 1 + clip_high)
+    per_token_BT = -torch.minimum(ratio_BT * adv_BT, clipped_BT * adv_BT)
+    metrics: dict[str, float] = {}
+    if ref_logprobs_BT is not None and kl_coef:
+        delta_BT = ref_logprobs_BT - new_logprobs_BT
+        kl_BT = delta_BT.exp() - delta_BT - 1
+        per_token_BT = per_token_BT + kl_coef * kl_BT
+        metrics["kl"] = _masked_mean(kl_BT.detach(), loss_mask_BT)
+    divisor = num_tokens if num_tokens is not None else float(loss_mask_BT.sum().clamp(min=1))
+    loss = (per_token_BT * loss_mask_BT).sum() / divisor
+    with torch.no_grad():
+        is_clipped_BT = (ratio_BT * adv_BT > clipped_BT * adv_BT).float()
+        metrics["clip_fraction"] = _masked_mean(is_clipped_BT, loss_mask_BT)
+        metrics["approx_kl"] = _masked_mean(ratio_BT - 1 - log_ratio_BT, loss_mask_BT)
+        metrics["ratio_mean"] = _masked_mean(ratio_BT, loss_mask_BT)
+        if entropy_BT is not None:
+            metrics["entropy"] = _masked_mean(entropy_BT, loss_mask_BT)
+    return loss, metrics
+
+
+LossFn = Callable[[nn.Module, Batch, float], tuple[Tensor, dict[str, float]]]
+"""``(model, micro_batch, num_tokens_in_whole_batch) -> (loss, metrics)``."""
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """The GRPO :data:`LossFn`. Without recorded old logprobs the ratio is taken against the
+    current policy (detached): exact for the first update on freshly sampled data."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    kl_coef: float = 0.0
+
+    def __call__(self, model: nn.Module, batch: Batch, num_tokens: float) -> tuple[Tensor, dict[str, float]]:
+        logits_BTV = forward_logits(model, batch.input_ids_BT, batch.attention_mask_BT)
+        new_BT = logprobs_from_logits(logits_BTV, batch.input_ids_BT)
+        with torch.no_grad():
+            entropy_BT = entropy_from_logits(logits_BTV)
+        old_BT = batch.old_logprobs_BT if batch.old_logprobs_BT is not None else new_BT.detach()
+        return clipped_policy_loss(
+            new_BT,
+            old_BT,
+            batch.advantages_B,
+            batch.loss_mask_BT,
+            self.clip_low,
+            self.clip_high,
+            ref_logprobs_BT=batch.ref_logprobs_BT,
+            kl_coef=self.kl_coef,
+            entropy_BT=entropy_BT,
+            num_tokens=num_tokens,
+        )
+
+
+def sft_loss(
+    model: nn.Module, batch: Batch, num_tokens: float | None = None
+) -> tuple[Tensor, dict[str, float]]:
+    """Next-token cross-entropy on model-generated tokens only (a :data:`LossFn`)."""
+    logprobs_BT = token_logprobs(model, batch.input_ids_BT, batch.attention_mask_BT)
+    mask_BT = batch.loss_mask_BT
+    divisor = num_tokens if num_tokens is not None else float(mask_BT.sum().clamp(min=1))
+    loss = -(logprobs_BT * mask_BT).sum() / divisor
+    return loss, {"nll": -_masked_mean(logprobs_BT.detach(), mask_BT)}
+
+
+# ---------------------------------------------------------------------------- training state
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How a causal LM is made trainable and optimized."""
+
+    lora: bool = True
+    """False: full fine-tuning of every parameter."""
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    target_modules: str | tuple[str, ...] = "all-linear"
+    """PEFT's ``"all-linear"``: every linear projection except the output layer."""
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+
+
+@dataclass
+class TrainState:
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    step: int = 0
+    config: TrainConfig = field(default_factory=TrainConfig)
+
+
+def make_trainable(model: nn.Module, config: TrainConfig) -> nn.Module:
+    """Wrap ``model`` in a LoRA adapter (or leave it whole for full fine-tuning)."""
+    if not config.lora:
+        return model
+    targets = config.target_modules if isinstance(config.target_modules, str) else list(config.target_modules)
+    lora = LoraConfig(
+        r=config.lora_r,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+    )
+    with warnings.catch_warnings():  # peft reads transformers' deprecated alias; not ours to fix
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        return get_peft_model(model, lora)  # type: ignore[arg-type]
+
+
+def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def make_train_state(model: nn.Module, config: TrainConfig = TrainConfig()) -> TrainState:
+    model = make_trainable(model, config)
+    params = [p for _, p in _trainable(model)]
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    return TrainState(model=model, optimizer=optimizer, config=config)
+
+
+def optimizer_step(state: TrainState, batches: Sequence[Batch], loss_fn: LossFn) -> dict[str, float]:
+    """One update from gradients accumulated over ``batches`` (the micro-batches of one batch).
+
+    Metrics are token-weighted means over the micro-batches; a batch without model tokens
+    changes nothing and reports ``num_tokens`` 0."""
+    num_tokens = sum(b.num_tokens for b in batches)
+    if num_tokens == 0:
+        return {"num_tokens": 0.0}
+    state.model.train()
+    state.optimizer.zero_grad(set_to_none=True)
+    totals: dict[str, float] = {"loss": 0.0}
+    for batch in batches:
+        loss, metrics = loss_fn(state.model, batch, float(num_tokens))
+        loss.backward()
+        totals["loss"] += float(loss.detach())
+        for name, value in metrics.items():
+            totals[name] = totals.get(name, 0.0) + value * batch.num_tokens / num_tokens
+    params = [p for _, p in _trainable(state.model)]
+    max_norm = state.config.max_grad_norm or float("inf")
+    totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    state.optimizer.step()
+    state.step += 1
+    return {**totals, "num_tokens": float(num_tokens)}
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+RngState = dict[str, Any]
+
+
+def capture_rng_state() -> RngState:
+    state: RngState = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: RngState) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    step: int
+    extra: dict[str, Any]
+
+
+def save_checkpoint(
+    directory: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    rng_state: RngState | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Write trainable parameters, optimizer state, RNG state (now, unless given), step and
+    JSON ``extra``; written beside ``directory`` and renamed into place."""
+    final = Path(directory)
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({n: p.detach().contiguous() for n, p in _trainable(model)}, tmp / "trainable.safetensors")
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(rng_state or capture_rng_state(), tmp / "rng.pt")
+    (tmp / "state.json").write_text(json.dumps({"step": step, "extra": extra or {}}))
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    return final
+
+
+def load_checkpoint(
+    directory: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    restore_rng: bool = True,
+) -> Checkpoint:
+    """Restore what :func:`save_checkpoint` wrote into a model prepared the same way."""
+    directory = Path(directory)
+    params = dict(_trainable(model))
+    saved = load_file(directory / "trainable.safetensors")
+    if saved.keys() != params.keys():
+        raise ValueError(
+            f"checkpoint parameters differ from the model's: {sorted(saved.keys() ^ params.keys())[:5]}"
+        )
+    with torch.no_grad():
+        for name, tensor in saved.items():
+            params[name].copy_(tensor)
+    if optimizer is not None:
+        optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True))
+    if restore_rng:
+        restore_rng_state(torch.load(directory / "rng.pt", weights_only=True))
+    state = json.loads((directory / "state.json").read_text())
+    return Checkpoint(step=state["step"], extra=state["extra"])
+
+
+# ---------------------------------------------------------------------------- export
+
+
+def export_weights(model: nn.Module, directory: str | Path) -> Literal["lora", "full"]:
+    """A PEFT adapter (adapter_config.json + safetensors) or a full HF model; returns which,
+    ready for :class:`~agentbolt.schemas.ModelWeights`'s ``format``."""
+    model.save_pretrained(str(directory), safe_serialization=True)  # type: ignore[operator]
+    return "lora" if isinstance(model, PeftModel) else "full"
+
+
+@torch.no_grad()
+def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """Full weights under the base model's names, LoRA merged in; the model is not changed.
+    Fresh tensors, safe to hand to an engine while training goes on."""
+    if isinstance(model, PeftModel):
+        return dict(copy.deepcopy(model).merge_and_unload().state_dict())
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -1,0 +1,318 @@
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from agentbolt.adapters import TrajectoryRow
+from agentbolt.algorithms.rl_core import (
+    AdvantageStats,
+    PolicyLoss,
+    TrainConfig,
+    TrainRow,
+    TrainState,
+    clipped_policy_loss,
+    export_weights,
+    forward_logits,
+    group_advantages,
+    grouped_advantages,
+    load_checkpoint,
+    logprobs_from_logits,
+    make_train_state,
+    merged_state_dict,
+    micro_batches,
+    optimizer_step,
+    pad_batch,
+    reference_logprobs,
+    save_checkpoint,
+    sft_loss,
+    token_logprobs,
+)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # 2 shared cores; tiny models gain nothing from more
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_model(vocab: int = 300, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return LlamaForCausalLM(config)
+
+
+def traj(
+    rollout: str, reward: float | None, group: str | None = "g", ids: tuple[int, ...] = (1, 2)
+) -> TrajectoryRow:
+    return TrajectoryRow(rollout, "at", 0, ids, (0, 1), None, reward, (), group_id=group)
+
+
+# ---------------------------------------------------------------------------- advantages
+
+
+def test_group_advantages() -> None:
+    rewards_G = torch.tensor([0.0, 1.0, 1.0, 0.0])
+    assert group_advantages(rewards_G, eps=0.0).tolist() == [-1.0, 1.0, 1.0, -1.0]
+    assert group_advantages(rewards_G, normalize_std=False).tolist() == [-0.5, 0.5, 0.5, -0.5]
+
+
+def test_grouped_advantages_skip_zero_spread_and_count_samples_once() -> None:
+    rows = [
+        traj("a", 1.0),
+        traj("a", 1.0, ids=(1, 2, 3)),  # a second segment of rollout a: same sample
+        traj("b", 0.0),
+        traj("c", 0.0),
+        traj("d", 1.0, group="same"),
+        traj("e", 1.0, group="same"),
+        traj("f", 0.5, group=None),  # alone in its group
+        traj("h", None),
+    ]
+    out, stats = grouped_advantages(rows, eps=0.0)
+    assert stats == AdvantageStats(groups=3, zero_spread_groups=2, no_reward_rows=1, rows=4)
+    assert [r.advantage for r in out] == pytest.approx([math.sqrt(2)] * 2 + [-math.sqrt(2) / 2] * 2)
+    assert out[1].input_ids == (1, 2, 3)
+
+
+# ---------------------------------------------------------------------------- batching
+
+
+def test_pad_batch_right_pads_and_drops_partial_logprobs() -> None:
+    rows = [
+        TrainRow((5, 6, 7), (0, 1, 1), (0.0, -1.0, -2.0), 1.0),
+        TrainRow((5, 6), (0, 1), (0.0, -3.0), -1.0),
+    ]
+    batch = pad_batch(rows, pad_token_id=9)
+    assert batch.input_ids_BT.tolist() == [[5, 6, 7], [5, 6, 9]]
+    assert batch.attention_mask_BT.tolist() == [[1, 1, 1], [1, 1, 0]]
+    assert batch.loss_mask_BT.tolist() == [[0, 1, 1], [0, 1, 0]]
+    assert batch.old_logprobs_BT is not None and batch.old_logprobs_BT.tolist() == [[0, -1, -2], [0, -3, 0]]
+    assert batch.advantages_B.tolist() == [1.0, -1.0] and batch.num_tokens == 3
+    assert pad_batch([rows[0], TrainRow((1,), (0,))]).old_logprobs_BT is None
+    assert pad_batch(rows, max_len=2).input_ids_BT.shape == (2, 2)
+
+
+def test_micro_batches() -> None:
+    rows = [TrainRow((1,) * n, (1,) * n) for n in (4, 4, 8, 2, 20)]
+    assert [[len(r.input_ids) for r in mb] for mb in micro_batches(rows, max_tokens=16)] == [
+        [4, 4],
+        [8, 2],
+        [20],
+    ]
+    assert [len(mb) for mb in micro_batches(rows, micro_batch_size=2)] == [2, 2, 1]
+
+
+# ---------------------------------------------------------------------------- log-probs and losses
+
+
+def test_token_logprobs_align_and_ignore_right_padding() -> None:
+    model = tiny_model().eval()
+    ids_BT = torch.tensor([[3, 4, 5, 6], [3, 4, 5, 0]])
+    mask_BT = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+    with torch.no_grad():
+        logprobs_BT = token_logprobs(model, ids_BT, mask_BT)
+        logits_TV = model(input_ids=ids_BT[:1]).logits[0]
+    expected = torch.log_softmax(logits_TV, -1)[torch.arange(3), ids_BT[0, 1:]]
+    assert logprobs_BT[:, 0].tolist() == [0.0, 0.0]
+    assert torch.allclose(logprobs_BT[0, 1:], expected, atol=1e-5)
+    assert torch.allclose(logprobs_BT[1, :3], logprobs_BT[0, :3], atol=1e-5)
+
+
+def test_clipped_policy_loss_hand_computed() -> None:
+    # position 0 is masked and carries junk; position 1: ratios 1.5, 1.5, 0.5, 0.5
+    new_BT = torch.log(torch.tensor([[9.0, 1.5], [9.0, 1.5], [9.0, 0.5], [9.0, 0.5]])).requires_grad_()
+    old_BT = torch.zeros(4, 2)
+    adv_B = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    mask_BT = torch.tensor([[0.0, 1.0]] * 4)
+    loss, metrics = clipped_policy_loss(new_BT, old_BT, adv_B, mask_BT, clip_low=0.2, clip_high=0.28)
+    # per token: -min(1.5, 1.28) = -1.28 (clipped), -min(-1.5, -1.28) = 1.5, -0.5, -min(-0.5, -0.8) = 0.8 (clipped)
+    assert loss.item() == pytest.approx((-1.28 + 1.5 - 0.5 + 0.8) / 4)
+    assert metrics["clip_fraction"] == pytest.approx(0.5)
+    assert metrics["ratio_mean"] == pytest.approx(1.0)
+    loss.backward()
+    assert new_BT.grad is not None
+    assert new_BT.grad[:, 0].tolist() == [0.0] * 4  # masked: no gradient
+    assert new_BT.grad[:, 1].tolist() == pytest.approx([0.0, 1.5 / 4, -0.5 / 4, 0.0])  # clipped: none
+    symmetric, _ = clipped_policy_loss(new_BT, old_BT, adv_B, mask_BT, clip_low=0.2, clip_high=0.2)
+    assert symmetric.item() == pytest.approx((-1.2 + 1.5 - 0.5 + 0.8) / 4)
+
+
+def test_kl_term_is_zero_at_the_reference_and_positive_away() -> None:
+    new_BT, mask_BT, adv_B = torch.tensor([[0.0, -1.0]]), torch.tensor([[0.0, 1.0]]), torch.tensor([0.0])
+    _, at_ref = clipped_policy_loss(new_BT, new_BT, adv_B, mask_BT, ref_logprobs_BT=new_BT, kl_coef=0.1)
+    loss, away = clipped_policy_loss(
+        new_BT, new_BT, adv_B, mask_BT, ref_logprobs_BT=new_BT - 0.5, kl_coef=0.1
+    )
+    assert at_ref["kl"] == 0.0
+    assert away["kl"] == pytest.approx(math.exp(-0.5) + 0.5 - 1) and loss.item() == pytest.approx(
+        0.1 * away["kl"]
+    )
+
+
+def _logit_grads(model: LlamaForCausalLM, loss_of_model) -> torch.Tensor:
+    captured: list[torch.Tensor] = []
+
+    def keep(_module, _inputs, output: torch.Tensor) -> None:
+        output.retain_grad()
+        captured.append(output)
+
+    handle = model.lm_head.register_forward_hook(keep)
+    loss_of_model(model).backward()
+    handle.remove()
+    return captured[0].grad.abs().sum(-1)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("loss_name", ["policy", "sft"])
+def test_masked_tokens_get_no_gradient(loss_name: str) -> None:
+    model = tiny_model()
+    row = TrainRow((1, 2, 3, 4, 5, 6), (0, 0, 1, 0, 1, 1), None, advantage=1.0)
+    batch = pad_batch([row, TrainRow((1, 2, 3), (0, 1, 1), None, -1.0)])
+    old = token_logprobs(model, batch.input_ids_BT, batch.attention_mask_BT).detach() - 0.1
+    batch = pad_batch([TrainRow(row.input_ids, row.loss_mask, tuple(old[0].tolist()), 1.0)])
+    loss_fn = PolicyLoss() if loss_name == "policy" else sft_loss
+    grads_T = _logit_grads(model, lambda m: loss_fn(m, batch, batch.num_tokens)[0])[0]
+    # logits at t predict token t + 1: gradient only where token t + 1 is model-generated
+    assert (grads_T > 0).tolist() == [False, True, False, True, True, False]
+
+
+# ---------------------------------------------------------------------------- learning
+
+
+def sample(model: LlamaForCausalLM, prompt: list[int], n: int, length: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    ids_BT = torch.tensor([prompt] * n)
+    with torch.no_grad():
+        for _ in range(length):
+            probs_BV = torch.softmax(model(input_ids=ids_BT).logits[:, -1].float(), -1)
+            ids_BT = torch.cat([ids_BT, torch.multinomial(probs_BV, 1, generator=generator)], 1)
+    return ids_BT[:, len(prompt) :].tolist()
+
+
+def success_rate(model: LlamaForCausalLM, prompt: list[int]) -> float:
+    model.eval()
+    return sum(7 in c for c in sample(model, prompt, 200, 6, seed=123)) / 200
+
+
+def test_grpo_steps_raise_the_rewarded_behaviour() -> None:
+    prompt = [1, 2, 3]
+    state = make_train_state(tiny_model(vocab=32), TrainConfig(lr=2e-2))
+    before = success_rate(state.model, prompt)
+    for step in range(8):
+        state.model.eval()
+        completions = sample(state.model, prompt, 16, 6, seed=step)
+        rows = [
+            TrajectoryRow(
+                f"r{i}", "at", 0, tuple(prompt + c), (0, 0, 0) + (1,) * 6, None, float(7 in c), (), "g"
+            )
+            for i, c in enumerate(completions)
+        ]
+        train_rows, stats = grouped_advantages(rows)
+        batches = [pad_batch(mb) for mb in micro_batches(train_rows, micro_batch_size=8)]
+        metrics = optimizer_step(state, batches, PolicyLoss())
+        assert stats.zero_spread_groups == 0 and metrics["num_tokens"] == 16 * 6
+    after = success_rate(state.model, prompt)
+    assert after > before + 0.2, (before, after)  # measured: 0.16 -> 0.43
+
+
+def sft_rows() -> list[TrainRow]:
+    return [TrainRow((1 + i, 2, 3, 10 + i, 20 + i, 30 + i), (0, 0, 0, 1, 1, 1)) for i in range(4)]
+
+
+def test_sft_loss_falls() -> None:
+    # full fine-tuning: a random tiny model's output layer (std 0.02, not a LoRA target) caps
+    # how far LoRA alone can move its logits
+    state = make_train_state(tiny_model(), TrainConfig(lora=False, lr=1e-2))
+    batch = pad_batch(sft_rows())
+    losses = [optimizer_step(state, [batch], sft_loss)["loss"] for _ in range(8)]
+    assert losses[-1] < losses[0] * 0.5, losses
+    assert state.step == 8
+
+
+def test_gradient_accumulation_equals_one_batch() -> None:
+    rows = [TrainRow((1, 2, 3, 4), (0, 1, 1, 1), None, 1.0), TrainRow((1, 2), (0, 1), None, -0.5)]
+    one = make_train_state(tiny_model(), TrainConfig(lora=False))
+    split = make_train_state(tiny_model(), TrainConfig(lora=False))
+    for loss_fn in (sft_loss, PolicyLoss(kl_coef=0.0)):
+        whole = optimizer_step(one, [pad_batch(rows)], loss_fn)
+        parts = optimizer_step(split, [pad_batch([r]) for r in rows], loss_fn)
+        assert whole["loss"] == pytest.approx(parts["loss"], abs=1e-5)
+        for a, b in zip(one.model.parameters(), split.model.parameters(), strict=True):
+            assert a.grad is not None and b.grad is not None
+            assert torch.allclose(a.grad, b.grad, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- checkpoints and export
+
+
+@pytest.fixture
+def deterministic() -> Iterator[None]:
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+def _fresh_state() -> TrainState:
+    model = tiny_model(seed=0)
+    torch.manual_seed(1)
+    return make_train_state(model, TrainConfig(lr=1e-2, lora_dropout=0.1))  # dropout uses the RNG
+
+
+def _train(state: TrainState, steps: int) -> None:
+    for _ in range(steps):
+        optimizer_step(state, [pad_batch(sft_rows())], sft_loss)
+
+
+def test_resume_gives_the_same_next_step(tmp_path: Path, deterministic: None) -> None:
+    straight = _fresh_state()
+    _train(straight, 3)
+
+    interrupted = _fresh_state()
+    _train(interrupted, 2)
+    save_checkpoint(
+        tmp_path / "ckpt", interrupted.model, interrupted.optimizer, interrupted.step, extra={"k": 1}
+    )
+    torch.manual_seed(99)  # whatever happens in between
+    resumed = _fresh_state()
+    checkpoint = load_checkpoint(tmp_path / "ckpt", resumed.model, resumed.optimizer)
+    resumed.step = checkpoint.step
+    _train(resumed, 1)
+
+    assert (checkpoint.step, checkpoint.extra, resumed.step) == (2, {"k": 1}, 3)
+    pairs = zip(straight.model.named_parameters(), resumed.model.named_parameters(), strict=True)
+    for (name, a), (_, b) in pairs:
+        assert torch.allclose(a, b, atol=1e-6, rtol=0), name
+
+
+def test_export_and_merged_weights(tmp_path: Path) -> None:
+    state = make_train_state(tiny_model(), TrainConfig(lr=1e-2))
+    _train(state, 2)  # LoRA B starts at zero: train so the merge matters
+    assert export_weights(state.model, tmp_path / "lora") == "lora"
+    assert (tmp_path / "lora" / "adapter_model.safetensors").exists()
+
+    merged = tiny_model(seed=5)
+    merged.load_state_dict(merged_state_dict(state.model))
+    ids_BT, mask_BT = torch.tensor([[1, 2, 3, 4]]), torch.ones(1, 4, dtype=torch.long)
+    state.model.eval()
+    with torch.no_grad():
+        expected = forward_logits(state.model, ids_BT, mask_BT)
+        assert torch.allclose(forward_logits(merged.eval(), ids_BT, mask_BT), expected, atol=1e-4)
+        base = logprobs_from_logits(forward_logits(tiny_model(), ids_BT, mask_BT), ids_BT)
+        reference = reference_logprobs(state.model, pad_batch([TrainRow((1, 2, 3, 4), (0, 1, 1, 1))]))
+    assert torch.allclose(reference, base, atol=1e-5)  # adapter disabled = the base model
+
+    assert export_weights(merged, tmp_path / "full") == "full"
+    assert (tmp_path / "full" / "model.safetensors").exists()
