@@ -22,7 +22,9 @@ Decisions a reader should know:
   completion differently (most often its end-of-turn token) breaks the prefix; the call then
   starts a new row and is counted in :class:`AdapterStats` (``end_token_mismatches`` singles out
   a divergence at the previous completion's last token), so users see it instead of training
-  on silently shifted masks. An agent that runs independent conversations (sub-agents) starts
+  on silently shifted masks. The opposite case, a template that appends an end-of-turn token
+  the completion lacked, is an exact prefix and merges: that token is masked 0, like all
+  template tokens. An agent that runs independent conversations (sub-agents) starts
   new rows by design; those are counted as mismatches too.
 - With ``n > 1`` each choice is its own transition. A trajectory follows the choice that the
   next prompt continues (choice 0 when none or at the end); the other choices appear in

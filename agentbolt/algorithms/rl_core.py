@@ -164,6 +164,8 @@ def _pad(seqs: Sequence[Sequence[float]], length: int, value: float, dtype: torc
 
 def pad_batch(rows: Sequence[TrainRow], pad_token_id: int = 0, max_len: int | None = None) -> Batch:
     """Right-pad rows to the longest (cut to ``max_len`` tokens, keeping the start)."""
+    if not rows:
+        raise ValueError("pad_batch needs at least one row")
     T = max(len(r.input_ids) for r in rows)
     T = min(T, max_len) if max_len else T
     old = [r.old_logprobs for r in rows]
@@ -302,12 +304,14 @@ class PolicyLoss:
     clip_low: float = 0.2
     clip_high: float = 0.28
     kl_coef: float = 0.0
+    entropy: bool = True
+    """Report the policy entropy (one more B x T x V pass, without gradient)."""
 
     def __call__(self, model: nn.Module, batch: Batch, num_tokens: float) -> tuple[Tensor, dict[str, float]]:
         logits_BTV = forward_logits(model, batch.input_ids_BT, batch.attention_mask_BT)
         new_BT = logprobs_from_logits(logits_BTV, batch.input_ids_BT)
         with torch.no_grad():
-            entropy_BT = entropy_from_logits(logits_BTV)
+            entropy_BT = entropy_from_logits(logits_BTV) if self.entropy else None
         old_BT = batch.old_logprobs_BT if batch.old_logprobs_BT is not None else new_BT.detach()
         return clipped_policy_loss(
             new_BT,
