@@ -38,7 +38,11 @@ def _load_tasks(path: Path) -> list[Task]:
         raise _fail(f"task file {path} does not exist")
     text = path.read_text()
     try:
-        items = json.loads(text) if text.lstrip().startswith("[") else [json.loads(x) for x in text.splitlines() if x.strip()]
+        items = (
+            json.loads(text)
+            if text.lstrip().startswith("[")
+            else [json.loads(x) for x in text.splitlines() if x.strip()]
+        )
     except json.JSONDecodeError as exc:
         raise _fail(f"{path}: not JSON or JSON lines ({exc})") from None
     if not all(isinstance(i, dict) for i in items):
@@ -52,17 +56,25 @@ def server(
     host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port.")] = 8765,
     token: Annotated[str | None, typer.Option(envvar="AGENTBOLT_TOKEN", help="Admin bearer token.")] = None,
-    runner_token: Annotated[str | None, typer.Option(envvar="AGENTBOLT_RUNNER_TOKEN", help="Runner token.")] = None,
-    reader_token: Annotated[str | None, typer.Option(envvar="AGENTBOLT_READER_TOKEN", help="Read-only token.")] = None,
+    runner_token: Annotated[
+        str | None, typer.Option(envvar="AGENTBOLT_RUNNER_TOKEN", help="Runner token.")
+    ] = None,
+    reader_token: Annotated[
+        str | None, typer.Option(envvar="AGENTBOLT_READER_TOKEN", help="Read-only token.")
+    ] = None,
     lease_seconds: Annotated[float, typer.Option(help="Attempt lease without heartbeat.")] = 30.0,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
 ) -> None:
     """Run the server: store API, gateway, OTLP ingest and dashboard."""
     from agentbolt.server import Role, ServerConfig, serve
 
-    tokens = {t: r for t, r in ((token, Role.ADMIN), (runner_token, Role.RUNNER), (reader_token, Role.READER)) if t}
+    tokens = {
+        t: r for t, r in ((token, Role.ADMIN), (runner_token, Role.RUNNER), (reader_token, Role.READER)) if t
+    }
     if host not in ("127.0.0.1", "localhost", "::1") and not tokens:
-        err_console.print("[yellow]warning:[/] binding a non-loopback address without --token: anyone can write")
+        err_console.print(
+            "[yellow]warning:[/] binding a non-loopback address without --token: anyone can write"
+        )
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = ServerConfig(db=db, host=host, port=port, tokens=tokens, lease_seconds=lease_seconds)
     console.print(f"agentbolt server on http://{host}:{port}  (store: {db})")
@@ -84,15 +96,25 @@ def runner(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     sys.path.insert(0, os.getcwd())
     loaded = load_agent(agent)
-    Runner(loaded, server, token=token, concurrency=concurrency, lease_seconds=lease_seconds,
-           max_rollouts=max_rollouts).run_sync()  # fmt: skip
+    worker = Runner(loaded, server, token=token, concurrency=concurrency, lease_seconds=lease_seconds,
+                    max_rollouts=max_rollouts)  # fmt: skip
+    worker.run_sync()
+    if worker.abandoned:
+        # Released attempts whose agent threads still run: they cannot be interrupted, and
+        # waiting for them would defeat the stop. Their work is already handed back.
+        err_console.print(f"stopped; {worker.abandoned} released agent thread(s) abandoned")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 @app.command("eval")
 def eval_(
     agent: Annotated[str, typer.Option("--agent", "-a", help="module:object or file.py:object.")],
     tasks: Annotated[Path, typer.Option("--tasks", "-t", help="JSON or JSON-lines file of tasks.")],
-    server: Annotated[str | None, typer.Option("--server", "-s", help="Use this server instead of an embedded one.")] = None,
+    server: Annotated[
+        str | None, typer.Option("--server", "-s", help="Use this server instead of an embedded one.")
+    ] = None,
     token: TokenOpt = None,
     runners: Annotated[int, typer.Option(min=0, help="Local runner processes to start.")] = 2,
     prompt: Annotated[str | None, typer.Option(help="Publish this system_prompt resource first.")] = None,

@@ -30,6 +30,7 @@ from agentbolt.agent import LitAgent, RolloutContext, as_agent, emit_exception
 from agentbolt.client import AsyncClient, RetryPolicy
 from agentbolt.errors import AgentboltError, ConfigError, LeaseLost, NotFound
 from agentbolt.schemas import AttemptStatus, Claim, EventType, Trajectory
+from agentbolt.tracing import Tracer, tracing_enabled
 
 __all__ = ["Runner", "load_agent", "reward_of"]
 
@@ -91,6 +92,7 @@ class Runner:
         grace: float = 10.0,
         max_rollouts: int | None = None,
         request_timeout: float = 30.0,
+        tracing: bool | None = None,
     ) -> None:
         self.agent = as_agent(agent)
         self.concurrency = max(1, concurrency)
@@ -104,10 +106,16 @@ class Runner:
                                   retry=RetryPolicy(attempts=0, base_delay=0.2, max_delay=5.0))  # fmt: skip
         self.completed = 0
         self.failed = 0
+        self.abandoned = 0
+        self.lost = 0
+        """Attempts whose lease ended before they could report (they do not count as done)."""
+        """Sync agents cancelled mid-run (stop or lost lease): their threads cannot be interrupted."""
         self._stopping: asyncio.Event | None = None  # created on the loop in run()
         self._executor = ThreadPoolExecutor(self.concurrency, thread_name_prefix="agentbolt-agent")
         self._running: dict[str, asyncio.Task[Any]] = {}
         self._release_now = False
+        # OpenTelemetry export of each rollout's spans (off unless asked: AGENTBOLT_TRACING=1)
+        self.tracer = Tracer(server_url, token) if tracing_enabled(tracing) else None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -128,6 +136,8 @@ class Runner:
         finally:
             await self.client.aclose()
             self._executor.shutdown(wait=False, cancel_futures=True)
+            if self.tracer is not None:
+                await asyncio.to_thread(self.tracer.shutdown)
 
     def stop(self) -> None:
         """Stop claiming; running rollouts get ``grace`` seconds, then are released."""
@@ -205,9 +215,11 @@ class Runner:
             keepalive.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await keepalive
+        if self.tracer is not None:  # the rollout's spans are in the store before it is finished
+            await asyncio.to_thread(self.tracer.flush)
         if lost.is_set():
             log.warning("attempt %s lost its lease; its result is dropped", attempt_id)
-            self.failed += 1
+            self.lost += 1
             return
         await self._report(ctx, status, reward, error)
 
@@ -221,6 +233,8 @@ class Runner:
             if current is not None and current.cancelling():
                 raise  # this slot itself is being cancelled
             # the agent was cancelled: by stopping (release it) or by a lost lease (dropped later)
+            if not self.agent.is_async:
+                self.abandoned += 1  # its thread cannot be interrupted and runs on
             return AttemptStatus.RELEASED, None, "runner stopped"
         except Exception as exc:
             ctx_token = ctx.activate()
@@ -253,16 +267,18 @@ class Runner:
 
     async def _run_agent(self, ctx: RolloutContext) -> Any:
         token = ctx.activate()
+        traced = self.tracer.rollout(ctx) if self.tracer is not None else contextlib.nullcontext()
         try:
-            if self.agent.is_async:
-                return await self.agent.execute_rollout(ctx.task)  # type: ignore[misc]
-            import contextvars
+            with traced:  # inside the rollout's context: the agent's spans are children of its root
+                if self.agent.is_async:
+                    return await self.agent.execute_rollout(ctx.task)  # type: ignore[misc]
+                import contextvars
 
-            run_ctx = contextvars.copy_context()
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(
-                self._executor, run_ctx.run, self.agent.execute_rollout, ctx.task
-            )
+                run_ctx = contextvars.copy_context()
+                loop = asyncio.get_running_loop()
+                return await loop.run_in_executor(
+                    self._executor, run_ctx.run, self.agent.execute_rollout, ctx.task
+                )
         finally:
             token.var.reset(token)
 
@@ -302,7 +318,7 @@ class Runner:
             await self.client.finish(ctx.attempt.id, status, reward, error, self.worker_id)
         except (LeaseLost, NotFound) as exc:
             log.warning("attempt %s could not be finished: %s", ctx.attempt.id, exc)
-            self.failed += 1
+            self.lost += 1
             return
         if status == AttemptStatus.SUCCEEDED:
             self.completed += 1

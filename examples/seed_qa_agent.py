@@ -80,7 +80,9 @@ def main(n_runners: int = 2) -> None:
         resources={"system_prompt": PromptTemplate(template="You are a concise, accurate assistant.")},
     )
     summary = trainer.fit(QAAgent(llm_model=None), val_tasks=QA_TASKS)
-    print(f"seed QA agent: {summary.succeeded}/{summary.count} rollouts succeeded, mean reward {summary.mean_reward}")
+    print(
+        f"seed QA agent: {summary.succeeded}/{summary.count} rollouts succeeded, mean reward {summary.mean_reward}"
+    )
 
 
 if __name__ == "__main__":

@@ -24,23 +24,35 @@ def _claim(url, worker="w1"):
 def test_health_and_openapi(server):
     assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
     spec = httpx.get(f"{server.url}/openapi.json").json()
-    for path in ("/api/rollouts", "/api/dequeue", "/api/attempts/{attempt_id}/finish", "/api/resources",
-                 "/api/rollouts/{rollout_id}/events", "/api/rollouts/wait"):
+    for path in (
+        "/api/rollouts",
+        "/api/dequeue",
+        "/api/attempts/{attempt_id}/finish",
+        "/api/resources",
+        "/api/rollouts/{rollout_id}/events",
+        "/api/rollouts/wait",
+    ):
         assert path in spec["paths"], path
 
 
 def test_full_cycle_over_http(server):
     url = server.url
-    r = httpx.post(f"{url}/api/resources", json={"resources": {"system_prompt": {"type": "prompt_template",
-                                                                                  "template": "Be brief."}}})
+    r = httpx.post(
+        f"{url}/api/resources",
+        json={"resources": {"system_prompt": {"type": "prompt_template", "template": "Be brief."}}},
+    )
     assert r.status_code == 201 and r.json()["version"] == 1
     [rollout] = _enqueue(url)
     claim = _claim(url)
     assert claim["rollout"]["id"] == rollout["id"]
     assert claim["resources"]["resources"]["system_prompt"]["template"] == "Be brief."
     aid = claim["attempt"]["id"]
-    events = {"events": [{"sequence": 0, "type": "message", "data": {"content": "hi"}},
-                         {"sequence": 1, "type": "reward", "data": {"value": 1}}]}
+    events = {
+        "events": [
+            {"sequence": 0, "type": "message", "data": {"content": "hi"}},
+            {"sequence": 1, "type": "reward", "data": {"value": 1}},
+        ]
+    }
     assert httpx.post(f"{url}/api/attempts/{aid}/events", json=events).json() == {"added": 2}
     assert httpx.post(f"{url}/api/attempts/{aid}/events", json=events).json() == {"added": 0}
     assert httpx.post(f"{url}/api/attempts/{aid}/heartbeat", json={}).status_code == 200
@@ -48,7 +60,9 @@ def test_full_cycle_over_http(server):
     assert done.json()["status"] == "succeeded"
     page = httpx.get(f"{url}/api/rollouts/{rollout['id']}/events").json()
     assert [e["type"] for e in page["items"]] == ["message", "reward"]
-    waited = httpx.post(f"{url}/api/rollouts/wait", json={"rollout_ids": [rollout["id"]], "timeout": 1}).json()
+    waited = httpx.post(
+        f"{url}/api/rollouts/wait", json={"rollout_ids": [rollout["id"]], "timeout": 1}
+    ).json()
     assert waited["done"] is True
     assert httpx.get(f"{url}/api/stats").json()["rollouts"]["succeeded"] == 1
     assert httpx.get(f"{url}/api/workers").json()[0]["id"] == "w1"
@@ -102,7 +116,10 @@ def test_invalid_transitions_are_409_and_change_nothing(server):
     url = server.url
     [rollout] = _enqueue(url)
     aid = _claim(url)["attempt"]["id"]
-    assert httpx.post(f"{url}/api/attempts/{aid}/finish", json={"status": "failed", "error": "x"}).status_code == 200
+    assert (
+        httpx.post(f"{url}/api/attempts/{aid}/finish", json={"status": "failed", "error": "x"}).status_code
+        == 200
+    )
     again = httpx.post(f"{url}/api/attempts/{aid}/finish", json={"status": "succeeded", "reward": 1})
     assert again.status_code == 409
     late = httpx.post(f"{url}/api/attempts/{aid}/events", json={"events": [{"sequence": 0, "type": "x"}]})
@@ -118,8 +135,11 @@ def test_non_finite_reward_is_rejected_without_a_partial_write(server):
     url = server.url
     [rollout] = _enqueue(url)
     aid = _claim(url)["attempt"]["id"]
-    r = httpx.post(f"{url}/api/attempts/{aid}/finish", content=b'{"status": "succeeded", "reward": NaN}',
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        f"{url}/api/attempts/{aid}/finish",
+        content=b'{"status": "succeeded", "reward": NaN}',
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 422
     assert httpx.get(f"{url}/api/rollouts/{rollout['id']}").json()["status"] == "running"
 
@@ -165,7 +185,9 @@ def test_oversized_body_gets_413(tmp_path):
             yield b"x" * 5000
             yield b'"}}}]}'
 
-        r = httpx.post(f"{srv.url}/api/rollouts", content=chunks(), headers={"content-type": "application/json"})
+        r = httpx.post(
+            f"{srv.url}/api/rollouts", content=chunks(), headers={"content-type": "application/json"}
+        )
         assert r.status_code == 413
         assert httpx.get(f"{srv.url}/api/rollouts").json()["items"] == []
 
@@ -191,6 +213,8 @@ def test_auth_roles(tmp_path):
 
 
 def test_cors_is_off_by_default(server):
-    r = httpx.options(f"{server.url}/api/rollouts", headers={"origin": "http://evil.example",
-                                                             "access-control-request-method": "GET"})
+    r = httpx.options(
+        f"{server.url}/api/rollouts",
+        headers={"origin": "http://evil.example", "access-control-request-method": "GET"},
+    )
     assert "access-control-allow-origin" not in r.headers

@@ -1,0 +1,3 @@
+from agentbolt.cli import main
+
+main()

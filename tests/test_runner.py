@@ -1,0 +1,168 @@
+"""The runner against a real server: sync and async agents, failures, outages, signals."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from agentbolt.client import Client
+from agentbolt.runner import Runner, load_agent
+from agentbolt.schemas import AttemptStatus, PromptTemplate, RolloutCreate, RolloutStatus, Task
+from agentbolt.server import ServerConfig, ServerProcess
+
+AGENTS = str(Path(__file__).with_name("sample_agents.py"))
+
+
+def _agent(name: str):
+    return load_agent(f"{AGENTS}:{name}")
+
+
+def _run(runner: Runner, timeout: float = 60) -> None:
+    asyncio.run(asyncio.wait_for(runner.run(), timeout))
+
+
+def _enqueue(client: Client, datas, **kw):
+    return client.enqueue([RolloutCreate(task=Task(data=d), **kw) for d in datas])
+
+
+def test_sync_agent_with_concurrency(server, client):
+    client.publish_resources({"system_prompt": PromptTemplate(template="P:")})
+    ros = _enqueue(client, [{"q": str(i), "reward": i / 10} for i in range(12)])
+    runner = Runner(_agent("echo"), server.url, concurrency=4, max_rollouts=12)
+    _run(runner)
+    done = client.wait([r.id for r in ros], 5)
+    assert done.done and runner.completed == 12
+    assert sorted(r.reward for r in done.rollouts) == pytest.approx([i / 10 for i in range(12)])
+    messages = [e.data["content"] for e in client.all_events(ros[3].id) if e.type == "message"]
+    assert messages == ["P:3"]
+
+
+def test_async_agent_events_from_threads_and_tasks(server, client):
+    [ro] = _enqueue(client, [{}])
+    _run(Runner(_agent("AsyncToolAgent"), server.url, max_rollouts=1))
+    rollout = client.get_rollout(ro.id)
+    assert rollout.status == RolloutStatus.SUCCEEDED and rollout.reward == 0.5
+    events = client.all_events(ro.id)
+    types = [e.type for e in events]
+    assert types.count("tool_call") == 2 and types.count("trajectory") == 1
+    assert sorted(e.data["name"] for e in events if e.type == "reward" and "name" in e.data) == [
+        "part0", "part1", "part2"]  # fmt: skip
+    assert sorted(e.sequence for e in events) == list(range(len(events)))
+
+
+def test_reward_from_emitted_rewards_when_agent_returns_none(server, client):
+    [ro] = _enqueue(client, [{}])
+    _run(Runner(_agent("emits_only"), server.url, max_rollouts=1))
+    assert client.get_rollout(ro.id).reward == pytest.approx(0.75)
+
+
+def test_agent_exception_fails_attempt_with_traceback_event(server, client):
+    [ro] = _enqueue(client, [{"fail": True}], max_attempts=2)
+    runner = Runner(_agent("echo"), server.url, max_rollouts=2)
+    _run(runner)
+    rollout = client.get_rollout(ro.id)
+    assert rollout.status == RolloutStatus.FAILED and "asked to fail" in (rollout.error or "")
+    attempts = client.list_attempts(ro.id)
+    assert [a.status for a in attempts] == [AttemptStatus.FAILED, AttemptStatus.FAILED]
+    exc = [e for e in client.all_events(ro.id) if e.type == "exception"]
+    assert len(exc) == 2 and "Traceback" in exc[0].data["traceback"] and exc[0].data["type"] == "ValueError"
+
+
+def _cli_runner(url: str, agent: str, *extra: str, env: dict | None = None) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        "-m",
+        "agentbolt",
+        "runner",
+        "--server",
+        url,
+        "--agent",
+        f"{AGENTS}:{agent}",
+        *extra,
+    ]
+    return subprocess.Popen(
+        cmd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+
+
+def _wait_until(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.05)
+
+
+def test_sigterm_finishes_running_rollouts_then_exits(server, client):
+    ros = _enqueue(client, [{"sleep": 1.0}] * 4)
+    proc = _cli_runner(server.url, "slow", "--concurrency", "2")
+    _wait_until(lambda: client.stats()["rollouts"]["running"] == 2)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+    statuses = sorted(client.get_rollout(r.id).status for r in ros)
+    assert statuses.count(RolloutStatus.SUCCEEDED) == 2 and statuses.count(RolloutStatus.QUEUED) == 2
+
+
+def test_second_signal_releases_attempts_without_using_them_up(server, client):
+    [ro] = _enqueue(client, [{"sleep": 60}], max_attempts=1)
+    proc = _cli_runner(server.url, "slow")
+    _wait_until(lambda: client.get_rollout(ro.id).status == RolloutStatus.RUNNING)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    proc.wait(30)
+    rollout = client.get_rollout(ro.id)
+    assert rollout.status == RolloutStatus.QUEUED and rollout.attempts == 0
+    assert client.list_attempts(ro.id)[0].status == AttemptStatus.RELEASED
+
+
+def test_sigkilled_runner_rollout_is_retried_and_succeeds_once(tmp_path):
+    config = ServerConfig(db=str(tmp_path / "s.db"), lease_seconds=1.0, sweep_interval=0.1)
+    with ServerProcess(config) as srv, Client(srv.url) as client:
+        [ro] = _enqueue(client, [{"sleep": 1.5}], max_attempts=3)
+        victim = _cli_runner(srv.url, "slow", "--lease-seconds", "1")
+        _wait_until(lambda: client.get_rollout(ro.id).status == RolloutStatus.RUNNING)
+        victim.kill()
+        victim.wait(10)
+        survivor = _cli_runner(srv.url, "slow", "--lease-seconds", "1", "--max-rollouts", "1")
+        try:
+            assert survivor.wait(60) == 0
+        finally:
+            survivor.kill()
+        rollout = client.get_rollout(ro.id)
+        attempts = client.list_attempts(ro.id)
+        assert rollout.status == RolloutStatus.SUCCEEDED
+        assert [a.status for a in attempts] == [AttemptStatus.LEASE_EXPIRED, AttemptStatus.SUCCEEDED]
+        assert attempts[0].worker_id != attempts[1].worker_id
+
+
+def test_runner_survives_a_server_restart(tmp_path):
+    config = ServerConfig(db=str(tmp_path / "s.db"), lease_seconds=5.0, sweep_interval=0.1)
+    srv = ServerProcess(config).start()
+    try:
+        with Client(srv.url) as client:
+            ros = _enqueue(client, [{"sleep": 0.2}] * 10)
+        runner = Runner(_agent("slow"), srv.url, concurrency=2, lease_seconds=5.0, max_rollouts=10)
+        thread = threading.Thread(target=_run, args=(runner, 90))
+        thread.start()
+        time.sleep(0.5)
+        srv.kill()  # SIGKILL: no chance to flush anything
+        time.sleep(1.5)
+        srv.start()
+        thread.join(90)
+        assert not thread.is_alive()
+        with Client(srv.url) as client:
+            final = client.wait([r.id for r in ros], 30)
+        assert final.done
+        assert all(r.status == RolloutStatus.SUCCEEDED for r in final.rollouts)
+    finally:
+        srv.stop()
