@@ -394,7 +394,9 @@ def make_train_state(model: nn.Module, config: TrainConfig = TrainConfig()) -> T
 
 
 def optimizer_step(state: TrainState, batches: Sequence[Batch], loss_fn: LossFn) -> dict[str, float]:
-    """One update from gradients accumulated over ``batches`` (the micro-batches of one batch).
+    """One update from gradients accumulated over ``batches`` (the micro-batches of one batch:
+    ``[pad_batch(mb) for mb in micro_batches(rows, max_tokens=4096)]``), clipped to
+    ``state.config.max_grad_norm``.
 
     Metrics are token-weighted means over the micro-batches; a batch without model tokens
     changes nothing and reports ``num_tokens`` 0."""
