@@ -22,6 +22,7 @@ from pydantic_core import to_json
 
 from agentbolt.errors import AgentboltError
 from agentbolt.schemas import (
+    LLM,
     Attempt,
     AttemptFinish,
     Claim,
@@ -45,10 +46,20 @@ from agentbolt.server.config import ServerConfig
 from agentbolt.server.middleware import AuthMiddleware, BodyLimitMiddleware
 from agentbolt.store import SqlStore, open_store
 
-__all__ = ["create_app"]
+__all__ = ["REDACTED", "create_app", "redact"]
 
 log = logging.getLogger("agentbolt.server")
 R = TypeVar("R")
+REDACTED = "<redacted>"
+
+
+def redact(res: Resources | None) -> Resources | None:
+    """LLM API keys are for the gateway's upstream calls only: the API never serves them."""
+    if res is None or not any(isinstance(r, LLM) and r.api_key for r in res.resources.values()):
+        return res
+    clean = {k: r.model_copy(update={"api_key": REDACTED}) if isinstance(r, LLM) and r.api_key else r
+             for k, r in res.resources.items()}  # fmt: skip
+    return res.model_copy(update={"resources": clean})
 
 
 class StoreCaller:
@@ -170,6 +181,9 @@ def _store_router(call: StoreCaller, config: ServerConfig) -> APIRouter:
         claim = await call(store.dequeue, body.worker_id, body.lease_seconds)
         if claim is None:
             return Response(content=b"null", media_type="application/json")
+        redacted = redact(claim.resources)
+        if redacted is not claim.resources:
+            claim = claim.model_copy(update={"resources": redacted})
         hook = getattr(request.app.state, "claim_hook", None)
         if hook is not None:
             claim = hook(claim, request)
@@ -196,22 +210,23 @@ def _store_router(call: StoreCaller, config: ServerConfig) -> APIRouter:
 
     @api.post("/resources", response_model=Resources, status_code=201, tags=["resources"])
     async def publish(body: ResourcesCreate) -> Response:
-        return _json(await call(store.publish_resources, body), 201)
+        return _json(redact(await call(store.publish_resources, body)), 201)
 
     @api.get("/resources", response_model=Page[Resources], tags=["resources"])
     async def list_resources(
         limit: Annotated[int, Query(ge=1, le=1000)] = 100, cursor: str | None = None
     ) -> Response:
-        return _json(await call(store.list_resources, limit, cursor))
+        page = await call(store.list_resources, limit, cursor)
+        return _json(page.model_copy(update={"items": [redact(r) for r in page.items]}))
 
     @api.get("/resources/latest", response_model=Resources | None, tags=["resources"])
     async def latest() -> Response:
         res = await call(store.latest_resources)
-        return _json(res) if res is not None else Response(b"null", media_type="application/json")
+        return _json(redact(res)) if res is not None else Response(b"null", media_type="application/json")
 
     @api.get("/resources/{version}", response_model=Resources, tags=["resources"])
     async def get_resources(version: int) -> Response:
-        return _json(await call(store.get_resources, version))
+        return _json(redact(await call(store.get_resources, version)))
 
     @api.get("/workers", response_model=list[Worker], tags=["status"])
     async def workers() -> Response:

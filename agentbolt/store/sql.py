@@ -395,6 +395,15 @@ class SqlStore:
             attempt = self._held(tx, attempt_id, worker_id)
             return self._insert_events(tx, attempt.rollout_id, attempt_id, events)
 
+    def record_events(self, attempt_id: str, events: Sequence[EventCreate]) -> int:
+        """Append events the server observed itself (gateway calls, OTLP spans). Unlike
+        :meth:`add_events` the attempt may have ended: a span can arrive after the finish."""
+        with self._tx() as tx:
+            row = tx.one("SELECT rollout_id FROM attempts WHERE id = ?", (attempt_id,))
+            if row is None:
+                raise NotFound("attempt", attempt_id)
+            return self._insert_events(tx, row[0], attempt_id, events)
+
     def _insert_events(self, tx: Tx, rollout_id: str, attempt_id: str, events: Sequence[EventCreate]) -> int:
         seqs = [e.sequence for e in events if e.sequence is not None]
         existing: set[int] = set()

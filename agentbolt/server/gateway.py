@@ -1,0 +1,525 @@
+"""The gateway: an OpenAI-compatible endpoint per attempt that records every model call.
+
+``/gateway/{rollout_id}/{attempt_id}/v1/{chat/completions,completions,models}`` forwards to the
+upstream named by the rollout's ``LLM`` resource (the ``base_url`` as published). It asks the
+upstream for token ids and logprobs, records one ``llm_call`` event per call (see
+``docs/events.md``) and returns to the agent only what the agent asked for. Dequeued claims
+get their ``LLM`` resources pointed here (:func:`rewrite_claim`), so agents are captured with
+no code change.
+
+Choices worth knowing:
+
+- The event is recorded before the answer is returned (after the last chunk for streams), so
+  when an agent's call returns its record is in the store.
+- Upstream API keys come from the resource's ``api_key`` or ``ServerConfig.upstream_api_keys``
+  (by base URL, then ``"*"``); they travel only in the upstream request's header. The API serves
+  resources with keys redacted; a resource re-published from such a read keeps using the key
+  last published for its base URL.
+- Retries (with backoff) only where the upstream cannot have started work: connection failures,
+  and 429/502/503 answers. A read timeout or a broken stream is reported, not retried.
+- An upstream that rejects ``return_token_ids`` (400 naming it) is asked again without it and
+  remembered; its calls are recorded with ``token_ids: null``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import httpx
+import orjson
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+
+from agentbolt.errors import NotFound
+from agentbolt.schemas import LLM, AttemptStatus, Claim, EventCreate, EventType, Resources
+from agentbolt.server.app import REDACTED, StoreCaller
+from agentbolt.server.config import ServerConfig
+from agentbolt.server.openai_format import (
+    CHAT,
+    COMPLETIONS,
+    StreamAssembler,
+    Wants,
+    error_body,
+    extract,
+    prepare,
+    strip,
+)
+
+__all__ = ["Gateway", "install", "rewrite_claim"]
+
+log = logging.getLogger("agentbolt.gateway")
+
+RETRY_STATUSES = (429, 502, 503)
+MAX_TRIES = 4
+PLACEHOLDER_KEY = "agentbolt"  # what agents get as api_key when the server has no auth
+_PATHS = {CHAT: "chat/completions", COMPLETIONS: "completions"}
+
+
+class _Refused(Exception):
+    """A call the gateway answers itself, with an OpenAI-style error."""
+
+    def __init__(self, status: int, message: str, type: str) -> None:
+        super().__init__(message)
+        self.status, self.type = status, type
+
+    def response(self) -> Response:
+        return _json(error_body(str(self), self.type, self.status), self.status)
+
+
+def _json(body: Any, status: int = 200) -> Response:
+    return Response(content=orjson.dumps(body), status_code=status, media_type="application/json")
+
+
+@dataclass(frozen=True)
+class _Target:
+    """What a gateway call needs to know about its attempt; fixed once the attempt exists."""
+
+    rollout_id: str
+    attempt_id: str
+    resources_version: int | None
+    llms: dict[str, LLM]
+
+    def pick(self, model: Any) -> tuple[str, LLM]:
+        """The LLM resource serving ``model``: the one whose model matches, else the first."""
+        if not self.llms:
+            raise _Refused(400, "this rollout's resources have no LLM resource to forward to",
+                           "invalid_request_error")  # fmt: skip
+        for name, llm in self.llms.items():
+            if llm.model == model:
+                return name, llm
+        return next(iter(self.llms.items()))
+
+
+@dataclass
+class _Call:
+    """One model call in flight: where it goes and what the record needs."""
+
+    target: _Target
+    resource: str
+    llm: LLM
+    endpoint: str
+    request: dict[str, Any]
+    wants: Wants
+    key: str | None
+    started: float  # wall clock, the event's timestamp
+    t0: float  # perf_counter, for latency
+
+    def elapsed_ms(self) -> float:
+        return round((time.perf_counter() - self.t0) * 1000, 3)
+
+    def scrub(self, text: str) -> str:
+        return text.replace(self.key, "***") if self.key else text
+
+
+class Gateway:
+    def __init__(self, call: StoreCaller, config: ServerConfig) -> None:
+        self.call, self.store, self.config = call, call.store, config
+        self._http: httpx.AsyncClient | None = None
+        self._targets: OrderedDict[str, _Target] = OrderedDict()
+        self._token_ids: dict[str, bool] = {}  # base URL -> whether it accepts return_token_ids
+        self._history_keys: dict[tuple[str, int], str | None] = {}
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        """One client for every upstream call: pooled keep-alive connections."""
+        if self._http is None:
+            timeout = httpx.Timeout(
+                self.config.upstream_timeout, connect=min(10.0, self.config.upstream_timeout)
+            )
+            limits = httpx.Limits(max_connections=1000, max_keepalive_connections=256, keepalive_expiry=60)
+            self._http = httpx.AsyncClient(timeout=timeout, limits=limits)
+        return self._http
+
+    async def aclose(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+    # ------------------------------------------------------------------ resolving a call
+
+    async def target(self, rollout_id: str, attempt_id: str) -> _Target:
+        try:
+            attempt = await self.call(self.store.get_attempt, attempt_id)
+        except NotFound:
+            raise _Refused(404, f"attempt {attempt_id!r} not found", "not_found_error") from None
+        if attempt.rollout_id != rollout_id:
+            raise _Refused(
+                404, f"attempt {attempt_id!r} is not part of rollout {rollout_id!r}", "not_found_error"
+            )
+        if attempt.status != AttemptStatus.RUNNING:
+            raise _Refused(409, f"attempt {attempt_id!r} is {attempt.status.value}; it takes no more calls",
+                           "conflict_error")  # fmt: skip
+        found = self._targets.get(attempt_id)
+        if found is None:
+            found = await self._load_target(rollout_id, attempt_id)
+            self._targets[attempt_id] = found
+            while len(self._targets) > 10_000:
+                self._targets.popitem(last=False)
+        return found
+
+    async def _load_target(self, rollout_id: str, attempt_id: str) -> _Target:
+        rollout = await self.call(self.store.get_rollout, rollout_id)
+        version = rollout.resources_version
+        resources = await self.call(self.store.get_resources, version) if version is not None else None
+        llms = {k: r for k, r in resources.resources.items() if isinstance(r, LLM)} if resources else {}
+        return _Target(rollout_id, attempt_id, version, llms)
+
+    async def upstream_key(self, llm: LLM, version: int | None) -> str | None:
+        """The resource's key, else the configured one for its base URL, else (for a resource
+        re-published from a redacted read) the key last published for that URL, else ``"*"``."""
+        if llm.api_key and llm.api_key != REDACTED:
+            return llm.api_key
+        keys = self.config.upstream_api_keys
+        for url in (llm.base_url, llm.base_url.rstrip("/")):
+            if url in keys:
+                return keys[url]
+        if llm.api_key == REDACTED and version is not None:
+            found = await self._key_from_history(llm.base_url, version)
+            if found:
+                return found
+        return keys.get("*")
+
+    async def _key_from_history(self, base_url: str, version: int) -> str | None:
+        cache_key = (base_url, version)
+        if cache_key not in self._history_keys:
+            self._history_keys[cache_key] = await self.call(_published_key, self.store, base_url, version)
+        return self._history_keys[cache_key]
+
+    # ------------------------------------------------------------------ forwarding
+
+    async def forward(self, request: Request, rollout_id: str, attempt_id: str, endpoint: str) -> Response:
+        started, t0 = time.time(), time.perf_counter()
+        try:
+            body = orjson.loads(await request.body())
+        except orjson.JSONDecodeError:
+            body = None
+        if not isinstance(body, dict):
+            return _json(error_body("the request body must be a JSON object", "invalid_request_error"), 400)
+        try:
+            target = await self.target(rollout_id, attempt_id)
+            resource, llm = target.pick(body.get("model"))
+            key = await self.upstream_key(llm, target.resources_version)
+        except _Refused as exc:
+            return exc.response()
+        ask_ids = self._token_ids.get(llm.base_url, True)
+        payload, wants = prepare(endpoint, body, ask_ids)
+        call = _Call(target, resource, llm, endpoint, body, wants, key, started, t0)
+        try:
+            upstream = await self._send_with_fallback(call, payload)
+        except httpx.TimeoutException as exc:
+            return await self._failed(
+                call, 504, "upstream_timeout", f"the model server timed out ({type(exc).__name__})"
+            )
+        except httpx.HTTPError as exc:
+            return await self._failed(
+                call, 502, "upstream_unavailable", f"the model server is unreachable: {exc}"
+            )
+        if upstream.status_code >= 400:
+            return await self._upstream_error(call, upstream)
+        if body.get("stream"):
+            return StreamingResponse(self._relay(call, upstream), media_type="text/event-stream",
+                                     headers={"cache-control": "no-cache"})  # fmt: skip
+        try:
+            full = orjson.loads(await upstream.aread())
+        except (orjson.JSONDecodeError, httpx.HTTPError) as exc:
+            return await self._failed(call, 502, "upstream_invalid_response", f"unreadable model server answer: {exc}",
+                                      upstream.status_code)  # fmt: skip
+        out = await self._record_success(call, full, upstream.status_code, upstream.headers)
+        return _json(out, upstream.status_code)
+
+    def _upstream_request(self, call: _Call, payload: dict[str, Any]) -> httpx.Request:
+        headers = {"content-type": "application/json", "accept": "application/json"}
+        if call.key:
+            headers["authorization"] = f"Bearer {call.key}"
+        url = f"{call.llm.base_url.rstrip('/')}/{_PATHS[call.endpoint]}"
+        return self.http.build_request("POST", url, content=orjson.dumps(payload), headers=headers)
+
+    async def _send_with_fallback(self, call: _Call, payload: dict[str, Any]) -> httpx.Response:
+        response = await self._send(lambda: self._upstream_request(call, payload))
+        base = call.llm.base_url
+        if (
+            response.status_code in (400, 422)
+            and "return_token_ids" in payload
+            and base not in self._token_ids
+        ):
+            text = await response.aread()
+            if b"return_token_ids" not in text:
+                return response
+            await response.aclose()
+            log.info("model server %s does not accept return_token_ids; its calls get no token ids", base)
+            self._token_ids[base] = False
+            payload = {k: v for k, v in payload.items() if k != "return_token_ids"}
+            response = await self._send(lambda: self._upstream_request(call, payload))
+        elif response.status_code < 400 and "return_token_ids" in payload:
+            self._token_ids[base] = True
+        return response
+
+    async def _send(self, build: Any) -> httpx.Response:
+        """Send (streamed), retrying with backoff where the upstream did not start work."""
+        deadline = time.monotonic() + self.config.upstream_timeout
+        for attempt in range(MAX_TRIES):
+            last = attempt == MAX_TRIES - 1
+            try:
+                response = await self.http.send(build(), stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout):
+                if last or time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(_backoff(attempt))
+                continue
+            if response.status_code not in RETRY_STATUSES or last:
+                return response
+            delay = _retry_after(response.headers.get("retry-after")) or _backoff(attempt)
+            if time.monotonic() + delay > deadline:
+                return response
+            await response.aclose()
+            await asyncio.sleep(delay)
+        raise AssertionError("unreachable")
+
+    async def _relay(self, call: _Call, upstream: httpx.Response) -> AsyncIterator[bytes]:
+        """Pass a stream through chunk by chunk (stripped); record it reassembled before the
+        final ``[DONE]``, so the record exists when the agent's call returns."""
+        assembler = StreamAssembler(call.endpoint)
+        error: dict[str, Any] | None = None
+        extra: dict[str, Any] = {"time_to_first_token_ms": None}
+        recorded = False
+        try:
+            async for line in upstream.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = orjson.loads(data)
+                if "error" in chunk and not chunk.get("choices"):
+                    error = (
+                        chunk
+                        if isinstance(chunk["error"], dict)
+                        else error_body(str(chunk["error"]), "upstream_error")
+                    )
+                    yield b"data: " + orjson.dumps(error) + b"\n\n"
+                    continue
+                if extra["time_to_first_token_ms"] is None:
+                    extra["time_to_first_token_ms"] = call.elapsed_ms()
+                assembler.add(chunk)
+                out = strip(chunk, call.wants, stream=True)
+                if out is not None:
+                    yield b"data: " + orjson.dumps(out) + b"\n\n"
+        except (httpx.HTTPError, orjson.JSONDecodeError) as exc:
+            error = error_body(
+                f"the model server's stream broke: {call.scrub(str(exc))}", "upstream_stream_error", 502
+            )
+            yield b"data: " + orjson.dumps(error) + b"\n\n"
+        except BaseException:  # the agent went away: still record what came
+            error = error_body("the client disconnected before the stream ended", "client_disconnected")
+            raise
+        else:
+            recorded = True
+            await self._record_stream(call, upstream, assembler, error, extra)
+            yield b"data: [DONE]\n\n"
+        finally:
+            with anyio.CancelScope(shield=True):
+                await upstream.aclose()
+                if not recorded:
+                    await self._record_stream(call, upstream, assembler, error, extra)
+
+    async def _record_stream(self, call: _Call, upstream: httpx.Response, assembler: StreamAssembler,
+                             error: dict[str, Any] | None, extra: dict[str, Any]) -> None:  # fmt: skip
+        if error is not None:
+            await self._record(
+                call, self._error_data(call, upstream.status_code, error, assembler.response(), extra)
+            )
+        else:
+            await self._record_success(
+                call, assembler.response(), upstream.status_code, upstream.headers, extra
+            )
+
+    # ------------------------------------------------------------------ recording
+
+    async def _record_success(self, call: _Call, full: dict[str, Any], status: int, headers: httpx.Headers,
+                              extra: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+        """Record a successful call; return the body as the agent gets it."""
+        prompt_ids, choices = extract(call.endpoint, full)
+        model_version = headers.get("x-model-version") or full.get("model_version")
+        out = strip(full, call.wants)
+        assert out is not None
+        usage = out.get("usage") or _count_usage(prompt_ids, choices)
+        data = self._base_data(call, status, out)
+        data.update(prompt_token_ids=prompt_ids, choices=choices, usage=usage, model=out.get("model") or data["model"],
+                    model_version=str(model_version) if model_version is not None else None, **(extra or {}))  # fmt: skip
+        await self._record(call, data)
+        return out
+
+    def _base_data(self, call: _Call, status: int | None, response: Any) -> dict[str, Any]:
+        return {
+            "endpoint": call.endpoint,
+            "request": call.request,
+            "response": response,
+            "stream": bool(call.request.get("stream")),
+            "prompt_token_ids": None,
+            "choices": [],
+            "usage": None,
+            "latency_ms": call.elapsed_ms(),
+            "upstream_status": status,
+            "model": call.request.get("model") or call.llm.model,
+            "model_version": None,
+            "resources_version": call.target.resources_version,
+            "resource": call.resource,
+            "error": None,
+        }
+
+    def _error_data(self, call: _Call, status: int | None, error: dict[str, Any], response: Any = None,
+                    extra: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+        data = self._base_data(call, status, response)
+        data.update(error=error, **(extra or {}))
+        return data
+
+    async def _failed(
+        self, call: _Call, status: int, type: str, message: str, upstream_status: int | None = None
+    ) -> Response:
+        body = error_body(call.scrub(message), type, status)
+        log.warning(
+            "gateway call for attempt %s failed: %s", call.target.attempt_id, body["error"]["message"]
+        )
+        await self._record(call, self._error_data(call, upstream_status, body))
+        return _json(body, status)
+
+    async def _upstream_error(self, call: _Call, upstream: httpx.Response) -> Response:
+        """Pass the upstream's error on (OpenAI-style; keys scrubbed) and record it."""
+        try:
+            raw = call.scrub((await upstream.aread()).decode(errors="replace"))
+        finally:
+            await upstream.aclose()
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            body = None
+        if not (isinstance(body, dict) and isinstance(body.get("error"), dict)):
+            message = (body.get("message") or body.get("detail")) if isinstance(body, dict) else None
+            message = message or raw[:2000]
+            body = error_body(f"model server error: {message}", "upstream_error", upstream.status_code)
+        log.warning("model server answered %d for attempt %s", upstream.status_code, call.target.attempt_id)
+        await self._record(call, self._error_data(call, upstream.status_code, body))
+        return _json(body, upstream.status_code)
+
+    async def _record(self, call: _Call, data: dict[str, Any]) -> None:
+        event = EventCreate(type=EventType.LLM_CALL, timestamp=call.started, data=data)
+        try:
+            await self.call(self.store.record_events, call.target.attempt_id, [event])
+        except Exception:  # the agent still gets its answer; the lost record is logged
+            log.exception("could not record an llm_call for attempt %s", call.target.attempt_id)
+
+    # ------------------------------------------------------------------ models
+
+    async def models(self, rollout_id: str, attempt_id: str) -> Response:
+        """The upstream's model list, or one built from the rollout's LLM resources."""
+        try:
+            target = await self.target(rollout_id, attempt_id)
+            _, llm = target.pick(None)
+            key = await self.upstream_key(llm, target.resources_version)
+        except _Refused as exc:
+            return exc.response()
+        headers = {"authorization": f"Bearer {key}"} if key else {}
+        with contextlib.suppress(httpx.HTTPError, orjson.JSONDecodeError):
+            answer = await self.http.get(f"{llm.base_url.rstrip('/')}/models", headers=headers, timeout=10)
+            if answer.status_code == 200:
+                return _json(orjson.loads(answer.content))
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "agentbolt"}
+                for m in dict.fromkeys(x.model for x in target.llms.values())]  # fmt: skip
+        return _json({"object": "list", "data": data})
+
+
+def _published_key(store: Any, base_url: str, version: int) -> str | None:
+    """The api_key last published (at or before ``version``) for an LLM at ``base_url``."""
+    for v in range(version, max(0, version - 1000), -1):
+        try:
+            resources: Resources = store.get_resources(v)
+        except NotFound:
+            continue
+        for res in resources.resources.values():
+            if isinstance(res, LLM) and res.base_url == base_url and res.api_key and res.api_key != REDACTED:
+                return res.api_key
+    return None
+
+
+def _count_usage(prompt_ids: list[int] | None, choices: list[dict[str, Any]]) -> dict[str, int] | None:
+    if prompt_ids is None or any(c.get("token_ids") is None for c in choices):
+        return None
+    completion = sum(len(c["token_ids"]) for c in choices)
+    return {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
+            "total_tokens": len(prompt_ids) + completion}  # fmt: skip
+
+
+def _backoff(attempt: int) -> float:
+    return random.uniform(0.5, 1.0) * min(2.0, 0.1 * 2**attempt)
+
+
+def _retry_after(value: str | None) -> float | None:
+    try:
+        return min(5.0, max(0.0, float(value))) if value else None
+    except ValueError:
+        return None
+
+
+# ---------------------------------------------------------------------------- claims
+
+
+def rewrite_claim(claim: Claim, request: Request) -> Claim:
+    """Point the claim's LLM resources at this attempt's gateway, with a harmless api_key: the
+    runner's own bearer token (the gateway needs it when auth is on), else a placeholder."""
+    if claim.resources is None or not any(isinstance(r, LLM) for r in claim.resources.resources.values()):
+        return claim
+    base = str(request.base_url).rstrip("/")
+    url = f"{base}/gateway/{claim.rollout.id}/{claim.attempt.id}/v1"
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    key = token.strip() if scheme.lower() == "bearer" and token.strip() else PLACEHOLDER_KEY
+    resources = {
+        name: res.model_copy(update={"base_url": url, "api_key": key}) if isinstance(res, LLM) else res
+        for name, res in claim.resources.resources.items()
+    }
+    return claim.model_copy(update={"resources": claim.resources.model_copy(update={"resources": resources})})
+
+
+# ---------------------------------------------------------------------------- routes
+
+
+def install(app: FastAPI, config: ServerConfig) -> None:
+    gateway = Gateway(app.state.call, config)
+    app.state.gateway = gateway
+    app.state.claim_hook = rewrite_claim
+    router = APIRouter(prefix="/gateway/{rollout_id}/{attempt_id}/v1", tags=["gateway"])
+
+    @router.post("/chat/completions")
+    async def chat_completions(rollout_id: str, attempt_id: str, request: Request) -> Response:
+        """OpenAI chat completions, forwarded to the rollout's LLM and recorded."""
+        return await gateway.forward(request, rollout_id, attempt_id, CHAT)
+
+    @router.post("/completions")
+    async def completions(rollout_id: str, attempt_id: str, request: Request) -> Response:
+        """OpenAI (legacy) completions, forwarded to the rollout's LLM and recorded."""
+        return await gateway.forward(request, rollout_id, attempt_id, COMPLETIONS)
+
+    @router.get("/models")
+    async def models(rollout_id: str, attempt_id: str) -> Response:
+        return await gateway.models(rollout_id, attempt_id)
+
+    app.include_router(router)
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app_: Any) -> AsyncIterator[Any]:
+        async with inner(app_) as state:
+            try:
+                yield state
+            finally:
+                await gateway.aclose()
+
+    app.router.lifespan_context = lifespan
