@@ -1,0 +1,228 @@
+"""OTLP/HTTP trace ingest: ``POST /v1/traces`` (protobuf or JSON, optionally gzip) -> ``span`` events.
+
+A span lands in the rollout named by its attributes (or its resource's):
+``agentbolt.attempt_id`` (and ``agentbolt.rollout_id``, checked when both are given; a rollout id
+alone means its latest attempt). Spans without them, or for unknown attempts, are rejected and
+counted in the OTLP ``partial_success`` answer, as the protocol asks. Spans may arrive after
+their attempt ended (exporters batch), so ended attempts still take them.
+"""
+
+from __future__ import annotations
+
+import base64
+import zlib
+from collections import defaultdict
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import DecodeError
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+
+from agentbolt.errors import NotFound
+from agentbolt.schemas import EventCreate, EventType
+from agentbolt.server.app import StoreCaller
+from agentbolt.server.config import ServerConfig
+
+__all__ = ["ROLLOUT_ATTR", "ATTEMPT_ATTR", "install", "spans_from_otlp"]
+
+ROLLOUT_ATTR = "agentbolt.rollout_id"
+ATTEMPT_ATTR = "agentbolt.attempt_id"
+PROTOBUF = "application/x-protobuf"
+_STATUS = {0: "unset", 1: "ok", 2: "error"}
+_KIND = {0: "unspecified", 1: "internal", 2: "server", 3: "client", 4: "producer", 5: "consumer"}
+
+
+class BadPayload(ValueError):
+    pass
+
+
+def _value(v: dict[str, Any]) -> Any:
+    """An OTLP/JSON AnyValue -> plain JSON."""
+    if "stringValue" in v:
+        return v["stringValue"]
+    if "boolValue" in v:
+        return bool(v["boolValue"])
+    if "intValue" in v:
+        return int(v["intValue"])  # int64 travels as a string in OTLP/JSON
+    if "doubleValue" in v:
+        return float(v["doubleValue"])
+    if "arrayValue" in v:
+        return [_value(x) for x in v["arrayValue"].get("values", [])]
+    if "kvlistValue" in v:
+        return _attributes(v["kvlistValue"].get("values", []))
+    if "bytesValue" in v:
+        return v["bytesValue"]
+    return None
+
+
+def _attributes(items: list[dict[str, Any]] | None) -> dict[str, Any]:
+    return {kv["key"]: _value(kv.get("value") or {}) for kv in items or []}
+
+
+def _hex(value: str | None, from_protobuf: bool) -> str | None:
+    """Span and trace ids: hex in OTLP/JSON, base64 once protobuf bytes go through MessageToDict."""
+    if not value:
+        return None
+    return base64.b64decode(value).hex() if from_protobuf else value.lower()
+
+
+def _seconds(nanos: Any) -> float | None:
+    return int(nanos) / 1e9 if nanos not in (None, "", 0, "0") else None
+
+
+def _span(span: dict[str, Any], service: Any, scope: str | None, from_protobuf: bool) -> dict[str, Any]:
+    status = span.get("status") or {}
+    code = status.get("code", 0)
+    return {
+        "name": span.get("name", ""),
+        "trace_id": _hex(span.get("traceId"), from_protobuf),
+        "span_id": _hex(span.get("spanId"), from_protobuf),
+        "parent_span_id": _hex(span.get("parentSpanId"), from_protobuf),
+        "kind": _KIND.get(
+            span.get("kind"), str(span.get("kind", "unspecified")).lower().removeprefix("span_kind_")
+        ),
+        "start_time": _seconds(span.get("startTimeUnixNano")),
+        "end_time": _seconds(span.get("endTimeUnixNano")),
+        "attributes": _attributes(span.get("attributes")),
+        "status": {
+            "code": _STATUS.get(code, str(code).lower().removeprefix("status_code_")),
+            "message": status.get("message") or None,
+        },  # fmt: skip
+        "events": [
+            {
+                "name": e.get("name", ""),
+                "time": _seconds(e.get("timeUnixNano")),
+                "attributes": _attributes(e.get("attributes")),
+            }
+            for e in span.get("events") or []
+        ],  # fmt: skip
+        "service": service,
+        "scope": scope,
+    }
+
+
+def spans_from_otlp(
+    body: dict[str, Any], from_protobuf: bool = False
+) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(routing attributes, span event data) for each span of an OTLP/JSON export body."""
+    out = []
+    for rs in body.get("resourceSpans") or []:
+        resource = _attributes((rs.get("resource") or {}).get("attributes"))
+        routing = {k: resource[k] for k in (ROLLOUT_ATTR, ATTEMPT_ATTR) if k in resource}
+        for ss in (rs.get("scopeSpans") or []) + (rs.get("instrumentationLibrarySpans") or []):
+            scope = (ss.get("scope") or ss.get("instrumentationLibrary") or {}).get("name")
+            for span in ss.get("spans") or []:
+                data = _span(span, resource.get("service.name"), scope, from_protobuf)
+                attrs = data["attributes"]
+                route = {**routing, **{k: attrs[k] for k in (ROLLOUT_ATTR, ATTEMPT_ATTR) if k in attrs}}
+                out.append((route, data))
+    return out
+
+
+def _decode(raw: bytes, content_type: str, encoding: str, limit: int) -> tuple[dict[str, Any], bool]:
+    if encoding == "gzip":
+        inflater = zlib.decompressobj(wbits=31)
+        raw = inflater.decompress(raw, limit)
+        if inflater.unconsumed_tail:
+            raise BadPayload(f"decompressed body larger than {limit} bytes")
+    elif encoding not in ("", "identity"):
+        raise BadPayload(f"unsupported content-encoding {encoding!r}")
+    if content_type.startswith(PROTOBUF):
+        message = ExportTraceServiceRequest()
+        try:
+            message.ParseFromString(raw)
+        except DecodeError as exc:
+            raise BadPayload(f"invalid OTLP protobuf: {exc}") from None
+        return MessageToDict(message, use_integers_for_enums=True), True
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadPayload(f"invalid OTLP JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadPayload("an OTLP JSON body is an object")
+    return body, False
+
+
+class OtlpIngest:
+    def __init__(self, call: StoreCaller, config: ServerConfig) -> None:
+        self.call, self.store, self.config = call, call.store, config
+
+    async def attempt_for(
+        self, route: dict[str, Any], cache: dict[tuple[Any, Any], str | None]
+    ) -> str | None:
+        key = (route.get(ROLLOUT_ATTR), route.get(ATTEMPT_ATTR))
+        if key not in cache:
+            cache[key] = await self._resolve(*key)
+        return cache[key]
+
+    async def _resolve(self, rollout_id: Any, attempt_id: Any) -> str | None:
+        try:
+            if attempt_id:
+                attempt = await self.call(self.store.get_attempt, str(attempt_id))
+                return attempt.id if not rollout_id or attempt.rollout_id == str(rollout_id) else None
+            if rollout_id:
+                attempts = await self.call(self.store.list_attempts, str(rollout_id))
+                return attempts[-1].id if attempts else None
+        except NotFound:
+            return None
+        return None
+
+    async def ingest(self, body: dict[str, Any], from_protobuf: bool) -> tuple[int, str]:
+        """Record the spans; return (rejected count, why)."""
+        by_attempt: dict[str, list[EventCreate]] = defaultdict(list)
+        cache: dict[tuple[Any, Any], str | None] = {}
+        rejected, unrouted = 0, 0
+        for route, data in spans_from_otlp(body, from_protobuf):
+            if not route:
+                unrouted += 1
+                continue
+            attempt_id = await self.attempt_for(route, cache)
+            if attempt_id is None:
+                rejected += 1
+                continue
+            by_attempt[attempt_id].append(
+                EventCreate(type=EventType.SPAN, timestamp=data["start_time"] or 0.0, data=data)
+            )
+        for attempt_id, events in by_attempt.items():
+            await self.call(self.store.record_events, attempt_id, events)
+        why = []
+        if unrouted:
+            why.append(f"{unrouted} span(s) carry no {ATTEMPT_ATTR} / {ROLLOUT_ATTR} attribute")
+        if rejected:
+            why.append(f"{rejected} span(s) name an unknown attempt or rollout")
+        return unrouted + rejected, "; ".join(why)
+
+
+def _answer(rejected: int, why: str, protobuf: bool) -> Response:
+    if protobuf:
+        message = ExportTraceServiceResponse()
+        if rejected:
+            message.partial_success.rejected_spans = rejected
+            message.partial_success.error_message = why
+        return Response(message.SerializeToString(), media_type=PROTOBUF)
+    body = {"partialSuccess": {"rejectedSpans": rejected, "errorMessage": why}} if rejected else {}
+    return Response(orjson.dumps(body), media_type="application/json")
+
+
+def install(app: FastAPI, config: ServerConfig) -> None:
+    ingest = OtlpIngest(app.state.call, config)
+
+    @app.post("/v1/traces", tags=["tracing"])
+    async def traces(request: Request) -> Response:
+        """OTLP/HTTP trace export (``application/x-protobuf`` or ``application/json``)."""
+        content_type = request.headers.get("content-type", PROTOBUF).lower()
+        protobuf = content_type.startswith(PROTOBUF)
+        try:
+            body, from_protobuf = _decode(await request.body(), content_type,
+                                          request.headers.get("content-encoding", "").lower(), config.max_body_bytes)  # fmt: skip
+        except (BadPayload, zlib.error) as exc:
+            return Response(orjson.dumps({"error": {"type": "bad_request", "message": str(exc)}}), 400,
+                            media_type="application/json")  # fmt: skip
+        rejected, why = await ingest.ingest(body, from_protobuf)
+        return _answer(rejected, why, protobuf)
