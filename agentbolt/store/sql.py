@@ -116,7 +116,7 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             "CREATE INDEX attempts_rollout ON attempts (rollout_id, number)",
             "CREATE INDEX attempts_live ON attempts (status, lease_expires_at)",
             """CREATE TABLE events (
-                id {serial}, rollout_id TEXT NOT NULL, attempt_id TEXT NOT NULL, sequence INTEGER,
+                id {serial}, rollout_id TEXT NOT NULL, attempt_id TEXT NOT NULL, sequence BIGINT,
                 type TEXT NOT NULL, timestamp {real} NOT NULL, data TEXT NOT NULL)""",
             "CREATE UNIQUE INDEX events_seq ON events (attempt_id, sequence)",
             "CREATE INDEX events_rollout ON events (rollout_id, timestamp, id)",
@@ -229,7 +229,7 @@ class SqlStore:
         tx.run(
             "INSERT INTO rollouts (id, task_id, mode, status, resources_version, timeout_seconds, "
             "max_attempts, attempts, group_id, metadata, created_at, updated_at) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?, ?)",
+            "VALUES (?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
             (rid, task.id, item.mode.value, RolloutStatus.QUEUED.value, item.resources_version,
              item.timeout_seconds, item.max_attempts, item.group_id, _dumps(item.metadata), ts, ts),
         )  # fmt: skip
@@ -259,15 +259,18 @@ class SqlStore:
             )
             if row is None:
                 return None
-            rid, attempts, timeout, version = row
+            rid, _attempts, timeout, version = row
             if version is None:
                 latest = tx.one("SELECT MAX(version) FROM resources")
                 version = latest[0] if latest else None
             attempt_id = new_id("at")
             deadline = ts + timeout if timeout else None
+            # not attempts + 1: a released attempt does not count, yet its number stays taken
+            last = tx.one("SELECT MAX(number) FROM attempts WHERE rollout_id = ?", (rid,))
+            number = (last[0] if last and last[0] is not None else 0) + 1
             tx.run(
                 f"INSERT INTO attempts ({_ATTEMPT_COLS}, deadline) VALUES (?, ?, ?, ?, ?, ?, ?, ?, NULL, NULL, NULL, ?)",
-                (attempt_id, rid, attempts + 1, worker_id, AttemptStatus.RUNNING.value, ts, ts, ts + lease, deadline),
+                (attempt_id, rid, number, worker_id, AttemptStatus.RUNNING.value, ts, ts, ts + lease, deadline),
             )  # fmt: skip
             changed = tx.run(
                 "UPDATE rollouts SET status = ?, attempts = attempts + 1, resources_version = ?, "
@@ -303,17 +306,21 @@ class SqlStore:
             raise LeaseLost(f"attempt {attempt_id!r} is held by another worker")
         return attempt
 
-    def heartbeat(self, attempt_id: str, worker_id: str | None = None, lease_seconds: float | None = None) -> Attempt:
+    def heartbeat(
+        self, attempt_id: str, worker_id: str | None = None, lease_seconds: float | None = None
+    ) -> Attempt:
         """Extend the lease of a running attempt (409 :class:`LeaseLost` when it is no longer held)."""
         ts = now()
         self.expire(ts)
         with self._tx() as tx:
             attempt = self._held(tx, attempt_id, worker_id)
             expires = ts + (lease_seconds or self.lease_seconds)
-            tx.run(
-                "UPDATE attempts SET heartbeat_at = ?, lease_expires_at = ? WHERE id = ?",
-                (ts, expires, attempt_id),
+            changed = tx.run(
+                "UPDATE attempts SET heartbeat_at = ?, lease_expires_at = ? WHERE id = ? AND status = ?",
+                (ts, expires, attempt_id, AttemptStatus.RUNNING.value),
             )
+            if changed != 1:  # ended by another replica since _held read it
+                raise LeaseLost(f"attempt {attempt_id!r} ended meanwhile")
             self._touch_worker(tx, attempt.worker_id, ts, claimed=0)
             return attempt.model_copy(update={"heartbeat_at": ts, "lease_expires_at": expires})
 
@@ -323,16 +330,17 @@ class SqlStore:
         with self._tx() as tx:
             rows = tx.all(
                 "SELECT id, rollout_id, lease_expires_at, deadline FROM attempts "
-                "WHERE status = ? AND (lease_expires_at < ? OR deadline < ?)",
+                "WHERE status = ? AND (lease_expires_at < ? OR deadline < ?) ORDER BY id",
                 (AttemptStatus.RUNNING.value, ts, ts),
             )
+            ended = 0
             for attempt_id, rollout_id, lease_end, deadline in rows:
                 timed_out = deadline is not None and deadline < ts
                 status = AttemptStatus.TIMED_OUT if timed_out else AttemptStatus.LEASE_EXPIRED
                 why = "timed out" if timed_out else f"lease expired at {lease_end:.3f}"
-                self._end_attempt(tx, attempt_id, rollout_id, AttemptFinish(status=AttemptStatus.FAILED, error=why),
-                                  status, ts)  # fmt: skip
-        return len(rows)
+                finish = AttemptFinish(status=AttemptStatus.FAILED, error=why)
+                ended += self._end_attempt(tx, attempt_id, rollout_id, finish, status, ts)
+        return ended
 
     # ------------------------------------------------------------------ finishing
 
@@ -342,17 +350,30 @@ class SqlStore:
         ts = now()
         with self._tx() as tx:
             attempt = self._held(tx, attempt_id, worker_id)
-            self._end_attempt(tx, attempt_id, attempt.rollout_id, finish, AttemptStatus(finish.status), ts)
+            if not self._end_attempt(
+                tx, attempt_id, attempt.rollout_id, finish, AttemptStatus(finish.status), ts
+            ):
+                raise LeaseLost(f"attempt {attempt_id!r} ended meanwhile")
             return self._rollouts_by_id(tx, [attempt.rollout_id])[0]
 
     def _end_attempt(
-        self, tx: Tx, attempt_id: str, rollout_id: str, finish: AttemptFinish, status: AttemptStatus, ts: float
-    ) -> None:
+        self,
+        tx: Tx,
+        attempt_id: str,
+        rollout_id: str,
+        finish: AttemptFinish,
+        status: AttemptStatus,
+        ts: float,
+    ) -> bool:
+        """End the attempt and move its rollout on. False (and nothing changed) when the attempt
+        was no longer running: another replica ended it first, so it must not be requeued twice."""
         check_transition("attempt", attempt_id, AttemptStatus.RUNNING, status)
-        tx.run(
+        changed = tx.run(
             "UPDATE attempts SET status = ?, ended_at = ?, reward = ?, error = ? WHERE id = ? AND status = ?",
             (status.value, ts, finish.reward, finish.error, attempt_id, AttemptStatus.RUNNING.value),
         )
+        if changed != 1:
+            return False
         row = tx.one("SELECT status, attempts, max_attempts FROM rollouts WHERE id = ?", (rollout_id,))
         if row is None:
             raise NotFound("rollout", rollout_id)
@@ -364,14 +385,16 @@ class SqlStore:
         else:
             new, used = (RolloutStatus.QUEUED if attempts < max_attempts else RolloutStatus.FAILED), attempts
         if old != RolloutStatus.RUNNING:
-            return  # e.g. cancelled meanwhile: the attempt ends, the rollout stays as it is
+            return True  # e.g. cancelled meanwhile: the attempt ends, the rollout stays as it is
         check_transition("rollout", rollout_id, old, new)
+        # "AND status": a cancel committed since the SELECT above wins (READ COMMITTED on PostgreSQL)
         tx.run(
             "UPDATE rollouts SET status = ?, attempts = ?, reward = ?, error = ?, updated_at = ?, ended_at = ? "
-            "WHERE id = ?",
+            "WHERE id = ? AND status = ?",
             (new.value, used, finish.reward, finish.error if new != RolloutStatus.SUCCEEDED else None, ts,
-             ts if new.is_final else None, rollout_id),
+             ts if new.is_final else None, rollout_id, RolloutStatus.RUNNING.value),
         )  # fmt: skip
+        return True
 
     def cancel(self, rollout_id: str) -> Rollout:
         ts = now()
@@ -380,10 +403,14 @@ class SqlStore:
             if not rollout:
                 raise NotFound("rollout", rollout_id)
             check_transition("rollout", rollout_id, rollout[0].status, RolloutStatus.CANCELLED)
-            tx.run(
-                "UPDATE rollouts SET status = ?, updated_at = ?, ended_at = ? WHERE id = ?",
-                (RolloutStatus.CANCELLED.value, ts, ts, rollout_id),
+            live = [s.value for s in RolloutStatus if not s.is_final]
+            changed = tx.run(
+                "UPDATE rollouts SET status = ?, updated_at = ?, ended_at = ? WHERE id = ? AND status IN (?, ?)",
+                (RolloutStatus.CANCELLED.value, ts, ts, rollout_id, *live),
             )
+            if changed != 1:  # finished by another replica since we read it
+                final = self._rollouts_by_id(tx, [rollout_id])[0].status
+                check_transition("rollout", rollout_id, final, RolloutStatus.CANCELLED)
             return self._rollouts_by_id(tx, [rollout_id])[0]
 
     # ------------------------------------------------------------------ events
@@ -424,7 +451,9 @@ class SqlStore:
             fresh.append((rollout_id, attempt_id, e.sequence, e.type, e.timestamp, _dumps(e.data)))
         if fresh:
             tx.many(
-                "INSERT INTO events (rollout_id, attempt_id, sequence, type, timestamp, data) VALUES (?, ?, ?, ?, ?, ?)",
+                "INSERT INTO events (rollout_id, attempt_id, sequence, type, timestamp, data) VALUES (?, ?, ?, ?, ?, ?) "
+                # a batch retried concurrently (another replica) must not fail or double up
+                "ON CONFLICT (attempt_id, sequence) DO NOTHING",
                 fresh,
             )
         return len(fresh)
@@ -487,7 +516,9 @@ class SqlStore:
         if cached is not None:
             return cached
         with self._tx() as tx:
-            row = tx.one("SELECT version, resources, metadata, created_at FROM resources WHERE version = ?", (version,))
+            row = tx.one(
+                "SELECT version, resources, metadata, created_at FROM resources WHERE version = ?", (version,)
+            )
         if row is None:
             raise NotFound("resources version", version)
         res = Resources(version=row[0], resources=_loads(row[1]), metadata=_loads(row[2]), created_at=row[3])
@@ -503,10 +534,10 @@ class SqlStore:
     def list_resources(self, limit: int = 100, cursor: str | None = None) -> Page[Resources]:
         before = int(cursor) if cursor else None
         limit = _clamp(limit)
+        where, params = ("WHERE version < ?", [before]) if before is not None else ("", [])
         with self._tx() as tx:
             rows = tx.all(
-                "SELECT version FROM resources WHERE (? IS NULL OR version < ?) ORDER BY version DESC LIMIT ?",
-                (before, before, limit + 1),
+                f"SELECT version FROM resources {where} ORDER BY version DESC LIMIT ?", [*params, limit + 1]
             )
         versions = [r[0] for r in rows]
         items = [self.get_resources(v) for v in versions[:limit]]
@@ -542,7 +573,11 @@ class SqlStore:
         if status:
             where.append(f"r.status IN ({', '.join('?' * len(status))})")
             params.extend(s.value for s in status)
-        for column, value in (("mode", mode), ("resources_version", resources_version), ("group_id", group_id)):
+        for column, value in (
+            ("mode", mode),
+            ("resources_version", resources_version),
+            ("group_id", group_id),
+        ):
             if value is not None:
                 where.append(f"r.{column} = ?")
                 params.append(value.value if isinstance(value, Mode) else value)
@@ -565,7 +600,9 @@ class SqlStore:
         with self._tx() as tx:
             if not tx.one("SELECT 1 FROM rollouts WHERE id = ?", (rollout_id,)):
                 raise NotFound("rollout", rollout_id)
-            rows = tx.all(f"SELECT {_ATTEMPT_COLS} FROM attempts WHERE rollout_id = ? ORDER BY number", (rollout_id,))
+            rows = tx.all(
+                f"SELECT {_ATTEMPT_COLS} FROM attempts WHERE rollout_id = ? ORDER BY number", (rollout_id,)
+            )
         return [_attempt(r) for r in rows]
 
     def get_attempt(self, attempt_id: str) -> Attempt:
@@ -598,8 +635,14 @@ class SqlStore:
             "rollouts": {s.value: int(by_status.get(s.value, 0)) for s in RolloutStatus},
             "events": int(events[0]) if events else 0,
             "by_version": [
-                {"resources_version": v, "mode": m, "count": int(n), "mean_reward": _finite(avg),
-                 "succeeded": int(ok or 0), "failed": int(bad or 0)}
+                {
+                    "resources_version": v,
+                    "mode": m,
+                    "count": int(n),
+                    "mean_reward": _finite(avg),
+                    "succeeded": int(ok or 0),
+                    "failed": int(bad or 0),
+                }
                 for v, m, n, avg, ok, bad in rewards
             ],  # fmt: skip
         }

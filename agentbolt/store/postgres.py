@@ -1,0 +1,115 @@
+"""PostgreSQL backend: one database shared by several server replicas.
+
+Each :meth:`PostgresDatabase.transaction` borrows a pooled connection (psycopg 3 +
+``psycopg_pool``) and runs one READ COMMITTED transaction on it. Dequeue picks its row with
+``FOR UPDATE SKIP LOCKED``, so replicas claiming at the same time take different rollouts
+instead of waiting on each other. The store's SQL is written with ``?`` placeholders; they are
+rewritten to psycopg's ``%s`` once per statement text.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+from psycopg import sql as pgsql
+from psycopg.conninfo import conninfo_to_dict
+from psycopg_pool import ConnectionPool
+
+from agentbolt.errors import ConfigError
+from agentbolt.store.sql import Database, Tx
+
+__all__ = ["PostgresDatabase"]
+
+# Any constant works: it only has to differ from advisory locks other applications take.
+_MIGRATE_LOCK = 0x61677462  # "agtb"
+_SCHEMA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
+
+
+@functools.lru_cache(maxsize=1024)
+def to_pyformat(sql: str) -> str:
+    """``?`` -> ``%s`` and ``%`` -> ``%%``, leaving quoted literals and identifiers untouched."""
+    out, quote = [], None
+    for ch in sql:
+        if quote:
+            if ch == quote:
+                quote = None  # a doubled quote ('') closes and reopens: same result
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "?":
+            out.append("%s")
+            continue
+        out.append("%%" if ch == "%" else ch)
+    return "".join(out)
+
+
+class _PgTx(Tx):
+    def __init__(self, conn: psycopg.Connection) -> None:
+        self.cur = conn.cursor()
+
+    def all(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        return self.cur.execute(to_pyformat(sql), params).fetchall()
+
+    def run(self, sql: str, params: Sequence[Any] = ()) -> int:
+        return self.cur.execute(to_pyformat(sql), params).rowcount
+
+    def many(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+        self.cur.executemany(to_pyformat(sql), rows)
+
+
+class PostgresDatabase(Database):
+    name = "postgres"
+    claim_lock = "FOR UPDATE SKIP LOCKED"
+
+    def __init__(self, dsn: str, schema: str | None = None, pool_size: int = 8) -> None:
+        if schema is not None and not _SCHEMA_NAME.fullmatch(schema):
+            raise ConfigError(f"schema must be a plain SQL identifier, got {schema!r}")
+        if pool_size < 1:
+            raise ConfigError(f"pool_size must be at least 1, got {pool_size}")
+        self.schema = schema
+        kwargs: dict[str, Any] = {"autocommit": True}  # transactions are explicit: transaction()
+        if schema is not None:
+            self._create_schema(dsn, schema)
+            options = conninfo_to_dict(dsn).get("options") or ""
+            kwargs["options"] = f"{options} -c search_path={schema}".strip()
+        # min_size 1: idle replicas (and tests opening many stores) hold few server connections.
+        self.pool = ConnectionPool(
+            dsn, min_size=1, max_size=pool_size, kwargs=kwargs, open=True, name=f"agentbolt-{schema or 'db'}"
+        )
+
+    @staticmethod
+    def _create_schema(dsn: str, schema: str) -> None:
+        # Concurrent CREATE SCHEMA IF NOT EXISTS can still collide on the catalog: serialize it.
+        with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s, 0)", (_MIGRATE_LOCK,))
+            conn.execute(pgsql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(pgsql.Identifier(schema)))
+
+    @contextmanager
+    def transaction(self) -> Iterator[Tx]:
+        with self.pool.connection() as conn, conn.transaction():
+            yield _PgTx(conn)
+
+    def migrate(self, migrations: Sequence[tuple[int, list[str]]]) -> None:
+        """Apply the migrations not yet recorded, all in one transaction. The advisory lock
+        (per schema) makes replicas that start together wait for the first one, then find
+        every version recorded and do nothing."""
+        with self.transaction() as tx:
+            tx.run("SELECT pg_advisory_xact_lock(?, hashtext(current_schema()))", (_MIGRATE_LOCK,))
+            tx.run(
+                "CREATE TABLE IF NOT EXISTS schema_migrations "
+                "(version INTEGER PRIMARY KEY, applied_at DOUBLE PRECISION NOT NULL)"
+            )
+            done = {r[0] for r in tx.all("SELECT version FROM schema_migrations")}
+            for version, statements in migrations:
+                if version in done:
+                    continue
+                for statement in statements:
+                    tx.run(statement.format(real="DOUBLE PRECISION", serial="BIGSERIAL PRIMARY KEY"))
+                tx.run("INSERT INTO schema_migrations VALUES (?, EXTRACT(EPOCH FROM now()))", (version,))
+
+    def close(self) -> None:
+        self.pool.close()
