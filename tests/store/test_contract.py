@@ -186,14 +186,14 @@ def test_heartbeat_extends_the_lease(store: SqlStore) -> None:
     assert stored.status == AttemptStatus.RUNNING
 
 
-def test_heartbeat_keeps_a_short_lease_alive(store: SqlStore) -> None:
+def test_heartbeat_keeps_the_attempt_from_expiring(store: SqlStore) -> None:
     store.enqueue(make(1))
-    attempt = claim(store, lease_seconds=0.3).attempt
-    for _ in range(4):  # 0.4 s in all: the first lease alone would have lapsed
-        time.sleep(0.1)
-        store.heartbeat(attempt.id, lease_seconds=0.3)
-    assert store.expire() == 0
+    attempt = claim(store, lease_seconds=1).attempt
+    store.heartbeat(attempt.id, lease_seconds=100)
+    assert store.expire(time.time() + 50) == 0  # the first lease alone would have lapsed
     assert store.get_attempt(attempt.id).status == AttemptStatus.RUNNING
+    assert store.expire(time.time() + 150) == 1
+    assert store.get_attempt(attempt.id).status == AttemptStatus.LEASE_EXPIRED
 
 
 def test_wrong_worker_loses_the_lease(store: SqlStore) -> None:
@@ -667,19 +667,38 @@ def test_replicas_starting_together_migrate_once(pg_dsn: str, pg_schema: str) ->
             store.close()
 
 
-def _wait_until_blocked_by(pg_dsn: str, pid: int) -> None:
+def _lose_race(
+    pg_dsn: str, schema: str, lock: str, key: str, replica_b: Callable[[], Any], *winner: str
+) -> Any:
+    """Replica A holds the row (``lock`` on ``key``); replica B runs ``replica_b`` until it waits
+    for that row; then A runs the ``winner`` statements and commits. Returns B's result (or the
+    store error it raised)."""
     import psycopg
 
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            row = conn.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))", (pid,)
-            )
-            if row.fetchone()[0]:  # type: ignore[index]
-                return
-            time.sleep(0.01)
-    raise AssertionError("the other replica never waited for the row lock")
+    result: list[Any] = []
+
+    def body() -> None:
+        try:
+            result.append(replica_b())
+        except (LeaseLost, InvalidTransition) as exc:
+            result.append(exc)
+
+    with psycopg.connect(pg_dsn, options=f"-c search_path={schema}") as a:  # one transaction
+        a.execute(lock, (key,))
+        thread = threading.Thread(target=body)
+        thread.start()
+        with psycopg.connect(pg_dsn, autocommit=True) as watch:
+            blocked, deadline = 0, time.monotonic() + 10
+            while not blocked and time.monotonic() < deadline:
+                time.sleep(0.01)
+                query = "SELECT count(*) FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))"
+                blocked = watch.execute(query, (a.info.backend_pid,)).fetchone()[0]  # type: ignore[index]
+        assert blocked, "replica B never waited for the row lock"
+        for statement in winner:
+            a.execute(statement, (key,))
+    thread.join(timeout=10)
+    assert not thread.is_alive() and len(result) == 1
+    return result[0]
 
 
 @pytest.mark.postgres
@@ -690,52 +709,77 @@ def test_replica_that_loses_a_race_on_an_attempt_changes_nothing(
     """Replica B read attempt 1 as running; before its UPDATE lands, replica A expires that
     attempt and the rollout is claimed again (attempt 2). B must not requeue or finish the
     rollout a second time."""
-    import psycopg
-
     b = _pg_store(pg_dsn, pg_schema)
     try:
         [ro] = b.enqueue(make(1, max_attempts=3))
         first = claim(b, "w1", lease_seconds=0.05 if loser == "expire" else 60).attempt
         time.sleep(0.1)
-        result: list[Any] = []
-
-        def replica_b() -> None:
-            try:
-                if loser == "expire":
-                    result.append(b.expire())
-                elif loser == "finish":
-                    result.append(b.finish_attempt(first.id, SUCCEEDED, worker_id="w1"))
-                else:
-                    result.append(b.heartbeat(first.id, "w1"))
-            except LeaseLost as exc:
-                result.append(exc)
-
-        with psycopg.connect(pg_dsn, options=f"-c search_path={pg_schema}") as a:  # one transaction
-            a.execute("SELECT 1 FROM attempts WHERE id = %s FOR UPDATE", (first.id,))
-            thread = threading.Thread(target=replica_b)
-            thread.start()
-            _wait_until_blocked_by(pg_dsn, a.info.backend_pid)
-            ts = time.time()
-            a.execute(
-                "UPDATE attempts SET status = 'lease_expired', ended_at = %s WHERE id = %s", (ts, first.id)
-            )
-            a.execute(
-                "INSERT INTO attempts (id, rollout_id, number, worker_id, status, started_at, heartbeat_at, "
-                "lease_expires_at) VALUES ('at-second', %s, 2, 'w2', 'running', %s, %s, %s)",
-                (ro.id, ts, ts, ts + 600),
-            )
-            a.execute("UPDATE rollouts SET attempts = 2 WHERE id = %s", (ro.id,))
-        thread.join(timeout=10)
-        assert not thread.is_alive()
-
+        action = {
+            "expire": lambda: b.expire(),
+            "finish": lambda: b.finish_attempt(first.id, SUCCEEDED, worker_id="w1"),
+            "heartbeat": lambda: b.heartbeat(first.id, "w1"),
+        }[loser]
+        outcome = _lose_race(
+            pg_dsn,
+            pg_schema,
+            "SELECT 1 FROM attempts WHERE id = %s FOR UPDATE",
+            first.id,
+            action,
+            "UPDATE attempts SET status = 'lease_expired', ended_at = 1 WHERE id = %s",
+            "INSERT INTO attempts (id, rollout_id, number, worker_id, status, started_at, heartbeat_at, "
+            "lease_expires_at) SELECT 'at-second', rollout_id, 2, 'w2', 'running', 1, 1, 1e12 "
+            "FROM attempts WHERE id = %s",
+            "UPDATE rollouts SET attempts = 2 WHERE id = (SELECT rollout_id FROM attempts WHERE id = %s)",
+        )
         if loser == "expire":
-            assert result == [0]
+            assert outcome == 0
         else:
-            assert len(result) == 1 and isinstance(result[0], LeaseLost)
+            assert isinstance(outcome, LeaseLost)
         rollout = b.get_rollout(ro.id)
         assert (rollout.status, rollout.attempts, rollout.reward) == (RolloutStatus.RUNNING, 2, None)
         attempts = b.list_attempts(ro.id)
         assert [(a.id, a.status) for a in attempts][1] == ("at-second", AttemptStatus.RUNNING)
         assert attempts[0].status == AttemptStatus.LEASE_EXPIRED and attempts[0].reward is None
+    finally:
+        b.close()
+
+
+@pytest.mark.postgres
+def test_cancel_that_loses_a_race_to_a_finish_raises(pg_dsn: str, pg_schema: str) -> None:
+    b = _pg_store(pg_dsn, pg_schema)
+    try:
+        [ro] = b.enqueue(make(1))
+        claim(b)
+        outcome = _lose_race(
+            pg_dsn,
+            pg_schema,
+            "SELECT 1 FROM rollouts WHERE id = %s FOR UPDATE",
+            ro.id,
+            lambda: b.cancel(ro.id),
+            "UPDATE rollouts SET status = 'succeeded', reward = 1 WHERE id = %s",
+        )
+        assert isinstance(outcome, InvalidTransition)
+        assert b.get_rollout(ro.id).status == RolloutStatus.SUCCEEDED
+    finally:
+        b.close()
+
+
+@pytest.mark.postgres
+def test_finish_that_loses_a_race_to_a_cancel_keeps_it_cancelled(pg_dsn: str, pg_schema: str) -> None:
+    b = _pg_store(pg_dsn, pg_schema)
+    try:
+        [ro] = b.enqueue(make(1))
+        attempt = claim(b).attempt
+        outcome = _lose_race(
+            pg_dsn,
+            pg_schema,
+            "SELECT 1 FROM rollouts WHERE id = %s FOR UPDATE",
+            ro.id,
+            lambda: b.finish_attempt(attempt.id, SUCCEEDED),
+            "UPDATE rollouts SET status = 'cancelled' WHERE id = %s",
+        )
+        assert isinstance(outcome, Rollout) and outcome.status == RolloutStatus.CANCELLED
+        assert b.get_rollout(ro.id).status == RolloutStatus.CANCELLED
+        assert b.get_attempt(attempt.id).status == AttemptStatus.SUCCEEDED
     finally:
         b.close()
