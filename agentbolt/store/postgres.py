@@ -27,7 +27,8 @@ __all__ = ["PostgresDatabase"]
 
 # Any constant works: it only has to differ from advisory locks other applications take.
 _MIGRATE_LOCK = 0x61677462  # "agtb"
-_SCHEMA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
+# lower case only: search_path folds unquoted names to lower case, CREATE SCHEMA "X" would not
+_SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 
 
 @functools.lru_cache(maxsize=1024)
@@ -67,7 +68,7 @@ class PostgresDatabase(Database):
 
     def __init__(self, dsn: str, schema: str | None = None, pool_size: int = 8) -> None:
         if schema is not None and not _SCHEMA_NAME.fullmatch(schema):
-            raise ConfigError(f"schema must be a plain SQL identifier, got {schema!r}")
+            raise ConfigError(f"schema must be a lower-case SQL identifier, got {schema!r}")
         if pool_size < 1:
             raise ConfigError(f"pool_size must be at least 1, got {pool_size}")
         self.schema = schema

@@ -783,3 +783,32 @@ def test_finish_that_loses_a_race_to_a_cancel_keeps_it_cancelled(pg_dsn: str, pg
         assert b.get_attempt(attempt.id).status == AttemptStatus.SUCCEEDED
     finally:
         b.close()
+
+
+def test_postgres_rejects_unsafe_schema_names() -> None:
+    from agentbolt.errors import ConfigError
+    from agentbolt.store.postgres import PostgresDatabase
+
+    for bad in ["Upper", "a-b", "x; DROP TABLE rollouts", ""]:
+        with pytest.raises(ConfigError):
+            PostgresDatabase("postgresql://nobody@127.0.0.1:1/none", schema=bad)
+
+
+@pytest.mark.postgres
+def test_open_store_with_a_postgres_url(pg_dsn: str, pg_schema: str) -> None:
+    import psycopg
+
+    from agentbolt.store import open_store
+
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {pg_schema}")
+    joiner = "&" if "?" in pg_dsn else "?"
+    store = open_store(f"{pg_dsn}{joiner}options=-csearch_path%3D{pg_schema}", lease_seconds=5)
+    try:
+        assert store.backend == "postgres" and store.lease_seconds == 5
+        [ro] = store.enqueue(make(1))
+        with store.db.transaction() as tx:
+            assert tx.one("SELECT current_schema(), COUNT(*) FROM rollouts") == (pg_schema, 1)
+        assert claim(store).rollout.id == ro.id
+    finally:
+        store.close()
