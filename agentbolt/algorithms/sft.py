@@ -1,0 +1,333 @@
+"""SFT: rejection-sampling fine-tuning on the agent's own best runs.
+
+One round: run every training task ``rollouts_per_task`` times with the current weights, keep
+the runs that pass the filter (reward at least ``min_reward``, and at most the best
+``top_fraction`` of each task's runs), turn their ``llm_call`` events into token rows with the
+gateway's exact ids (:func:`agentbolt.adapters.to_trajectories`: loss on model-generated tokens
+only; prompts, tool outputs and user turns are masked), fine-tune on them (LoRA by default),
+swap the new weights into the serving engine, publish them as a new resources version, and
+validate on the validation tasks. Then the next round samples from the improved policy.
+
+Where this departs from the papers (STaR, Zelikman et al. 2022; ReST-EM, Singh et al. 2023):
+
+- Both restart fine-tuning from the base model every iteration. By default we keep training
+  the same adapter across rounds (each round is a few steps on CPU; restarting would throw them
+  away); ``reset_each_round=True`` gives the papers' behaviour.
+- Selection is per rollout by its final reward; per-call rewards do not select calls.
+- Runs that produced the very same token sequence are trained on once per round (a solved easy
+  task would otherwise dominate the batch with identical copies).
+
+The model: the engine serves the policy from its own thread. Wrapping that very module in LoRA
+would change what it serves mid-request and race its forward passes, so SFT trains a separate
+float32 copy (loaded from the engine model's folder, or ``ctx.extras["policy_model"]``) and hands
+the engine the saved adapter, which the engine merges into its base weights in place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from torch import nn
+
+from agentbolt.adapters import AdapterStats, TrajectoryRow, latest_attempt, to_trajectories
+from agentbolt.algorithms.base import Algorithm, TrainContext, run_rollouts
+from agentbolt.algorithms.evaluate import EvalSummary
+from agentbolt.algorithms.rl_core import (
+    TrainConfig,
+    TrainRow,
+    TrainState,
+    export_weights,
+    make_train_state,
+    merged_state_dict,
+)
+from agentbolt.algorithms.sft_train import TrainStats, eval_loss, select_rollouts, sft_rows, train_rows
+from agentbolt.schemas import LLM, EventType, Mode, ModelWeights, Resource, Rollout
+
+__all__ = [
+    "SFT",
+    "RoundResult",
+    "SFTResult",
+    "TrainStats",
+    "eval_loss",
+    "select_rollouts",
+    "sft_rows",
+    "train_rows",
+]
+
+
+# ---------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    round: int
+    rollouts: int
+    succeeded: int
+    train_reward: float | None
+    """Mean reward of this round's training rollouts (the policy before this round's update)."""
+    kept: int
+    """Rollouts that passed the filter."""
+    rows: int
+    duplicates: int
+    adapter: AdapterStats
+    train: TrainStats | None
+    """None when no row passed the filter (nothing trained or published)."""
+    weights_path: Path | None
+    resources_version: int | None
+    val: EvalSummary | None
+
+
+@dataclass(frozen=True)
+class SFTResult:
+    rounds: list[RoundResult]
+    val_before: EvalSummary | None
+    weights_path: Path | None
+    """The last published adapter (or full model) folder, in Hugging Face format."""
+    resources_version: int | None
+
+    @property
+    def val_after(self) -> EvalSummary | None:
+        return next((r.val for r in reversed(self.rounds) if r.val is not None), None)
+
+
+# ---------------------------------------------------------------------------- the algorithm
+
+
+@dataclass
+class SFT(Algorithm):
+    """Rejection-sampling fine-tuning (see the module docstring)."""
+
+    model: str = "smollm2"
+    """Policy to load when neither the Trainer's engine nor ``ctx.extras["policy_model"]`` gives one:
+    ``"smollm2"`` (the bundled model) or a local Hugging Face folder."""
+    rounds: int = 3
+    rollouts_per_task: int = 4
+    """Runs of each training task per round (the candidates the filter picks from)."""
+    min_reward: float | None = 1.0
+    """Keep runs whose reward is at least this (None: no threshold). Suits 0/1 success rewards."""
+    top_fraction: float = 1.0
+    """Keep at most the best ``ceil(top_fraction * rollouts_per_task)`` runs of each task."""
+    epochs: int = 2
+    """Passes over each round's rows."""
+    batch_size: int = 8
+    """Rows per optimizer step."""
+    max_tokens_per_micro_batch: int = 4096
+    """Padded tokens per forward/backward pass (gradient accumulation beyond)."""
+    max_len: int | None = 2048
+    """Rows are cut to this many tokens (the start is kept)."""
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(lr=2e-4))
+    """LoRA (``lora=False``: full fine-tuning), rank, learning rate, gradient clipping."""
+    bf16: bool = True
+    """Train under bfloat16 autocast (float32 master weights); 1.5-2x faster on CPU."""
+    reset_each_round: bool = False
+    """Fine-tune from the base model each round (ReST-EM) instead of continuing the adapter."""
+    validate_before: bool = True
+    """Validate the starting policy before the first round."""
+    round_timeout: float = 900.0
+    """Seconds a round waits for its rollouts (and validation for its own); stragglers are cancelled."""
+    rollout_timeout: float | None = 300.0
+    llm_resource: str = "llm"
+    """Name of the LLM resource the agent reads (pointed at the engine when it has a ``base_url``)."""
+    weights_resource: str = "policy_weights"
+    sampling: dict[str, Any] = field(default_factory=lambda: {"temperature": 1.0})
+    """Sampling parameters of the LLM resource SFT publishes (diverse runs to pick from)."""
+    seed: int = 0
+
+    def run(self, ctx: TrainContext) -> SFTResult:
+        torch.manual_seed(self.seed)
+        with self._engine(ctx) as engine:
+            version = self._publish(ctx, engine, None, {})
+            base = self._load_policy(ctx, engine)
+            state = make_train_state(copy.deepcopy(base) if self.reset_each_round else base, self.train)
+            val_before = self._validate(ctx, version, "validation (before)") if self.validate_before else None
+            results: list[RoundResult] = []
+            for r in range(1, self.rounds + 1):
+                if self.reset_each_round and r > 1:
+                    state = make_train_state(copy.deepcopy(base), self.train)
+                results.append(self._round(ctx, engine, state, r, version))
+                version = results[-1].resources_version or version
+                _log_round(ctx, results[-1], val_before)
+        weights = next((x.weights_path for x in reversed(results) if x.weights_path), None)
+        return SFTResult(results, val_before, weights, version)
+
+    # ------------------------------------------------------------------ setup
+
+    @contextlib.contextmanager
+    def _engine(self, ctx: TrainContext) -> Iterator[Any]:
+        """The Trainer's engine (``ctx.extras["engine"]``), else one served here for the run."""
+        if "engine" in ctx.extras:
+            yield ctx.extras["engine"]
+            return
+        from agentbolt.engine import EngineServer, ModelEngine
+
+        ctx.console.print(f"loading the policy model ({self.model}) ...")
+        engine = ModelEngine.from_pretrained(self.model)
+        with EngineServer(engine) as server:
+            engine.base_url = server.base_url  # type: ignore[attr-defined]
+            ctx.extras["engine"] = engine
+            try:
+                yield engine
+            finally:
+                ctx.extras.pop("engine", None)
+                engine.close()
+
+    def _load_policy(self, ctx: TrainContext, engine: Any) -> nn.Module:
+        """A float32 training copy of the policy (never the module the engine serves)."""
+        from transformers import AutoModelForCausalLM
+
+        from agentbolt.engine import ensure_model
+
+        given = ctx.extras.get("policy_model")
+        if isinstance(given, nn.Module):
+            return copy.deepcopy(given).float()
+        path = given or getattr(engine.model, "name_or_path", None) or self.model
+        return AutoModelForCausalLM.from_pretrained(ensure_model(path), dtype=torch.float32)
+
+    def _publish(
+        self, ctx: TrainContext, engine: Any, weights: ModelWeights | None, meta: dict[str, Any]
+    ) -> int | None:
+        """A new resources version: the latest one, the LLM pointed at the engine, and ``weights``."""
+        latest = ctx.client.latest_resources()
+        resources: dict[str, Resource] = dict(latest.resources) if latest else {}
+        base_url = getattr(engine, "base_url", None)
+        if base_url:
+            old = resources.get(self.llm_resource)
+            params = {**(old.sampling_parameters if isinstance(old, LLM) else {}), **self.sampling}
+            resources[self.llm_resource] = LLM(
+                base_url=base_url, model=engine.name, sampling_parameters=params
+            )
+        if weights is not None:
+            resources[self.weights_resource] = weights
+        if not resources or (weights is None and latest and resources == latest.resources):
+            return latest.version if latest else None
+        return ctx.client.publish_resources(resources, meta or {"algorithm": "sft", "round": 0}).version
+
+    # ------------------------------------------------------------------ one round
+
+    def _round(
+        self, ctx: TrainContext, engine: Any, state: TrainState, r: int, version: int | None
+    ) -> RoundResult:
+        batch = run_rollouts(ctx.client, ctx.train_tasks, mode=Mode.TRAIN, resources_version=version,
+                             repeat=self.rollouts_per_task, group_prefix=f"{ctx.run_dir.name}:sft{r}",
+                             timeout=self.round_timeout, rollout_timeout=self.rollout_timeout, console=ctx.console,
+                             label=f"round {r} rollouts")  # fmt: skip
+        kept = select_rollouts(batch.rollouts, self.min_reward, self.top_fraction)
+        rows, duplicates, adapter = self._rows(ctx, kept)
+        result = RoundResult(round=r, rollouts=len(batch.rollouts), succeeded=len(batch.succeeded),
+                             train_reward=batch.mean_reward, kept=len(kept), rows=len(rows), duplicates=duplicates,
+                             adapter=adapter, train=None, weights_path=None, resources_version=version, val=None)  # fmt: skip
+        if not rows:
+            ctx.console.print(f"[yellow]round {r}: no run passed the filter; nothing to train on[/]")
+            return result
+        stats = self._train(ctx, state, rows, r)
+        path, version = self._ship(ctx, engine, state, r, stats)
+        val = self._validate(ctx, version, f"round {r} validation")
+        return replace(result, train=stats, weights_path=path, resources_version=version, val=val)
+
+    def _rows(self, ctx: TrainContext, kept: Sequence[Rollout]) -> tuple[list[TrainRow], int, AdapterStats]:
+        trajectories: list[TrajectoryRow] = []
+        adapter = AdapterStats()
+        for r in kept:
+            events = latest_attempt(ctx.client.all_events(r.id, type=[EventType.LLM_CALL.value]))
+            found, stats = to_trajectories(events, reward=r.reward, group_id=r.group_id, task_id=r.task.id)
+            trajectories += found
+            adapter += stats
+        rows, duplicates = sft_rows(trajectories)
+        return rows, duplicates, adapter
+
+    def _train(self, ctx: TrainContext, state: TrainState, rows: list[TrainRow], r: int) -> TrainStats:
+        total = self.epochs * math.ceil(len(rows) / self.batch_size)
+        progress = Progress(TextColumn(f"[bold]round {r} training"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), console=ctx.console,
+                            transient=True)  # fmt: skip
+        with progress:
+            bar = progress.add_task("train", total=total, loss="-")
+
+            def on_step(m: dict[str, float]) -> None:
+                progress.update(bar, advance=1, loss=f"{m.get('loss', float('nan')):.4f}")
+
+            return train_rows(state, rows, epochs=self.epochs, batch_size=self.batch_size,
+                              max_tokens=self.max_tokens_per_micro_batch, max_len=self.max_len,
+                              pad_id=_pad_id(state.model), seed=self.seed * 1000 + r, bf16=self.bf16,
+                              on_step=on_step)  # fmt: skip
+
+    def _ship(
+        self, ctx: TrainContext, engine: Any, state: TrainState, r: int, stats: TrainStats
+    ) -> tuple[Path, int | None]:
+        """Save the weights (Hugging Face format), swap them into the engine, publish a version."""
+        path = (ctx.run_dir / "sft" / f"round-{r}").resolve()
+        fmt = export_weights(state.model, path)
+        if fmt == "lora":
+            engine.update_weights(adapter_path=str(path), version=f"sft-r{r}")
+        else:
+            engine.update_weights(state_dict=merged_state_dict(state.model), version=f"sft-r{r}")
+        metrics = _metrics(stats)
+        meta = {"algorithm": "sft", "round": r, "metrics": metrics}
+        base = getattr(state.model, "name_or_path", None) or str(
+            getattr(state.model.config, "_name_or_path", "")
+        )
+        weights = ModelWeights(path=str(path), base_model=base or None, format=fmt, metadata=meta)
+        return path, self._publish(ctx, engine, weights, meta)
+
+    def _validate(self, ctx: TrainContext, version: int | None, label: str) -> EvalSummary | None:
+        if not ctx.val_tasks:
+            return None
+        batch = run_rollouts(ctx.client, ctx.val_tasks, mode=Mode.VAL, resources_version=version,
+                             timeout=self.round_timeout, rollout_timeout=self.rollout_timeout, console=ctx.console,
+                             label=label)  # fmt: skip
+        return EvalSummary.of(batch)
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _pad_id(model: nn.Module) -> int:
+    pad = getattr(getattr(model, "config", None), "pad_token_id", None)
+    return pad if isinstance(pad, int) else 0
+
+
+def _metrics(stats: TrainStats) -> dict[str, Any]:
+    return {"steps": stats.steps, "model_tokens": stats.model_tokens, "loss_first": stats.loss_first,
+            "loss_last": stats.loss_last, "tokens_per_s": round(stats.tokens_per_s, 1)}  # fmt: skip
+
+
+def _fmt(value: float | None, spec: str = ".3f") -> str:
+    return format(value, spec) if value is not None else "-"
+
+
+def _log_round(ctx: TrainContext, r: RoundResult, val_before: EvalSummary | None) -> None:
+    """Print the round's summary and append it to ``<run_dir>/sft/rounds.jsonl``."""
+    table = Table(title=f"SFT round {r.round}")
+    for column in (
+        "rollouts",
+        "train reward",
+        "kept",
+        "rows",
+        "dupes",
+        "loss",
+        "tokens/s",
+        "version",
+        "val reward",
+    ):
+        table.add_column(column, justify="right")
+    loss = f"{_fmt(r.train.loss_first)} → {_fmt(r.train.loss_last)}" if r.train else "-"
+    val = _fmt(r.val.mean_reward if r.val else None)
+    if val_before is not None:
+        val += f" (start {_fmt(val_before.mean_reward)})"
+    table.add_row(f"{r.succeeded}/{r.rollouts}", _fmt(r.train_reward), str(r.kept), str(r.rows), str(r.duplicates),
+                  loss, _fmt(r.train.tokens_per_s if r.train else None, ".0f"), str(r.resources_version or "-"), val)  # fmt: skip
+    ctx.console.print(table)
+    log = ctx.run_dir / "sft" / "rounds.jsonl"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as f:
+        f.write(json.dumps(asdict(r), default=str) + "\n")

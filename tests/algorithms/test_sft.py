@@ -1,0 +1,213 @@
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from rich.console import Console
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from agentbolt import Task, emit_event, rollout
+from agentbolt.adapters import to_trajectories
+from agentbolt.algorithms.base import TrainContext
+from agentbolt.algorithms.rl_core import TrainConfig, TrainRow, make_train_state
+from agentbolt.algorithms.sft import SFT, eval_loss, select_rollouts, sft_rows, train_rows
+from agentbolt.client import Client
+from agentbolt.runner import Runner
+from agentbolt.schemas import Event, Mode, ModelWeights, Rollout, RolloutStatus
+from agentbolt.trainer import Trainer
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # 2 shared cores; tiny models gain nothing from more
+    yield
+    torch.set_num_threads(threads)
+
+
+_ids = itertools.count(1)
+
+
+def event(type_: str, data: dict[str, Any], attempt: str = "at-1", rollout_id: str = "ro-1") -> Event:
+    return Event(id=next(_ids), rollout_id=rollout_id, attempt_id=attempt, sequence=None, type=type_,
+                 timestamp=0.0, data=data)  # fmt: skip
+
+
+def llm_call(
+    prompt: list[int], completion: list[int], attempt: str = "at-1", rollout_id: str = "ro-1"
+) -> Event:
+    choice = {"index": 0, "message": {"role": "assistant", "content": "x"}, "finish_reason": "stop",
+              "token_ids": completion, "logprobs": [-0.5] * len(completion)}  # fmt: skip
+    data = {"endpoint": "chat.completions", "request": {"messages": [{"role": "user", "content": "q"}]},
+            "prompt_token_ids": prompt, "choices": [choice], "error": None}  # fmt: skip
+    return event("llm_call", data, attempt, rollout_id)
+
+
+def make_rollout(
+    rid: str, task: str, reward: float | None, status: RolloutStatus = RolloutStatus.SUCCEEDED
+) -> Rollout:
+    return Rollout(id=rid, task=Task(id=task), mode=Mode.TRAIN, status=status, resources_version=1,
+                   timeout_seconds=None, max_attempts=1, attempts=1, reward=reward, created_at=0.0,
+                   updated_at=0.0)  # fmt: skip
+
+
+def tiny_model(vocab: int = 64, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+# ---------------------------------------------------------------------------- selection
+
+
+def test_select_keeps_passing_runs_within_the_top_fraction_of_each_task() -> None:
+    runs = [
+        make_rollout("a1", "a", 1.0), make_rollout("a2", "a", 0.2), make_rollout("a3", "a", 0.9),
+        make_rollout("a4", "a", 1.0),
+        make_rollout("b1", "b", 0.1), make_rollout("b2", "b", 0.8), make_rollout("b3", "b", None),
+        make_rollout("b4", "b", 1.0, status=RolloutStatus.FAILED),
+    ]  # fmt: skip
+    assert {r.id for r in select_rollouts(runs, 0.5)} == {"a1", "a3", "a4", "b2"}
+    # top half of 4 runs = 2 per task; ties keep the earlier run
+    assert [r.id for r in select_rollouts(runs, 0.5, top_fraction=0.5)] == ["a1", "a4", "b2"]
+    assert [r.id for r in select_rollouts(runs, None, top_fraction=0.25)] == ["a1", "b2"]
+    assert select_rollouts(runs, 2.0) == []
+
+
+# ---------------------------------------------------------------------------- rows and masks
+
+
+def test_multi_turn_rows_train_model_tokens_only() -> None:
+    # system+user prompt [1,2,3] -> model [10,11] (a tool call); tool output [20,21] -> model [12,13]
+    events = [llm_call([1, 2, 3], [10, 11]), llm_call([1, 2, 3, 10, 11, 20, 21], [12, 13])]
+    trajectories, stats = to_trajectories(events, reward=1.0)
+    rows, duplicates = sft_rows(trajectories)
+    assert stats.prefix_mismatches == 0 and duplicates == 0 and len(rows) == 1
+    assert rows[0].input_ids == (1, 2, 3, 10, 11, 20, 21, 12, 13)
+    assert rows[0].loss_mask == (0, 0, 0, 1, 1, 0, 0, 1, 1)
+    assert rows[0].old_logprobs is None and rows[0].advantage == 0.0
+
+
+def test_identical_runs_are_trained_once_and_empty_rows_dropped() -> None:
+    a, _ = to_trajectories([llm_call([1, 2], [5, 6], rollout_id="r1")])
+    b, _ = to_trajectories([llm_call([1, 2], [5, 6], rollout_id="r2")])
+    c, _ = to_trajectories([llm_call([1, 2], [7], rollout_id="r3")])
+    empty, _ = to_trajectories([llm_call([1, 2], [], rollout_id="r4")])
+    rows, duplicates = sft_rows(a + b + c + empty)
+    assert duplicates == 1
+    assert [r.input_ids for r in rows] == [(1, 2, 5, 6), (1, 2, 7)]
+
+
+class _FakeClient:
+    def __init__(self, events: dict[str, list[Event]]) -> None:
+        self.events = events
+
+    def all_events(self, rollout_id: str, **_: Any) -> list[Event]:
+        return self.events[rollout_id]
+
+
+def test_rows_come_from_the_last_attempt_only(tmp_path: Path) -> None:
+    events = {"ro-1": [llm_call([1, 2], [9, 9, 9], attempt="at-1"), llm_call([1, 2], [5, 6], attempt="at-2")]}
+    ctx = TrainContext(client=_FakeClient(events), server_url="", train_tasks=[], val_tasks=[],  # type: ignore[arg-type]
+                       run_dir=tmp_path)  # fmt: skip
+    rows, duplicates, stats = SFT()._rows(ctx, [make_rollout("ro-1", "t", 1.0)])
+    assert [r.input_ids for r in rows] == [(1, 2, 5, 6)] and stats.calls == 1
+
+
+# ---------------------------------------------------------------------------- training
+
+
+def test_training_lowers_the_loss_on_its_rows() -> None:
+    model = tiny_model()
+    rows = [TrainRow((1, 2, 3, 10 + i, 11 + i, 12 + i), (0, 0, 0, 1, 1, 1)) for i in range(6)]
+    before = eval_loss(model, rows)
+    state = make_train_state(model, TrainConfig(lr=1e-2, lora_r=8))
+    stats = train_rows(state, rows, epochs=6, batch_size=4, seed=0)
+    after = eval_loss(state.model, rows)
+    assert after < before * 0.9, (before, after)
+    assert stats.steps == 12 and stats.model_tokens == 6 * 3 * 6 and stats.input_tokens == 6 * 6 * 6
+    assert stats.loss_last is not None and stats.loss_first is not None and stats.loss_last < stats.loss_first
+
+
+def test_eval_loss_is_the_token_weighted_mean() -> None:
+    model = tiny_model()
+    rows = [TrainRow((1, 2, 3), (0, 1, 1)), TrainRow((4, 5, 6, 7, 8), (0, 0, 0, 0, 1))]
+    whole = eval_loss(model, rows, max_tokens=10_000)
+    split = eval_loss(model, rows, max_tokens=1)  # one row per micro-batch
+    assert whole == pytest.approx(split, rel=1e-5)
+
+
+# ---------------------------------------------------------------------------- a whole run, no engine
+
+
+@rollout
+def scripted(task: Task) -> float:
+    """Pretends to be an agent whose model calls went through the gateway: records the call the
+    task describes and returns the task's reward."""
+    prompt, completion = task.data["prompt"], task.data["completion"]
+    choice = {"index": 0, "message": {"role": "assistant", "content": "c"}, "token_ids": completion,
+              "logprobs": [-1.0] * len(completion)}  # fmt: skip
+    emit_event("llm_call", {"endpoint": "chat.completions", "request": {"messages": []},
+                            "prompt_token_ids": prompt, "choices": [choice]})  # fmt: skip
+    return float(task.data["reward"])
+
+
+class _FakeEngine:
+    """Records weight updates; stands in for ModelEngine (no base_url: the LLM resource is left as is)."""
+
+    name = "fake"
+
+    def __init__(self) -> None:
+        self.updates: list[dict[str, Any]] = []
+
+    def update_weights(
+        self, state_dict: Any = None, adapter_path: str | None = None, version: Any = None
+    ) -> Any:
+        self.updates.append({"adapter_path": adapter_path, "version": version, "state_dict": state_dict})
+        return version
+
+
+@pytest.fixture
+def runner_thread(server: Any) -> Iterator[Runner]:
+    runner = Runner(scripted, server.url, concurrency=4, poll_interval=0.05)
+    thread = threading.Thread(target=runner.run_sync, kwargs={"install_signals": False}, daemon=True)
+    thread.start()
+    yield runner
+    runner.stop()
+    thread.join(20)
+
+
+def test_a_run_trains_publishes_and_swaps_weights(server: Any, client: Client, runner_thread: Runner,
+                                                  tmp_path: Path) -> None:  # fmt: skip
+    train = [Task(id=f"t{i}", data={"prompt": [1, 2, 3], "completion": [10 + i, 11, 12], "reward": i % 2})
+             for i in range(4)]  # fmt: skip
+    val = [Task(id="v", data={"prompt": [1, 2], "completion": [5], "reward": 1})]
+    algo = SFT(rounds=2, rollouts_per_task=2, epochs=2, batch_size=2, bf16=False,
+               train=TrainConfig(lr=1e-2, lora_r=4), round_timeout=60)  # fmt: skip
+    trainer = Trainer(algo, n_runners=0, server_url=server.url, run_dir=tmp_path, console=Console(quiet=True))
+    engine = _FakeEngine()
+    trainer.extras.update(engine=engine, policy_model=tiny_model())
+    result = trainer.fit(scripted, train, val)
+
+    assert len(result.rounds) == 2 and result.val_before is not None and result.val_before.count == 1
+    first = result.rounds[0]
+    assert (first.rollouts, first.kept, first.rows, first.duplicates) == (8, 4, 2, 2)
+    assert first.train is not None and first.train.steps == 2
+    assert [u["version"] for u in engine.updates] == ["sft-r1", "sft-r2"]
+    assert all(Path(u["adapter_path"], "adapter_config.json").is_file() for u in engine.updates)
+    latest = client.latest_resources()
+    assert latest is not None and latest.version == result.resources_version
+    weights = latest.resources["policy_weights"]
+    assert isinstance(weights, ModelWeights) and weights.format == "lora"
+    assert weights.path == str(result.weights_path) and weights.metadata["round"] == 2
+    assert latest.metadata["algorithm"] == "sft" and latest.metadata["metrics"]["steps"] == 2
+    # round 2 ran with round 1's weights, validation with each round's
+    round2 = client.list_rollouts(mode=Mode.TRAIN, resources_version=first.resources_version, limit=100).items
+    assert len(round2) == 8
+    assert (tmp_path / "sft" / "rounds.jsonl").read_text().count("\n") == 2
