@@ -1,0 +1,135 @@
+"""The dashboard: a read-only, single-page client of the server's own HTTP API.
+
+Everything it shows comes from the same ``/api`` routes any client uses, with whatever token
+the browser holds (a reader token is enough). The page is plain HTML, CSS and ES modules under
+``static/`` — no build step, nothing fetched from the internet — so it ships inside the wheel.
+
+Two small read-only routes exist only for the page:
+
+- ``GET /api/dashboard/info``: server version, store backend, lease length and the caller's role;
+- ``GET /api/dashboard/throughput``: rollouts finished per time bucket over a recent window.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi.responses import Response
+from fastapi.staticfiles import StaticFiles
+from pydantic_core import to_json
+
+from agentbolt.schemas import RolloutStatus
+from agentbolt.server.config import ServerConfig
+from agentbolt.store import SqlStore
+
+__all__ = ["STATIC_DIR", "finished_since", "install", "throughput"]
+
+STATIC_DIR = Path(__file__).with_name("static")
+FINAL = (RolloutStatus.SUCCEEDED, RolloutStatus.FAILED, RolloutStatus.CANCELLED)
+
+# The page loads only its own files and talks only to this server. Event data comes from
+# agents and is untrusted: the scripts never put it into the page as HTML, and this policy
+# stops any inline script or style that slipped through.
+_SECURITY_HEADERS = {
+    "content-security-policy": (
+        "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+        "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'; form-action 'self'"
+    ),
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "no-referrer",
+    "cache-control": "no-cache",
+}
+
+
+class _StaticFiles(StaticFiles):
+    """Static files that the browser revalidates (ETag) instead of caching blindly, so a
+    server upgrade is never paired with a stale script."""
+
+    def file_response(self, *args: Any, **kwargs: Any) -> Response:
+        response = super().file_response(*args, **kwargs)
+        response.headers["cache-control"] = "no-cache"
+        response.headers["x-content-type-options"] = "nosniff"
+        return response
+
+
+def finished_since(store: SqlStore, since: float) -> list[tuple[float, str]]:
+    """``(ended_at, status)`` of rollouts that ended at or after ``since``.
+
+    The store has no time-bucketed query yet; this one read-only statement goes through the
+    store's database interface (portable SQL, ``?`` placeholders) rather than a route. It belongs
+    in :class:`SqlStore` (with an index on ``ended_at``) once that file is open for changes.
+    """
+    with store.db.transaction() as tx:
+        rows = tx.all("SELECT ended_at, status FROM rollouts WHERE ended_at >= ?", (since,))
+    return [(float(ended), str(status)) for ended, status in rows]
+
+
+def throughput(rows: list[tuple[float, str]], end: float, window: float, bucket: float) -> dict[str, Any]:
+    """Bucket finished rollouts into ``window / bucket`` slots ending at ``end`` (oldest first)."""
+    n = max(1, math.ceil(window / bucket))
+    last_start = math.floor(end / bucket) * bucket  # the current, partly elapsed bucket
+    first_start = last_start - (n - 1) * bucket
+    counts_B = [{s.value: 0 for s in FINAL} for _ in range(n)]
+    for ended, status in rows:
+        index = int((ended - first_start) // bucket)
+        if 0 <= index < n and status in counts_B[index]:
+            counts_B[index][status] += 1
+    buckets = [{"start": first_start + i * bucket, **counts} for i, counts in enumerate(counts_B)]
+    return {"bucket_seconds": bucket, "window_seconds": n * bucket, "now": end, "buckets": buckets}
+
+
+def _router(app: FastAPI, config: ServerConfig) -> APIRouter:
+    api = APIRouter(prefix="/api/dashboard", tags=["dashboard"])
+
+    @api.get("/info")
+    async def info(request: Request) -> dict[str, Any]:
+        """What the page needs to know about this server and the caller's token."""
+        role = request.scope.get("agentbolt.role")
+        return {
+            "version": app.version,
+            "backend": app.state.store.backend,
+            "lease_seconds": app.state.store.lease_seconds,
+            "auth": bool(config.tokens),
+            "role": role.value if role is not None else None,
+            "server_time": time.time(),
+        }
+
+    @api.get("/throughput")
+    async def get_throughput(
+        window: Annotated[float, Query(gt=0, le=7 * 24 * 3600)] = 3600.0,
+        bucket: Annotated[float, Query(ge=1, le=24 * 3600)] = 60.0,
+    ) -> Response:
+        """Rollouts finished (succeeded, failed, cancelled) per ``bucket`` seconds over the last
+        ``window`` seconds, oldest bucket first; the last bucket is the current, partial one."""
+        if window / bucket > 2000:
+            raise ValueError("window / bucket must be at most 2000 buckets")
+        end = time.time()
+        rows = await app.state.call(finished_since, app.state.store, end - window - bucket)
+        return Response(to_json(throughput(rows, end, window, bucket)), media_type="application/json")
+
+    return api
+
+
+async def _page() -> Response:
+    html = (STATIC_DIR / "index.html").read_bytes()
+    return Response(html, media_type="text/html; charset=utf-8", headers=_SECURITY_HEADERS)
+
+
+def install(app: FastAPI, config: ServerConfig) -> None:
+    """Serve the page at ``/`` and ``/dashboard``, its files under ``/static``, and its routes."""
+    if not config.dashboard:
+        return
+    app.include_router(_router(app, config))
+    for path in ("/", "/dashboard"):
+        app.add_api_route(path, _page, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/favicon.ico", _favicon, methods=["GET"], include_in_schema=False)
+    app.mount("/static", _StaticFiles(directory=STATIC_DIR), name="static")
+
+
+async def _favicon() -> Response:
+    svg = (STATIC_DIR / "favicon.svg").read_bytes()
+    return Response(svg, media_type="image/svg+xml", headers={"cache-control": "max-age=86400"})
