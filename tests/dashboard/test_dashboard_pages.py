@@ -320,3 +320,12 @@ def test_empty_server_then_live_updates_paused_while_hidden(
             document.dispatchEvent(new Event('visibilitychange'));
         }""")
         expect(queued).to_have_text("2", timeout=3000)
+
+
+def test_navigating_away_mid_load_lands_on_the_last_page(page: Any, dash_server: ServerThread) -> None:
+    goto(page, dash_server, "/")
+    for route in ("/training", "/rollouts", "/resources"):  # each cancels the load before it
+        page.evaluate("(route) => { location.hash = route; }", route)
+    expect(page.locator(".page-resources")).to_be_visible()
+    expect(page.locator("h1")).to_have_text("Resources")
+    assert page.locator("[data-nav=resources]").get_attribute("aria-current") == "page"

@@ -59,17 +59,29 @@ export async function get(path, params, { signal, token } = {}) {
   const sent = token ?? getToken();
   const headers = { accept: "application/json" };
   if (sent) headers.authorization = `Bearer ${sent}`;
-  const timeout = AbortSignal.timeout(TIMEOUT_MS);
-  const combined = signal ? AbortSignal.any([signal, timeout]) : timeout;
+  // One signal for "navigated away" and "took too long" (AbortSignal.any is too recent to rely on).
+  const controller = new AbortController();
+  let timedOut = false;
+  const timer = setTimeout(() => {
+    timedOut = true;
+    controller.abort();
+  }, TIMEOUT_MS);
+  const cancel = () => controller.abort();
+  if (signal?.aborted) controller.abort();
+  signal?.addEventListener("abort", cancel, { once: true });
   let response;
+  let text;
   try {
-    response = await fetch(`/api${path}${query(params)}`, { headers, signal: combined, cache: "no-store" });
+    response = await fetch(`/api${path}${query(params)}`, { headers, signal: controller.signal, cache: "no-store" });
+    text = await response.text();
   } catch (err) {
     if (signal?.aborted) throw err; // navigation cancelled it: not a connection problem
-    throw new NetworkError(timeout.aborted ? "The server did not answer in time." : "The server could not be reached.");
+    throw new NetworkError(timedOut ? "The server did not answer in time." : "The server could not be reached.");
+  } finally {
+    clearTimeout(timer);
+    signal?.removeEventListener("abort", cancel);
   }
   let body = null;
-  const text = await response.text();
   try {
     body = text ? JSON.parse(text) : null;
   } catch {

@@ -6,7 +6,7 @@
 // new view is morphed into the old one.
 
 import { AuthError, NetworkError, ApiError, get, getToken, setToken } from "./api.js";
-import { installChartInteractions } from "./charts.js";
+import { installChartInteractions, restoreTooltip } from "./charts.js";
 import { fmtTime, h, hrefFor, morph, replace } from "./dom.js";
 import { empty } from "./ui.js";
 import overview from "./pages/overview.js";
@@ -33,7 +33,6 @@ const app = {
   rendered: false,
   timer: null,
   paused: false,
-  loading: false,
   info: null,
   skew: 0, // server clock minus browser clock, seconds
   conn: "connecting",
@@ -124,8 +123,8 @@ function setChrome({ title, nav, crumbs }) {
 
 async function refresh() {
   const ctx = app.ctx;
-  if (!ctx || app.loading) return;
-  app.loading = true;
+  if (!ctx || ctx.loading) return; // per context: a load cancelled by navigation must not block the next page
+  ctx.loading = true;
   try {
     const data = await ctx.page.load(ctx);
     if (ctx !== app.ctx) return;
@@ -139,7 +138,7 @@ async function refresh() {
     if (ctx !== app.ctx || ctx.signal.aborted) return;
     handleError(ctx, err);
   } finally {
-    app.loading = false;
+    ctx.loading = false;
     if (ctx === app.ctx) schedule();
   }
 }
@@ -150,6 +149,7 @@ function render(ctx, data) {
   if (app.rendered) morph($("content"), node);
   else replace($("content"), node);
   app.rendered = true;
+  restoreTooltip();
 }
 
 function handleError(ctx, err) {
@@ -220,7 +220,8 @@ function setConn(state) {
   app.conn = state;
   const el = $("live");
   el.dataset.state = state;
-  el.querySelector(".live-text").textContent = CONN_TEXT[state] || state;
+  const text = el.querySelector(".live-text");
+  if (text.textContent !== (CONN_TEXT[state] || state)) text.textContent = CONN_TEXT[state] || state; // a status region: speak changes only
   el.title = app.lastUpdate ? `Last updated ${fmtTime(app.lastUpdate / 1000)}` : "";
 }
 
@@ -364,7 +365,7 @@ function installHandlers() {
   $("token-form").addEventListener("submit", submitToken);
   $("token-cancel").addEventListener("click", () => $("token-dialog").close());
   document.addEventListener("visibilitychange", () => {
-    if (!document.hidden && !app.paused && app.ctx && !app.loading) {
+    if (!document.hidden && !app.paused && app.ctx && !app.ctx.loading) {
       clearTimeout(app.timer);
       refresh();
     } else if (document.hidden) setConn("paused");

@@ -7,6 +7,7 @@ import { fmtNum, h, svg } from "./dom.js";
 
 const MARGIN = { top: 26, right: 18, bottom: 30, left: 56 };
 const models = new Map(); // chart id -> what the tooltip needs
+let active = null; // the tooltip shown now: {id, index, clientX, clientY}
 
 /** A formatter with as many decimals as the tick step has (0.015, 0.02 — not 0.02, 0.02). */
 export function tickFormat(values) {
@@ -224,6 +225,7 @@ function showTip(chartSvg, index, clientX, clientY) {
   guide.setAttribute("x2", model.xs[index]);
   guide.setAttribute("visibility", "visible");
   chartSvg.dataset.index = String(index);
+  active = { id: chartSvg.dataset.chart, index, clientX, clientY };
   tip.replaceChildren(
     h("div", { class: "tip-title" }, model.xLabelFor(index)),
     ...model.rowsFor(index).map((r) => h("div", { class: "tip-row" }, h("span", { class: `swatch ${r.cls}` }), h("span", { class: "tip-name" }, r.name), h("span", { class: "tip-value" }, r.value))),
@@ -239,6 +241,7 @@ function showTip(chartSvg, index, clientX, clientY) {
 }
 
 function hideTip(chartSvg) {
+  active = null;
   const tip = document.getElementById("chart-tooltip");
   if (tip) tip.hidden = true;
   chartSvg?.querySelector(".guide")?.setAttribute("visibility", "hidden");
@@ -250,6 +253,15 @@ function nearest(model, svgX) {
     if (Math.abs(x - svgX) < Math.abs(model.xs[best] - svgX)) best = i;
   });
   return best;
+}
+
+/** After a live update redrew the charts, show the open tooltip again on the new data. */
+export function restoreTooltip() {
+  if (!active) return;
+  const chartSvg = document.querySelector(`svg[data-chart="${CSS.escape(active.id)}"]`);
+  const model = models.get(active.id);
+  if (!chartSvg || !model) return hideTip(null);
+  showTip(chartSvg, Math.min(active.index, model.xs.length - 1), active.clientX, active.clientY);
 }
 
 export function installChartInteractions(root = document) {

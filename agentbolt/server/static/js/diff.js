@@ -7,8 +7,9 @@ const MAX_CELLS = 4_000_000; // beyond this the middle is shown as "replaced" ra
  * ``a`` / ``b`` are 1-based line numbers in the old / new text (null where the line is absent).
  */
 export function diffLines(oldText, newText) {
-  const a = String(oldText ?? "").split("\n");
-  const b = String(newText ?? "").split("\n");
+  const lines = (t) => (t === null || t === undefined || t === "" ? [] : String(t).split("\n"));
+  const a = lines(oldText);
+  const b = lines(newText);
   let start = 0;
   while (start < a.length && start < b.length && a[start] === b[start]) start++;
   let endA = a.length;
@@ -52,12 +53,12 @@ function middle(a, b, start, endA, endB) {
       out.push({ op: "same", text: a[start + i], a: start + i + 1, b: start + j + 1 });
       i++;
       j++;
-    } else if (j < m && (i === n || lcs[i * w + j + 1] >= lcs[(i + 1) * w + j])) {
+    } else if (i < n && (j === m || lcs[(i + 1) * w + j] >= lcs[i * w + j + 1])) {
+      out.push({ op: "del", text: a[start + i], a: start + i + 1, b: null }); // removals first, as in a unified diff
+      i++;
+    } else {
       out.push({ op: "add", text: b[start + j], a: null, b: start + j + 1 });
       j++;
-    } else {
-      out.push({ op: "del", text: a[start + i], a: start + i + 1, b: null });
-      i++;
     }
   }
   return out;

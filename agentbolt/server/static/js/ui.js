@@ -22,13 +22,17 @@ function statusIcon(s) {
     succeeded: svg("path", { d: "M2.5 6.2 5 8.7l4.5-5" }),
     failed: svg("path", { d: "M3 3l6 6M9 3 3 9" }),
     running: svg("circle", { cx: 6, cy: 6, r: 3.2 }),
-    queued: svg("path", { d: "M6 2.5V6l2.3 1.6" }),
+    queued: clock(),
     cancelled: svg("path", { d: "M2.8 6h6.4" }),
-    timed_out: svg("path", { d: "M6 2.5V6l2.3 1.6" }),
-    lease_expired: svg("path", { d: "M6 2.5V6l2.3 1.6" }),
+    timed_out: clock(),
+    lease_expired: clock(),
     released: svg("path", { d: "M2.8 6h6.4" }),
   };
   return svg("svg", { class: "badge-icon", viewBox: "0 0 12 12", "aria-hidden": "true", focusable: "false" }, shapes[s] || svg("circle", { cx: 6, cy: 6, r: 2 }));
+}
+
+function clock() {
+  return svg("g", {}, svg("circle", { cx: 6, cy: 6, r: 4.3 }), svg("path", { d: "M6 3.8V6l1.5 1" }));
 }
 
 export function modeTag(mode) {
@@ -92,9 +96,15 @@ export function mono(text, cls = "") {
   return h("code", { class: ["mono", cls] }, text);
 }
 
+/** Long enough to scroll inside its box (max-height in the CSS)? */
+export function scrolls(text, lines = 16, chars = 1500) {
+  const s = String(text ?? "");
+  return s.length > chars || s.split("\n").length > lines;
+}
+
 export function codeBlock(text, { label = null, cls = "" } = {}) {
-  // Scrollable regions must be reachable by keyboard to be scrolled.
-  return h("pre", { class: ["code", cls], tabindex: "0", "aria-label": label }, text);
+  // A region that scrolls must be reachable by keyboard; short ones stay out of the tab order.
+  return h("pre", { class: ["code", cls], tabindex: scrolls(text) ? "0" : null, "aria-label": label }, text);
 }
 
 /** A segmented group of toggle buttons (aria-pressed) that run ``action`` with data-value. */

@@ -1,7 +1,7 @@
 // How each event type is shown (the formats are in docs/events.md).
 
 import { fmtInt, fmtMs, fmtNum, h, json, truncate } from "../dom.js";
-import { codeBlock } from "../ui.js";
+import { codeBlock, scrolls } from "../ui.js";
 
 export const KNOWN = ["llm_call", "tool_call", "span", "message", "reward", "exception"];
 
@@ -116,7 +116,7 @@ function message(m, { output = false } = {}) {
   return h("div", { class: ["msg", `msg-${role}`, output && "msg-output"] },
     h("div", { class: "msg-role" }, ROLE_LABEL[role] || role, m.name ? h("span", { class: "faint" }, ` · ${m.name}`) : null,
       m.tool_call_id ? h("span", { class: "faint mono" }, ` · ${m.tool_call_id}`) : null, output ? h("span", { class: "msg-flag" }, "response") : null),
-    text ? h("div", { class: "msg-content", tabindex: "0" }, text) : m.tool_calls?.length ? null : h("div", { class: "msg-content faint" }, "(empty)"),
+    text ? h("div", { class: "msg-content", tabindex: scrolls(text, 14, 1200) ? "0" : null }, text) : m.tool_calls?.length ? null : h("div", { class: "msg-content faint" }, "(empty)"),
     toolCalls(m.tool_calls));
 }
 

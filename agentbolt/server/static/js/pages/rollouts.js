@@ -53,9 +53,6 @@ function filterBar(d) {
     h("div", { class: "filter" }, h("label", { class: "field-label", for: "f-version" }, "Resources version"),
       h("select", { id: "f-version", class: "select", "data-action": "version", value: f.version === null ? "" : String(f.version) },
         h("option", { value: "" }, "All versions"), d.versions.map((v) => h("option", { value: String(v) }, `v${v}`)))),
-    h("div", { class: "filter" }, h("label", { class: "field-label", for: "f-limit" }, "Per page"),
-      h("select", { id: "f-limit", class: "select", "data-action": "limit", value: String(f.limit) },
-        PAGE_SIZES.map((n) => h("option", { value: String(n) }, String(n))))),
     anyFilter ? h("div", { class: "filter filter-end" }, h("a", { class: "btn btn-ghost", href: hrefFor("/rollouts", { limit: f.limit === PAGE_SIZES[0] ? null : f.limit }) }, "Clear filters")) : null);
 }
 
@@ -90,6 +87,9 @@ function pager(d) {
   return h("nav", { class: "pager", "aria-label": "Pages" },
     h("span", { class: "muted", "data-testid": "page-info" }, n ? `Page ${pageNo} · ${n} rollout${n === 1 ? "" : "s"}` : `Page ${pageNo}`),
     h("div", { class: "pager-buttons" },
+      h("label", { class: "muted", for: "f-limit" }, "Rows per page"),
+      h("select", { id: "f-limit", class: "select select-sm", "data-action": "limit", value: String(f.limit) },
+        PAGE_SIZES.map((n) => h("option", { value: String(n) }, String(n)))),
       h("button", { type: "button", class: "btn btn-sm", "data-action": "newer", disabled: !f.cursor }, "← Newer"),
       h("button", { type: "button", class: "btn btn-sm", "data-action": "older", disabled: !page.next_cursor, "data-cursor": page.next_cursor || "" }, "Older →")));
 }
