@@ -1,0 +1,406 @@
+"""Automatic prompt optimization (APO): textual-gradient beam search over a prompt resource, and a
+reflective Pareto variant in the spirit of GEPA.
+
+``strategy="beam"`` (after ProTeGi, Pryzant et al. 2023), each round:
+
+1. draw a batch of training tasks and run every prompt of the beam on it (rollouts pinned to
+   the prompt's resources version);
+2. ``branch_factor`` times per beam prompt: show the optimizer model a sample of those runs,
+   mostly the worst (the conversation the gateway recorded, reward, error), ask it for a
+   critique - the "textual gradient" - and then for a rewrite inside ``<prompt>...</prompt>``;
+3. publish each child, run it on the same training batch and on the fixed validation batch;
+4. keep the ``beam_width`` candidates with the best validation score.
+
+``strategy="pareto"`` (after GEPA, Agrawal et al. 2025) keeps per-task validation scores. Parents
+are drawn from the Pareto front over validation tasks - every candidate that is best on some
+task and not dominated - with odds by the number of tasks it wins, so a prompt that alone
+solves one kind of task survives even when its mean is lower. A child that does not beat its
+parent on the training batch it was reflected from is not evaluated on validation.
+
+Where this departs from the papers: ProTeGi picks among many children with bandits; here each
+child gets one full pass over a fixed validation batch (fewer moving parts, comparable scores).
+GEPA draws one parent per iteration and also merges candidates; here ``beam_width`` parents are
+drawn per round and there is no merge.
+
+Records. Resources versions are immutable and a score exists only after rollouts ran with the
+version, so each candidate is published twice: a *trial* version the rollouts are pinned to
+(metadata ``{"algorithm": "apo", "stage": "trial", "round", "parent"}``), then a *scored*
+version with the same resources (``"stage": "scored"``, ``"candidate"``: the trial version,
+``"scores": {"train", "val"}``). The seed gets a scored version of its own (round 0). At the end
+the best prompt is published once more as the latest version, so whatever runs next uses it.
+
+The result never scores below the seed on validation: the seed stays in the candidate pool all
+run long and wins ties (the same validation batch for all; a noisy agent is measured once).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import random
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from rich.console import Console
+from rich.live import Live
+from rich.panel import Panel
+from rich.syntax import Syntax
+from rich.table import Table
+
+from agentbolt.algorithms.apo_optimizer import APOStats, Optimizer, pick_examples, run_record, score_of
+from agentbolt.algorithms.base import Algorithm, TrainContext, run_rollouts
+from agentbolt.errors import ConfigError
+from agentbolt.schemas import LLM, Mode, PromptTemplate, Resources, Rollout, Task
+
+__all__ = ["APO", "APOResult", "APOStats", "Candidate", "pareto_front", "prompt_of", "select_beam"]
+
+
+@dataclass
+class Candidate:
+    """A prompt and its scores. ``version`` is the resources version its rollouts ran with."""
+
+    prompt: str
+    version: int
+    round: int
+    parent: int | None
+    order: int
+    train: float | None = None
+    val: float | None = None
+    val_by_task: dict[str, float] = field(default_factory=dict)
+    record_version: int | None = None
+    note: str = ""
+
+    def rank(self) -> tuple[float, bool, int]:
+        """Higher is better: validation score, then the seed, then the earlier candidate."""
+        return (self.val if self.val is not None else -math.inf, self.parent is None, -self.order)
+
+
+@dataclass(frozen=True)
+class APOResult:
+    best_prompt: str
+    best_version: int
+    """The resources version the best candidate's rollouts ran with (the seed's own if it won)."""
+    published_version: int
+    """The version published at the end with the best prompt (the latest when the run ended)."""
+    seed_prompt: str
+    seed_version: int
+    seed_val: float
+    best_val: float
+    history: list[Candidate]
+    front: list[int]
+    """Versions of the final beam, or of the final Pareto front."""
+    stats: APOStats
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def select_beam(pool: Sequence[Candidate], width: int) -> list[Candidate]:
+    return sorted((c for c in pool if c.val is not None), key=Candidate.rank, reverse=True)[:width]
+
+
+def _task_wins(pool: Sequence[Candidate]) -> dict[int, int]:
+    """candidate order -> number of validation tasks on which it scores best (ties all win)."""
+    wins = {c.order: 0 for c in pool}
+    for task in {t for c in pool for t in c.val_by_task}:
+        top = max(c.val_by_task.get(task, 0.0) for c in pool)
+        for c in pool:
+            wins[c.order] += c.val_by_task.get(task, 0.0) == top
+    return wins
+
+
+def _dominates(a: Candidate, b: Candidate) -> bool:
+    tasks = a.val_by_task.keys() | b.val_by_task.keys()
+    pairs = [(a.val_by_task.get(t, 0.0), b.val_by_task.get(t, 0.0)) for t in tasks]
+    return all(x >= y for x, y in pairs) and any(x > y for x, y in pairs)
+
+
+def pareto_front(pool: Sequence[Candidate]) -> list[Candidate]:
+    """Candidates that win at least one validation task and that no other winner dominates."""
+    scored = [c for c in pool if c.val is not None]
+    wins = _task_wins(scored)
+    winners = [c for c in scored if wins[c.order] > 0]
+    return [c for c in winners if not any(_dominates(o, c) for o in winners)]
+
+
+def _sample_front(front: Sequence[Candidate], k: int, rng: random.Random) -> list[Candidate]:
+    """Up to ``k`` distinct parents, drawn with odds by the number of tasks each wins."""
+    wins = _task_wins(front)
+    left, picked = list(front), []
+    while left and len(picked) < k:
+        choice = rng.choices(left, weights=[max(wins[c.order], 1) for c in left])[0]
+        picked.append(choice)
+        left.remove(choice)
+    return sorted(picked, key=lambda c: c.order)
+
+
+@dataclass
+class APO(Algorithm):
+    """Optimize one prompt resource with an optimizer model; see the module docstring."""
+
+    prompt_resource: str = "system_prompt"
+    """Name of the ``PromptTemplate`` resource to optimize; the other resources are kept."""
+    strategy: Literal["beam", "pareto"] = "beam"
+    """``beam``: textual-gradient beam search; ``pareto``: GEPA-style Pareto front over tasks."""
+    rounds: int = 3
+    """Rounds of expansion (0: only score the seed)."""
+    beam_width: int = 2
+    """Prompts kept (beam), or parents drawn from the front (pareto), per round."""
+    branch_factor: int = 2
+    """Children asked of the optimizer per parent and round."""
+    train_batch_size: int = 4
+    """Training tasks per round (cycling through the shuffled training set)."""
+    val_batch_size: int | None = None
+    """Validation tasks every candidate is scored on (drawn once); None: all of them."""
+    rollout_budget: int | None = None
+    """Stop once this many rollouts were run (the seed's are always run); None: no limit."""
+    optimizer_base_url: str | None = None
+    """OpenAI-compatible endpoint of the optimizer; None: the agent's own ``LLM`` resource."""
+    optimizer_model: str | None = None
+    """Model name; None: the ``LLM`` resource's model."""
+    optimizer_api_key: str | None = None
+    """None: ``$OPENAI_API_KEY``, else ``"none"`` (the server never hands out stored keys)."""
+    llm_resource: str | None = None
+    """Which ``LLM`` resource is the default optimizer; None: the first one."""
+    optimizer_timeout: float = 120.0
+    """Seconds one optimizer call may take."""
+    optimizer_retries: int = 2
+    """Extra tries when a call fails or its answer is unusable."""
+    optimizer_backoff: float = 1.0
+    """Seconds before the first retry, doubling after each."""
+    optimizer_temperature: float = 0.7
+    optimizer_max_tokens: int = 1024
+    max_prompt_chars: int = 4000
+    """Longer rewrites are rejected (and counted) as runaway output."""
+    max_examples: int = 4
+    """Runs shown to the optimizer per critique."""
+    max_example_chars: int = 2000
+    """Each run is clipped to this many characters in the critique request."""
+    batch_timeout: float = 600.0
+    """Seconds to wait for one batch of rollouts; stragglers are cancelled (and score 0)."""
+    rollout_timeout: float | None = None
+    """Seconds one attempt may take before the server ends it."""
+    seed: int = 0
+    """Seed of the task sampling and example picking."""
+
+    def run(self, ctx: TrainContext) -> APOResult:
+        self._check_config(ctx)
+        base = ctx.client.latest_resources()
+        seed_prompt = prompt_of(base, self.prompt_resource) if base else None
+        if base is None or seed_prompt is None:
+            raise ConfigError(
+                f"APO needs a PromptTemplate resource named {self.prompt_resource!r} to start from"
+            )
+        search = _Search(self, ctx, self._optimizer(base))
+        try:
+            with Live(search.table, console=ctx.console, refresh_per_second=4):
+                search.start(seed_prompt, base.version)
+                for r in range(1, self.rounds + 1):
+                    if not search.round(r):
+                        break
+            result = search.finish()
+        finally:
+            search.optimizer.close()
+        _report(ctx.console, result)
+        return result
+
+    def _check_config(self, ctx: TrainContext) -> None:
+        sizes = (self.rounds >= 0, self.beam_width >= 1, self.branch_factor >= 1, self.train_batch_size >= 1,
+                 (self.val_batch_size or 1) >= 1, self.max_prompt_chars >= 1, self.optimizer_retries >= 0)  # fmt: skip
+        if not all(sizes):
+            raise ConfigError("APO: rounds and retries must be >= 0; widths, sizes and limits >= 1")
+        if self.strategy not in ("beam", "pareto"):
+            raise ConfigError(f"APO: unknown strategy {self.strategy!r} (beam or pareto)")
+        if not ctx.train_tasks:
+            raise ConfigError("APO needs training tasks (their failures are what the optimizer reads)")
+
+    def _optimizer(self, base: Resources) -> Optimizer:
+        llms = [r for n, r in base.resources.items() if isinstance(r, LLM) and self.llm_resource in (None, n)]
+        llm = llms[0] if llms else None
+        base_url = self.optimizer_base_url or (llm.base_url if llm else None)
+        model = self.optimizer_model or (llm.model if llm else None)
+        if not base_url or not model:
+            raise ConfigError(
+                "APO needs an optimizer: set optimizer_base_url and optimizer_model, or publish an LLM resource"
+            )
+        key = self.optimizer_api_key or os.environ.get("OPENAI_API_KEY") or "none"
+        return Optimizer(
+            base_url, model, key, timeout=self.optimizer_timeout, retries=self.optimizer_retries,
+            backoff=self.optimizer_backoff, max_prompt_chars=self.max_prompt_chars,
+            temperature=self.optimizer_temperature, max_tokens=self.optimizer_max_tokens, stats=APOStats(),
+        )  # fmt: skip
+
+
+class _Search:
+    """The state of one APO run: the candidate pool, cached training runs, the progress table."""
+
+    def __init__(self, apo: APO, ctx: TrainContext, optimizer: Optimizer) -> None:
+        self.apo, self.ctx, self.client, self.optimizer = apo, ctx, ctx.client, optimizer
+        self.stats = optimizer.stats
+        self.rng = random.Random(apo.seed)
+        self.run_id = uuid.uuid4().hex[:12]
+        self.pool: list[Candidate] = []
+        self.train_runs: dict[tuple[int, str], Rollout] = {}
+        self.train_order = self.rng.sample(ctx.train_tasks, len(ctx.train_tasks))
+        val = ctx.val_tasks or ctx.train_tasks
+        size = min(apo.val_batch_size or len(val), len(val))
+        self.val_tasks = self.rng.sample(val, size) if size < len(val) else list(val)
+        self.table = _table(apo.strategy)
+
+    def start(self, prompt: str, version: int) -> None:
+        seed = Candidate(prompt, version, round=0, parent=None, order=0, note="seed")
+        self.pool.append(seed)
+        seed.train = _mean([score_of(r) for r in self._train(seed, self._batch(1), force=True) or []])
+        self._validate(seed)
+        self._record(seed)
+
+    def round(self, r: int) -> bool:
+        """One round of expansion; False when the budget ran out."""
+        batch = self._batch(r)
+        parents = (select_beam(self.pool, self.apo.beam_width) if self.apo.strategy == "beam"
+                   else _sample_front(pareto_front(self.pool), self.apo.beam_width, self.rng))  # fmt: skip
+        return all(self._expand(parent, batch, r) for parent in parents)
+
+    def _expand(self, parent: Candidate, batch: list[Task], r: int) -> bool:
+        runs = self._train(parent, batch)
+        if runs is None:
+            return False
+        parent_train = _mean([score_of(x) for x in runs])
+        for _ in range(self.apo.branch_factor):
+            if not self._afford(len(batch)):
+                return False
+            picked = pick_examples(runs, self.apo.max_examples, self.rng)
+            records = [run_record(self.client, rollout) for rollout in picked]
+            seen = {c.prompt for c in self.pool}
+            prompt = self.optimizer.propose(parent.prompt, records, seen, self.apo.max_example_chars)
+            if prompt is None:
+                self.stats.skipped_candidates += 1
+                self._row("-", str(parent.version), note="skipped: no usable rewrite", r=r)
+            elif not self._child(prompt, parent, batch, parent_train, r):
+                return False
+        return True
+
+    def _child(self, prompt: str, parent: Candidate, batch: list[Task], parent_train: float, r: int) -> bool:
+        version = self._publish(prompt, {"stage": "trial", "round": r, "parent": parent.version})
+        child = Candidate(prompt, version, round=r, parent=parent.version, order=len(self.pool))
+        self.pool.append(child)
+        child.train = _mean([score_of(x) for x in self._train(child, batch, force=True) or []])
+        if self.apo.strategy == "pareto" and child.train <= parent_train:
+            child.note = "gated: no better than its parent on the batch"
+        elif self._afford(len(self.val_tasks)):
+            self._validate(child)
+        else:
+            child.note = "budget spent before validation"
+        self._record(child)
+        return not self.stats.budget_exhausted
+
+    def _afford(self, n: int) -> bool:
+        budget = self.apo.rollout_budget
+        if budget is not None and self.stats.rollouts + n > budget:
+            self.stats.budget_exhausted = True
+        return not self.stats.budget_exhausted
+
+    def _batch(self, r: int) -> list[Task]:
+        tasks, size = self.train_order, min(self.apo.train_batch_size, len(self.train_order))
+        start = (r - 1) * size
+        return [tasks[(start + i) % len(tasks)] for i in range(size)]
+
+    def _rollouts(self, cand: Candidate, tasks: list[Task], mode: Mode) -> list[Rollout]:
+        self.stats.rollouts += len(tasks)
+        batch = run_rollouts(
+            self.client, tasks, mode=mode, resources_version=cand.version, timeout=self.apo.batch_timeout,
+            rollout_timeout=self.apo.rollout_timeout, console=self.ctx.console, label=f"v{cand.version} {mode.value}",
+            metadata={"algorithm": "apo", "run": self.run_id, "round": cand.round},
+        )  # fmt: skip
+        return batch.rollouts
+
+    def _train(self, cand: Candidate, batch: list[Task], force: bool = False) -> list[Rollout] | None:
+        """The candidate's runs on ``batch``, run once per task (None: over budget)."""
+        missing = [t for t in batch if (cand.version, t.id) not in self.train_runs]
+        if missing and not force and not self._afford(len(missing)):
+            return None
+        for rollout in self._rollouts(cand, missing, Mode.TRAIN) if missing else []:
+            self.train_runs[(cand.version, rollout.task.id)] = rollout
+        return [self.train_runs[(cand.version, t.id)] for t in batch]
+
+    def _validate(self, cand: Candidate) -> None:
+        rollouts = self._rollouts(cand, self.val_tasks, Mode.VAL)
+        cand.val_by_task = {r.task.id: score_of(r) for r in rollouts}
+        cand.val = _mean([score_of(r) for r in rollouts])
+
+    def _publish(self, prompt: str, metadata: dict[str, Any]) -> int:
+        latest = self.client.latest_resources()
+        resources = dict(latest.resources) if latest else {}
+        old = resources.get(self.apo.prompt_resource)
+        engine = old.engine if isinstance(old, PromptTemplate) else "f-string"
+        resources[self.apo.prompt_resource] = PromptTemplate(template=prompt, engine=engine)
+        meta = {
+            "algorithm": "apo",
+            "run": self.run_id,
+            "prompt_resource": self.apo.prompt_resource,
+            **metadata,
+        }
+        return self.client.publish_resources(resources, meta).version
+
+    def _scores_meta(self, cand: Candidate, stage: str) -> dict[str, Any]:
+        return {"stage": stage, "round": cand.round, "parent": cand.parent, "candidate": cand.version,
+                "scores": {"train": cand.train, "val": cand.val}}  # fmt: skip
+
+    def _record(self, cand: Candidate) -> None:
+        cand.record_version = self._publish(cand.prompt, self._scores_meta(cand, "scored"))
+        self._row(str(cand.version), str(cand.parent or "-"), cand.train, cand.val, cand.note, cand.round)
+
+    def _row(self, version: str, parent: str, train: float | None = None, val: float | None = None,
+             note: str = "", r: int = 0) -> None:  # fmt: skip
+        best = max(self.pool, key=Candidate.rank)
+        best_so_far = f"{_fmt(best.val)} (v{best.version})"
+        self.table.add_row(str(r), version, parent, _fmt(train), _fmt(val), best_so_far, note)
+
+    def finish(self) -> APOResult:
+        best, seed = max(self.pool, key=Candidate.rank), self.pool[0]
+        published = self._publish(best.prompt, self._scores_meta(best, "best"))
+        beam = self.apo.strategy == "beam"
+        front = select_beam(self.pool, self.apo.beam_width) if beam else pareto_front(self.pool)
+        return APOResult(
+            best_prompt=best.prompt, best_version=best.version, published_version=published,
+            seed_prompt=seed.prompt, seed_version=seed.version, seed_val=seed.val or 0.0, best_val=best.val or 0.0,
+            history=list(self.pool), front=[c.version for c in front], stats=self.stats,
+        )  # fmt: skip
+
+
+def _fmt(value: float | None) -> str:
+    return f"{value:.3f}" if value is not None else "-"
+
+
+def _table(strategy: str) -> Table:
+    table = Table(title=f"APO ({strategy})")
+    for column in ("round", "candidate", "parent", "train", "val", "best so far", "note"):
+        table.add_column(column, justify="left" if column == "note" else "right")
+    return table
+
+
+def _report(console: Console, result: APOResult) -> None:
+    title = (
+        f"best prompt: version {result.best_version}, val {result.best_val:.3f} (seed {result.seed_val:.3f})"
+    )
+    console.print(Panel(result.best_prompt, title=title))
+    diff = "".join(difflib.unified_diff(result.seed_prompt.splitlines(keepends=True),
+                                        result.best_prompt.splitlines(keepends=True), "seed", "best"))  # fmt: skip
+    console.print(Syntax(diff, "diff") if diff else "(the seed prompt won: no change)")
+    console.print(f"APO stats: {result.stats.as_dict()}")
+
+
+# ---------------------------------------------------------------------------- reading results
+
+
+def prompt_of(resources: Resources, name: str | None = None) -> str | None:
+    """The named prompt's text, or (without a name) the only ``PromptTemplate`` in ``resources``."""
+    if name is not None:
+        res = resources.resources.get(name)
+        return res.template if isinstance(res, PromptTemplate) else None
+    prompts = [r for r in resources.resources.values() if isinstance(r, PromptTemplate)]
+    return prompts[0].template if len(prompts) == 1 else None

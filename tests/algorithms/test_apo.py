@@ -1,0 +1,278 @@
+"""APO through the real server, gateway and runner, with a scripted optimizer endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from rich.console import Console
+from typer.testing import CliRunner
+
+from agentbolt import LLM, LitAgent, PromptTemplate, Task, Trainer
+from agentbolt.algorithms.apo import APO, APOResult, Candidate, pareto_front, select_beam
+from agentbolt.export_cli import export_app
+from agentbolt.runner import Runner
+from agentbolt.schemas import Mode
+from agentbolt.server import ServerConfig, ServerThread
+from agentbolt.server.run import free_port
+
+Fault = tuple[str, Any]  # ("text", str) | ("status", int) | ("sleep", seconds) | ("pass", None)
+
+
+@dataclass
+class ScriptedOptimizer:
+    """TEST DOUBLE: a deterministic OpenAI-compatible chat endpoint on 127.0.0.1 - not a model.
+
+    APO's critique requests get ``critique``; its rewrite requests get ``rewrite(current_prompt,
+    n)`` for the n-th rewrite; ``faults`` (taken first, one per optimizer call) replace an answer
+    with given text, an HTTP status or a delay, or let it through (``pass``). Any other request - the agent's own calls through
+    the gateway - gets a short fixed answer. ``seen`` holds (kind, user message) per request.
+    """
+
+    rewrite: Callable[[str, int], str]
+    critique: str = "The prompt never names the keyword the tasks need."
+    faults: list[Fault] = field(default_factory=list)
+    seen: list[tuple[str, str]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.port, self.rewrites = free_port(), 0
+        app = FastAPI()
+        app.post("/v1/chat/completions")(self._chat)
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def __enter__(self) -> ScriptedOptimizer:
+        threading.Thread(target=self.server.run, daemon=True).start()
+        while not self.server.started:
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+
+    def kinds(self, kind: str) -> list[str]:
+        return [text for k, text in self.seen if k == kind]
+
+    async def _chat(self, request: Request) -> JSONResponse:
+        body = await request.json()
+        user = body["messages"][-1]["content"]
+        kind = "rewrite" if "<critique>" in user else "critique" if "Runs of the agent" in user else "agent"
+        self.seen.append((kind, user))
+        if kind == "agent":
+            return _answer(body, "I would rather not say.")
+        what, value = self.faults.pop(0) if self.faults else ("pass", None)
+        if what != "pass":
+            if what == "status":
+                return JSONResponse(
+                    {"error": {"message": "scripted", "type": "server_error"}}, status_code=value
+                )
+            await asyncio.sleep(value if what == "sleep" else 0)
+            return _answer(body, value if what == "text" else "late")
+        if kind == "critique":
+            return _answer(body, self.critique)
+        current = re.search(r"<current_prompt>\n(.*?)\n</current_prompt>", user, re.DOTALL)
+        self.rewrites += 1
+        return _answer(body, self.rewrite(current.group(1) if current else "", self.rewrites - 1))
+
+
+def _answer(body: dict[str, Any], text: str) -> JSONResponse:
+    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+    return JSONResponse({"id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": body["model"],
+                         "choices": [choice], "usage": {"prompt_tokens": 1, "completion_tokens": 1,
+                                                        "total_tokens": 2}})  # fmt: skip
+
+
+class KeywordAgent(LitAgent):
+    """Asks its LLM (through the gateway), then scores 1.0 when the system prompt holds the task's
+    keyword and not the word BAD; a task with ``fail`` raises instead of scoring 0."""
+
+    def execute_rollout(self, task: Task) -> float:
+        prompt, llm = self.get_resource("system_prompt"), self.get_resource("llm")
+        client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key or "x", max_retries=0, timeout=30)
+        messages: Any = [{"role": "system", "content": prompt}, {"role": "user", "content": task.data["q"]}]
+        client.chat.completions.create(model=llm.model, messages=messages, temperature=0.0)
+        hit = task.data["kw"] in prompt and "BAD" not in prompt
+        if task.data.get("fail") and not hit:
+            raise ValueError(f"the prompt does not mention {task.data['kw']}")
+        return float(hit)
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Iterator[ServerThread]:
+    """A real server plus a real runner (4 slots) in a thread."""
+    config = ServerConfig(db=str(tmp_path / "store.db"), lease_seconds=30.0, sweep_interval=0.1)
+    with ServerThread(config) as server:
+        runner = Runner(KeywordAgent(), server.url, concurrency=4, poll_interval=0.05, grace=1.0)
+        thread = threading.Thread(target=runner.run_sync, kwargs={"install_signals": False}, daemon=True)
+        thread.start()
+        yield server
+        runner.stop()
+        thread.join(10)
+
+
+def _fit(apo: APO, server_url: str | None, double: ScriptedOptimizer, seed: str, train: list[dict[str, Any]],
+         val: list[dict[str, Any]] | None = None, **kw: Any) -> tuple[APOResult, str]:  # fmt: skip
+    out = io.StringIO()
+    resources: dict[str, Any] = {"system_prompt": PromptTemplate(template=seed),
+                                 "llm": LLM(base_url=double.base_url, model="scripted")}  # fmt: skip
+    trainer = Trainer(
+        apo, server_url=server_url, resources=resources, console=Console(file=out, width=140), **kw
+    )
+    return trainer.fit(KeywordAgent(), train, val), out.getvalue()
+
+
+def _fast(**kw: Any) -> APO:
+    return APO(**{"optimizer_backoff": 0.0, "optimizer_timeout": 10.0, "batch_timeout": 60.0, **kw})
+
+
+def _tasks(*kws: str, start: int = 0, **extra: Any) -> list[dict[str, Any]]:
+    return [{"id": f"{kw}-{i}", "q": f"Question {i} about {kw}?", "kw": kw, **extra}
+            for i, kw in enumerate(kws, start)]  # fmt: skip
+
+
+def test_apo_finds_the_keyword_through_trainer_runners_and_gateway(tmp_path: Path) -> None:
+    with ScriptedOptimizer(
+        rewrite=lambda p, n: f"<prompt>{p} Always mention KEYWORD ({n}).</prompt>"
+    ) as double:
+        train = _tasks("KEYWORD", "KEYWORD") + _tasks("KEYWORD", start=2, fail=True)
+        apo = _fast(rounds=2, beam_width=2, branch_factor=1, train_batch_size=2)
+        result, shown = _fit(apo, None, double, "You are helpful.", train, _tasks("KEYWORD", "KEYWORD"),
+                             n_runners=1, runner_concurrency=4, run_dir=tmp_path / "run")  # fmt: skip
+    assert (result.seed_val, result.best_val) == (0.0, 1.0)
+    assert result.best_prompt == "You are helpful. Always mention KEYWORD (0)."
+    assert [c.round for c in result.history] == [0, 1, 2, 2] and result.stats.skipped_candidates == 0
+    critiques = "".join(double.kinds("critique"))
+    assert (
+        "[user] Question 1 about KEYWORD?" in critiques and "[assistant] I would rather not say." in critiques
+    )
+    assert "ValueError: the prompt does not mention KEYWORD" in critiques
+    assert "APO (beam)" in shown and "+You are helpful. Always mention KEYWORD (0)." in shown
+
+
+def test_records_versions_and_export(rig: ServerThread, tmp_path: Path) -> None:
+    with ScriptedOptimizer(rewrite=lambda p, n: f"<prompt>{p} KEYWORD {n}</prompt>") as double:
+        apo = _fast(rounds=1, beam_width=1, branch_factor=2, train_batch_size=2)
+        result, _ = _fit(apo, rig.url, double, "Seed.", _tasks("KEYWORD", "x"), n_runners=0, run_dir=tmp_path)
+    from agentbolt.client import Client
+
+    with Client(rig.url) as client:
+        latest = client.latest_resources()
+        assert latest is not None and latest.version == result.published_version
+        assert latest.resources["system_prompt"].template == result.best_prompt  # type: ignore[union-attr]
+        assert isinstance(latest.resources["llm"], LLM)  # the other resources are kept
+        for cand in result.history:
+            record = client.get_resources(cand.record_version or 0).metadata
+            assert record["algorithm"] == "apo" and record["round"] == cand.round
+            assert record["parent"] == cand.parent and record["scores"] == {
+                "train": cand.train,
+                "val": cand.val,
+            }
+            val = client.list_rollouts(resources_version=cand.version, mode=Mode.VAL).items
+            assert len(val) == 2 and {r.resources_version for r in val} == {cand.version}
+    out = tmp_path / "best.txt"
+    cli = CliRunner().invoke(
+        export_app, ["prompt", "--server", rig.url, "--version", "best", "--out", str(out)]
+    )
+    assert cli.exit_code == 0, cli.output
+    assert out.read_text() == result.best_prompt == "Seed. KEYWORD 0"
+    args = ["prompt", "--server", rig.url, "--version", str(result.seed_version), "--out", str(out)]
+    assert CliRunner().invoke(export_app, args).exit_code == 0 and out.read_text() == "Seed."
+
+
+def test_never_worse_than_the_seed_and_budget_stops(rig: ServerThread, tmp_path: Path) -> None:
+    proposals = ["<prompt>Be good. BAD</prompt>", "<prompt>Be good, really.</prompt>"]
+    with ScriptedOptimizer(
+        rewrite=lambda p, n: proposals[n % 2] if n < 2 else f"<prompt>{n}</prompt>"
+    ) as double:
+        apo = _fast(rounds=10, beam_width=1, branch_factor=1, train_batch_size=2, rollout_budget=12)
+        result, _ = _fit(
+            apo, rig.url, double, "Be good.", _tasks("good", "good"), n_runners=0, run_dir=tmp_path
+        )
+    assert [c.val for c in result.history] == [1.0, 0.0, 1.0]  # worse, then a tie
+    assert result.best_prompt == "Be good." and result.best_version == result.seed_version
+    assert result.stats.budget_exhausted and result.stats.rollouts == 12
+
+
+def test_malformed_optimizer_output_is_counted_and_skipped(rig: ServerThread, tmp_path: Path) -> None:
+    faults: list[Fault] = [("status", 500), ("sleep", 2.0), ("pass", None), ("text", ""), ("text", "no tags"),
+                           ("text", f"<prompt>{'x' * 200}</prompt>")]  # fmt: skip
+    rewrite = "<prompt>Answer with KEYWORD.</prompt>"
+    with ScriptedOptimizer(rewrite=lambda p, n: rewrite, faults=faults) as double:
+        apo = _fast(rounds=1, beam_width=1, branch_factor=2, optimizer_retries=2, optimizer_timeout=0.5,
+                    max_prompt_chars=100)  # fmt: skip
+        result, _ = _fit(apo, rig.url, double, "Seed.", _tasks("KEYWORD"), n_runners=0, run_dir=tmp_path)
+    stats = result.stats
+    assert (stats.optimizer_errors, stats.timeouts, stats.empty_outputs) == (2, 1, 1)
+    assert (stats.missing_prompt, stats.too_long, stats.skipped_candidates, stats.retries) == (1, 1, 1, 4)
+    assert result.best_prompt == "Answer with KEYWORD." and result.best_val == 1.0
+
+
+def test_pareto_keeps_per_task_winners(rig: ServerThread, tmp_path: Path) -> None:
+    words = ["alpha", "beta", "noise"]
+    with ScriptedOptimizer(rewrite=lambda p, n: f"<prompt>{p} {words[n % 3]}</prompt>") as double:
+        apo = _fast(strategy="pareto", rounds=1, beam_width=1, branch_factor=3, train_batch_size=2)
+        result, shown = _fit(
+            apo, rig.url, double, "Seed.", _tasks("alpha", "beta"), n_runners=0, run_dir=tmp_path
+        )
+    seed, a, b, noise = result.history
+    assert (a.val_by_task, b.val_by_task) == (
+        {"alpha-0": 1.0, "beta-1": 0.0},
+        {"alpha-0": 0.0, "beta-1": 1.0},
+    )
+    assert result.front == [a.version, b.version]  # a beam of one would keep only a
+    assert select_beam(result.history, 1) == [a] and result.best_prompt == "Seed. alpha"
+    assert noise.val is None and noise.note.startswith("gated") and "APO (pareto)" in shown
+
+
+def _cand(order: int, scores: dict[str, float]) -> Candidate:
+    mean = sum(scores.values()) / len(scores)
+    return Candidate(
+        f"p{order}", order + 1, 1, None if order == 0 else 1, order, val=mean, val_by_task=scores
+    )
+
+
+def test_pareto_front_and_beam_selection() -> None:
+    seed, a, b, ab, c = (_cand(i, s) for i, s in enumerate([{"x": 0, "y": 0}, {"x": 1, "y": 0}, {"x": 0, "y": 1},
+                                                            {"x": 1, "y": 0}, {"x": 0.5, "y": 0.5}]))  # fmt: skip
+    assert pareto_front([seed, a, b, c]) == [a, b]
+    assert pareto_front([seed, a, ab]) == [a, ab]  # equal on every task: both kept
+    tie = _cand(1, {"x": 0, "y": 0})
+    assert select_beam([tie, seed], 1) == [seed]  # the seed wins ties
+
+
+def test_one_round_with_the_embedded_engine(rig: ServerThread, tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    from agentbolt.client import Client
+    from agentbolt.engine import EngineServer, ModelEngine, tiny_model_dir
+
+    engine = ModelEngine.from_pretrained(tiny_model_dir(tmp_path / "tiny", max_position_embeddings=4096),
+                                         default_max_tokens=8)  # fmt: skip
+    with EngineServer(engine) as llm_server:
+        resources = {"system_prompt": PromptTemplate(template="Be brief."),
+                     "llm": LLM(base_url=llm_server.base_url, model=engine.name)}  # fmt: skip
+        apo = _fast(rounds=1, beam_width=1, branch_factor=1, train_batch_size=2, optimizer_retries=0,
+                    optimizer_max_tokens=16, optimizer_temperature=0.0, max_example_chars=400)  # fmt: skip
+        trainer = Trainer(apo, server_url=rig.url, resources=resources, run_dir=tmp_path,
+                          console=Console(file=io.StringIO()))  # fmt: skip
+        result = trainer.fit(KeywordAgent(), _tasks("Be", "nope"))
+    assert result.best_val >= result.seed_val == 0.5 and result.stats.optimizer_calls >= 1
+    with Client(rig.url) as client:
+        rollout = client.list_rollouts(resources_version=result.seed_version).items[0]
+        calls = client.all_events(rollout.id, type=["llm_call"])
+    assert calls and calls[0].data["prompt_token_ids"] and calls[0].data["choices"][0]["token_ids"]
