@@ -62,9 +62,11 @@ def _is_hf_dir(path: Path) -> bool:
 
 
 def _is_complete(path: Path) -> bool:
-    return (path / "config.json").is_file() and (path / "model.safetensors").is_file() and (
-        path / "tokenizer.json"
-    ).is_file()
+    return (
+        (path / "config.json").is_file()
+        and (path / "model.safetensors").is_file()
+        and (path / "tokenizer.json").is_file()
+    )
 
 
 def find_gguf() -> Path | None:
@@ -116,7 +118,9 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
 
     started = time.perf_counter()
     size_mb = gguf.stat().st_size / 2**20
-    log.info("converting %s (%.0f MiB GGUF) to safetensors in %s - about 20 s, once", gguf.name, size_mb, out_dir)
+    log.info(
+        "converting %s (%.0f MiB GGUF) to safetensors in %s - about 20 s, once", gguf.name, size_mb, out_dir
+    )
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     log.info("  tokenizer loaded (%d tokens) after %.1f s", len(tokenizer), time.perf_counter() - started)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -165,10 +169,14 @@ def ensure_model(
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not _is_hf_dir(path):
-            raise ModelNotFoundError(f"{path} is not a Hugging Face model directory (no config.json + weights)")
+            raise ModelNotFoundError(
+                f"{path} is not a Hugging Face model directory (no config.json + weights)"
+            )
         return path
     if str(name_or_path).lower() not in _ALIASES:
-        raise ModelNotFoundError(f"unknown model {str(name_or_path)!r}: give a local HF directory or 'smollm2'")
+        raise ModelNotFoundError(
+            f"unknown model {str(name_or_path)!r}: give a local HF directory or 'smollm2'"
+        )
     out_dir = cache_root() / "models" / SMOLLM2_DIRNAME
     if _is_complete(out_dir):
         return out_dir

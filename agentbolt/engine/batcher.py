@@ -1,0 +1,294 @@
+"""Continuous batching over a Hugging Face causal LM, in one background thread.
+
+The loop runs one step at a time. Before each step it admits waiting sequences (up to
+``max_batch`` running, and a token budget for the prefill), prefills them together and merges
+their KV cache into the running batch; then it runs one decode step for every running sequence.
+A request that arrives while a step runs joins at the next step; each sequence stops on its own
+and leaves the batch at once, freeing its row. Nothing is recomputed: the KV cache of a running
+sequence is kept across steps and across merges.
+
+Where this departs from vLLM / transformers' own continuous batching (``generate_batch``, paged
+attention): the KV cache is one dense ``DynamicCache`` whose rows are left-padded to a common
+length, not a paged block table. On CPU the dense layout lets every decode step be one batched
+``sdpa`` call; transformers' paged path measured 55 tokens/s against 220 tokens/s for the dense
+batch (SmolLM2-135M, 32 sequences, 2 cores), and its sampler offers one global seed, reports
+log-probabilities of the *processed* distribution and no top-k alternatives, which training needs
+otherwise. The price: admitting sequences copies the cache once (pad + concatenate) and padding
+wastes attention work when lengths differ a lot; left columns that no running row uses are cut
+after every eviction. Identical prompts admitted together are prefilled once (``n`` > 1 and
+GRPO groups) and their cache rows copied.
+
+Weight updates are applied between steps: the loop stops admitting, lets running sequences finish
+on the old weights (up to ``drain_timeout_s``), swaps, and resumes. Sequences still running at the
+deadline continue on the new weights and report both versions.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from agentbolt.engine.sampling import sample_step
+from agentbolt.engine.sequence import Sequence
+
+__all__ = ["Batcher"]
+
+log = logging.getLogger(__name__)
+
+
+class _PendingUpdate:
+    def __init__(self, apply: Callable[[], int | str], deadline: float) -> None:
+        self.apply, self.deadline, self.future = apply, deadline, Future()
+
+
+class Batcher:
+    """Owns the model's forward passes: one thread, one batch, one KV cache."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        eos_ids: set[int],
+        version: int | str = 0,
+        max_batch: int = 32,
+        max_context: int = 2048,
+        prefill_tokens: int = 4096,
+        drain_timeout_s: float = 60.0,
+    ) -> None:
+        self.model, self.eos_ids, self.version = model, eos_ids, version
+        self.max_batch, self.max_context, self.prefill_tokens = max_batch, max_context, prefill_tokens
+        self.drain_timeout_s = drain_timeout_s
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._keep_kw = "logits_to_keep" in params
+        self._waiting: deque[list[Sequence]] = deque()
+        self._cond = threading.Condition()
+        self._update: _PendingUpdate | None = None
+        self._running: list[Sequence] = []
+        self._admitting: list[Sequence] = []  # taken from the queue, not yet running
+        self._cache: DynamicCache | None = None
+        self._mask_BL = torch.zeros(0, 0, dtype=torch.long)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.steps = 0
+
+    # ------------------------------------------------------------------ public, any thread
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="agentbolt-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submit(self, group: list[Sequence]) -> None:
+        """Queue sequences that share one prompt; they are admitted together."""
+        with self._cond:
+            self._waiting.append(group)
+            self._cond.notify_all()
+
+    def request_update(self, apply: Callable[[], int | str], drain_timeout_s: float | None = None) -> Future:
+        """Run ``apply`` (which swaps weights and returns the new version) between two steps."""
+        timeout = self.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        with self._cond:
+            if self._update is not None:
+                raise RuntimeError("a weight update is already in progress")
+            self._update = _PendingUpdate(apply, time.monotonic() + timeout)
+            self._cond.notify_all()
+            return self._update.future
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(g) for g in self._waiting)
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._step()
+            except Exception as exc:  # a failed forward must not kill the server
+                log.exception("engine step failed; failing the running sequences")
+                self._fail_running(exc)
+            finally:
+                self._admitting = []
+        self._fail_running(RuntimeError("engine stopped"))
+        for group in self._waiting:
+            for seq in group:
+                seq.finish(error=RuntimeError("engine stopped"))
+
+    def _step(self) -> None:
+        self._maybe_apply_update()
+        admitted = self._take_waiting()
+        if not admitted and not self._running:
+            with self._cond:
+                if not self._waiting and self._update is None and not self._stop.is_set():
+                    self._cond.wait(timeout=0.5)
+            return
+        self._admitting = [s for g in admitted for s in g]
+        with torch.inference_mode():
+            if admitted:
+                self._prefill(admitted)
+            if self._running:
+                self._decode()
+        self.steps += 1
+
+    def _take_waiting(self) -> list[list[Sequence]]:
+        taken: list[list[Sequence]] = []
+        with self._cond:
+            if self._update is not None:
+                return taken  # draining: let running sequences finish on the current weights
+            slots, width = self.max_batch - len(self._running), 0
+            while self._waiting:
+                group = self._waiting[0]
+                width = max(width, len(group[0].prompt_ids))
+                if len(group) > slots or (taken and width * (1 + len(taken)) > self.prefill_tokens):
+                    break
+                taken.append(self._waiting.popleft())
+                slots -= len(group)
+        return [[s for s in g if not self._finish_if_done(s)] for g in taken]
+
+    def _forward(
+        self, ids_BT: torch.Tensor, mask_BL: torch.Tensor, pos_BT: torch.Tensor, cache
+    ) -> torch.Tensor:
+        device = self.model.device
+        kwargs = {self._cache_kw: cache, "use_cache": True}
+        if self._keep_kw:
+            kwargs["logits_to_keep"] = 1
+        out = self.model(
+            input_ids=ids_BT.to(device),
+            attention_mask=mask_BL.to(device),
+            position_ids=pos_BT.to(device),
+            **kwargs,
+        )
+        return out.logits[:, -1, :].cpu()
+
+    def _prefill(self, groups: list[list[Sequence]]) -> None:
+        groups = [g for g in groups if g]
+        if not groups:
+            return
+        prompts = list(dict.fromkeys(tuple(g[0].prompt_ids) for g in groups))  # identical prompts once
+        width = max(len(p) for p in prompts)
+        ids_PT = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts])
+        mask_PT = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        cache = DynamicCache()
+        logits_PV = self._forward(ids_PT, mask_PT, (mask_PT.cumsum(-1) - 1).clamp(min=0), cache)
+        seqs = [s for g in groups for s in g]
+        rows = torch.tensor([prompts.index(tuple(s.prompt_ids)) for s in seqs])
+        for seq in seqs:
+            seq.versions.append(self.version)
+        cache.batch_select_indices(rows)
+        self._record(seqs, logits_PV[rows])
+        self._merge(seqs, cache, mask_PT[rows])
+
+    def _decode(self) -> None:
+        seqs = self._running
+        last_B1 = torch.tensor([[s.output_ids[-1]] for s in seqs])
+        pos_B1 = self._mask_BL.sum(dim=1, keepdim=True)
+        self._mask_BL = torch.cat([self._mask_BL, torch.ones(len(seqs), 1, dtype=torch.long)], dim=1)
+        logits_BV = self._forward(last_B1, self._mask_BL, pos_B1, self._cache)
+        self._record(seqs, logits_BV)
+        self._evict_finished()
+
+    def _record(self, seqs: list[Sequence], logits_BV: torch.Tensor) -> None:
+        k = max(s.params.top_logprobs for s in seqs)
+        out = sample_step(logits_BV, [s.params for s in seqs], [s.generator for s in seqs], k)
+        for i, seq in enumerate(seqs):
+            top = None
+            if seq.params.top_logprobs:
+                n = seq.params.top_logprobs
+                top = list(zip(out.top_ids[i][:n], out.top_logprobs[i][:n], strict=True))
+            seq.append(out.token_ids[i], out.logprobs[i], top, self.eos_ids)
+            if not seq.finished and len(seq.prompt_ids) + len(seq.output_ids) >= self.max_context:
+                seq.finish_reason = "length"
+
+    def _merge(self, seqs: list[Sequence], cache: DynamicCache, mask_BL: torch.Tensor) -> None:
+        """Add freshly prefilled rows to the running batch, left-padding whichever side is shorter."""
+        keep = [i for i, s in enumerate(seqs) if not self._finish_if_done(s)]
+        if not keep:
+            return
+        if len(keep) < len(seqs):
+            cache.batch_select_indices(torch.tensor(keep))
+            mask_BL = mask_BL[keep]
+        new = [seqs[i] for i in keep]
+        if self._cache is None:
+            self._cache, self._mask_BL, self._running = cache, mask_BL, new
+            return
+        width = max(self._mask_BL.shape[1], mask_BL.shape[1])
+        for old_layer, new_layer in zip(self._cache.layers, cache.layers, strict=True):
+            old_layer.keys = torch.cat([_pad_left(old_layer.keys, width), _pad_left(new_layer.keys, width)])
+            old_layer.values = torch.cat(
+                [_pad_left(old_layer.values, width), _pad_left(new_layer.values, width)]
+            )
+        self._mask_BL = torch.cat([_pad_left_2d(self._mask_BL, width), _pad_left_2d(mask_BL, width)])
+        self._running = self._running + new
+
+    def _evict_finished(self) -> None:
+        keep = [i for i, s in enumerate(self._running) if not self._finish_if_done(s)]
+        if len(keep) == len(self._running):
+            return
+        if not keep:
+            self._running, self._cache = [], None
+            self._mask_BL = torch.zeros(0, 0, dtype=torch.long)
+            return
+        self._running = [self._running[i] for i in keep]
+        self._cache.batch_select_indices(torch.tensor(keep))
+        self._mask_BL = self._mask_BL[keep]
+        cut = int((self._mask_BL.sum(dim=0) == 0).long().cumprod(dim=0).sum())  # leading all-pad columns
+        if cut:
+            self._mask_BL = self._mask_BL[:, cut:]
+            for layer in self._cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, cut:], layer.values[:, :, cut:]
+
+    def _finish_if_done(self, seq: Sequence) -> bool:
+        if seq.cancelled.is_set():
+            seq.finish("abort")
+            return True
+        if seq.finished:
+            seq.finish()
+            return True
+        return False
+
+    def _fail_running(self, exc: BaseException) -> None:
+        running, self._running, self._cache = self._running, [], None
+        self._mask_BL = torch.zeros(0, 0, dtype=torch.long)
+        for seq in dict.fromkeys(running + self._admitting):  # a merge may have run already
+            seq.finish(error=exc)
+
+    def _maybe_apply_update(self) -> None:
+        update = self._update
+        if update is None or (self._running and time.monotonic() < update.deadline):
+            return
+        try:
+            with torch.no_grad():
+                self.version = update.apply()
+        except Exception as exc:
+            update.future.set_exception(exc)
+        else:
+            for seq in self._running:  # only when the drain timed out
+                seq.versions.append(self.version)
+            update.future.set_result(self.version)
+        with self._cond:
+            self._update = None
+
+
+def _pad_left(t_BHLD: torch.Tensor, width: int) -> torch.Tensor:
+    return F.pad(t_BHLD, (0, 0, width - t_BHLD.shape[2], 0))
+
+
+def _pad_left_2d(t_BL: torch.Tensor, width: int) -> torch.Tensor:
+    return F.pad(t_BL, (width - t_BL.shape[1], 0))

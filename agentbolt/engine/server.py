@@ -1,0 +1,184 @@
+"""The OpenAI-compatible HTTP face of a ``ModelEngine``, and a loopback server for tests and the Trainer.
+
+Routes are thin: each parses JSON, calls the engine, and maps ``EngineRequestError`` to an
+OpenAI error body (``{"error": {"message", "type", "param", "code"}}``) with its status.
+Weight updates (vLLM's ``/v1/load_lora_adapter`` and ``/v1/update_weights``) run in a worker
+thread so the event loop keeps serving while running requests drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from agentbolt.engine.engine import ModelEngine
+from agentbolt.engine.protocol import EngineRequestError
+
+__all__ = ["EngineServer", "create_engine_app"]
+
+log = logging.getLogger(__name__)
+
+
+def _error(
+    status: int, message: str, type_: str = "invalid_request_error", param=None, code=None
+) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw or b"null")
+    except json.JSONDecodeError as exc:
+        raise EngineRequestError(f"the body is not valid JSON: {exc}") from None
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(EngineRequestError)
+    async def _engine_error(_: Request, exc: EngineRequestError) -> JSONResponse:
+        return JSONResponse(exc.to_dict(), status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(400, str(exc.errors()[0].get("msg", exc)))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else None
+        return _error(exc.status_code, str(exc.detail), param=None, code=code)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("engine request failed")
+        return _error(500, f"{type(exc).__name__}: {exc}", type_="server_error")
+
+
+def _sse(chunks) -> StreamingResponse:
+    async def events():
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk)}\n\n"
+        except Exception as exc:  # the status line is gone; report in-band like OpenAI
+            log.exception("stream failed")
+            yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'server_error'}})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def create_engine_app(engine: ModelEngine) -> FastAPI:
+    """FastAPI app serving ``engine`` under ``/v1`` (plus ``/health``)."""
+    from agentbolt.server.config import FASTAPI_TELEMETRY_OFF
+
+    app = FastAPI(title="agentbolt model engine", version="1", telemetry=FASTAPI_TELEMETRY_OFF)  # type: ignore[arg-type]
+    _install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": engine.name} | engine.stats()
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return engine.models()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await _json_body(request)
+        if isinstance(body, dict) and body.get("stream"):
+            gen = engine.chat_stream(body)
+            first = await anext(gen)  # validation errors surface here, before the 200 goes out
+            return _sse(_prepend(first, gen))
+        return await engine.chat(body)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await _json_body(request)
+        if isinstance(body, dict) and body.get("stream"):
+            raise EngineRequestError("stream is supported for /v1/chat/completions only", param="stream")
+        return await engine.complete(body)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> dict[str, Any]:
+        body = _require(await _json_body(request), "lora_name", "lora_path")
+        version = await asyncio.to_thread(
+            engine.load_lora_adapter, body["lora_name"], body["lora_path"], body.get("version")
+        )
+        return {"status": "ok", "lora_name": body["lora_name"], "model_version": version}
+
+    @app.post("/v1/update_weights")
+    async def update_weights(request: Request) -> dict[str, Any]:
+        body = _require(await _json_body(request), "path")
+        version = await asyncio.to_thread(engine.update_weights, body["path"], None, body.get("version"))
+        return {"status": "ok", "model_version": version}
+
+    return app
+
+
+async def _prepend(first, rest):
+    yield first
+    async for item in rest:
+        yield item
+
+
+def _require(body: Any, *names: str) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise EngineRequestError("request body must be a JSON object")
+    for name in names:
+        if not isinstance(body.get(name), str) or not body[name]:
+            raise EngineRequestError(f"{name} (a string) is required", param=name)
+    return body
+
+
+class EngineServer:
+    """Serve an engine with uvicorn in a background thread on loopback; ``base_url`` ends with ``/v1``.
+
+    >>> with EngineServer(engine) as server:
+    ...     client = openai.OpenAI(base_url=server.base_url, api_key="none")
+    """
+
+    def __init__(
+        self, engine: ModelEngine, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"
+    ):
+        self.engine = engine
+        config = uvicorn.Config(create_engine_app(engine), host=host, port=port, log_level=log_level)
+        self._server = uvicorn.Server(config)
+        self._thread: threading.Thread | None = None
+        self.host, self.port = host, port
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    def start(self, timeout: float = 30.0) -> EngineServer:
+        self.engine.start()
+        self._thread = threading.Thread(target=self._server.run, name="agentbolt-engine-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"engine server did not start on {self.host}:{self.port}")
+            time.sleep(0.02)
+        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def __enter__(self) -> EngineServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
