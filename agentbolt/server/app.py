@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, TypeVar
@@ -42,7 +43,7 @@ from agentbolt.schemas import (
     WaitResult,
     Worker,
 )
-from agentbolt.server.config import ServerConfig
+from agentbolt.server.config import FASTAPI_TELEMETRY_OFF, ServerConfig
 from agentbolt.server.middleware import AuthMiddleware, BodyLimitMiddleware
 from agentbolt.store import SqlStore, open_store
 
@@ -260,6 +261,7 @@ def create_app(config: ServerConfig | None = None, store: SqlStore | None = None
         version=_version(),
         description="Task queue, resources and run records for training agents from their real runs.",
         lifespan=lifespan,
+        telemetry=FASTAPI_TELEMETRY_OFF,  # type: ignore[arg-type]
     )
     app.state.store, app.state.config, app.state.call = store, config, call
     _install_error_handlers(app)
@@ -309,6 +311,7 @@ async def _sweep(call: StoreCaller, interval: float) -> None:
             log.exception("lease sweep failed")
 
 
+@functools.cache
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 

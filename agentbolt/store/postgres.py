@@ -58,13 +58,15 @@ class _PgTx(Tx):
     def run(self, sql: str, params: Sequence[Any] = ()) -> int:
         return self.cur.execute(to_pyformat(sql), params).rowcount
 
-    def many(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+    def many(self, sql: str, rows: Sequence[Sequence[Any]]) -> int:
         self.cur.executemany(to_pyformat(sql), rows)
+        return max(self.cur.rowcount, 0)
 
 
 class PostgresDatabase(Database):
     name = "postgres"
-    claim_lock = "FOR UPDATE SKIP LOCKED"
+    # lock only the rollout row: copies of one task (a GRPO group) must not block each other
+    claim_lock = "FOR UPDATE OF r SKIP LOCKED"
 
     def __init__(self, dsn: str, schema: str | None = None, pool_size: int = 8) -> None:
         if schema is not None and not _SCHEMA_NAME.fullmatch(schema):

@@ -65,7 +65,8 @@ class Tx(abc.ABC):
         """Execute; return the number of rows changed."""
 
     @abc.abstractmethod
-    def many(self, sql: str, rows: Sequence[Sequence[Any]]) -> None: ...
+    def many(self, sql: str, rows: Sequence[Sequence[Any]]) -> int:
+        """Execute once per row; return the number of rows changed in all."""
 
     def one(self, sql: str, params: Sequence[Any] = ()) -> tuple[Any, ...] | None:
         rows = self.all(sql, params)
@@ -101,7 +102,8 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             """CREATE TABLE rollouts (
                 qseq {serial}, id TEXT NOT NULL UNIQUE, task_id TEXT NOT NULL, mode TEXT NOT NULL,
                 status TEXT NOT NULL, resources_version INTEGER, timeout_seconds {real},
-                max_attempts INTEGER NOT NULL, attempts INTEGER NOT NULL DEFAULT 0, group_id TEXT,
+                max_attempts INTEGER NOT NULL, attempts INTEGER NOT NULL DEFAULT 0,
+                last_attempt INTEGER NOT NULL DEFAULT 0, group_id TEXT,
                 reward {real}, error TEXT, metadata TEXT NOT NULL, created_at {real} NOT NULL,
                 updated_at {real} NOT NULL, started_at {real}, ended_at {real})""",
             "CREATE INDEX rollouts_status ON rollouts (status, qseq)",
@@ -246,49 +248,62 @@ class SqlStore:
     # ------------------------------------------------------------------ dequeue and leases
 
     def dequeue(self, worker_id: str, lease_seconds: float | None = None) -> Claim | None:
-        """Claim one new attempt for the oldest queued rollout, or return None."""
+        """Claim one new attempt for the oldest queued rollout, or return None.
+
+        One transaction: end lapsed attempts first (so their rollouts can be claimed now),
+        then claim. The objects returned are built from the row read, not read back."""
         lease = lease_seconds or self.lease_seconds
         ts = now()
-        self.expire(ts)
         with self._tx() as tx:
-            self._touch_worker(tx, worker_id, ts, claimed=0)
+            self._expire_in(tx, ts)
             row = tx.one(
-                "SELECT id, attempts, timeout_seconds, resources_version FROM rollouts "
-                f"WHERE status = ? ORDER BY qseq LIMIT 1 {self.db.claim_lock}",
+                f"SELECT {_ROLLOUT_COLS}, r.last_attempt FROM {_ROLLOUT_FROM} "
+                f"WHERE r.status = ? ORDER BY r.qseq LIMIT 1 {self.db.claim_lock}",
                 (RolloutStatus.QUEUED.value,),
             )
             if row is None:
+                self._touch_worker(tx, worker_id, ts, claimed=0)
                 return None
-            rid, _attempts, timeout, version = row
+            rollout, number = _rollout(row[:-1]), row[-1] + 1
+            version = rollout.resources_version
             if version is None:
                 latest = tx.one("SELECT MAX(version) FROM resources")
                 version = latest[0] if latest else None
-            attempt_id = new_id("at")
-            deadline = ts + timeout if timeout else None
-            # not attempts + 1: a released attempt does not count, yet its number stays taken
-            last = tx.one("SELECT MAX(number) FROM attempts WHERE rollout_id = ?", (rid,))
-            number = (last[0] if last and last[0] is not None else 0) + 1
+            deadline = ts + rollout.timeout_seconds if rollout.timeout_seconds else None
+            attempt = Attempt(id=new_id("at"), rollout_id=rollout.id, number=number, worker_id=worker_id,
+                              status=AttemptStatus.RUNNING, started_at=ts, heartbeat_at=ts,
+                              lease_expires_at=ts + lease)  # fmt: skip
             tx.run(
                 f"INSERT INTO attempts ({_ATTEMPT_COLS}, deadline) VALUES (?, ?, ?, ?, ?, ?, ?, ?, NULL, NULL, NULL, ?)",
-                (attempt_id, rid, number, worker_id, AttemptStatus.RUNNING.value, ts, ts, ts + lease, deadline),
+                (attempt.id, rollout.id, number, worker_id, AttemptStatus.RUNNING.value, ts, ts, ts + lease, deadline),
             )  # fmt: skip
             changed = tx.run(
-                "UPDATE rollouts SET status = ?, attempts = attempts + 1, resources_version = ?, "
+                "UPDATE rollouts SET status = ?, attempts = attempts + 1, last_attempt = ?, resources_version = ?, "
                 "started_at = COALESCE(started_at, ?), updated_at = ? WHERE id = ? AND status = ?",
-                (RolloutStatus.RUNNING.value, version, ts, ts, rid, RolloutStatus.QUEUED.value),
+                (
+                    RolloutStatus.RUNNING.value,
+                    number,
+                    version,
+                    ts,
+                    ts,
+                    rollout.id,
+                    RolloutStatus.QUEUED.value,
+                ),
             )
             if changed != 1:  # lost a race on a backend without row locks: give up this round
-                raise RuntimeError(f"rollout {rid} was claimed concurrently")
-            tx.run("UPDATE workers SET claims = claims + 1 WHERE id = ?", (worker_id,))
-            rollout = self._rollouts_by_id(tx, [rid])[0]
-            attempt = _attempt(self._attempt_row(tx, attempt_id))
+                raise RuntimeError(f"rollout {rollout.id} was claimed concurrently")
+            self._touch_worker(tx, worker_id, ts, claimed=1)
+        rollout = rollout.model_copy(update={
+            "status": RolloutStatus.RUNNING, "attempts": rollout.attempts + 1, "resources_version": version,
+            "started_at": rollout.started_at or ts, "updated_at": ts,
+        })  # fmt: skip
         resources = self.get_resources(version) if version is not None else None
         return Claim(rollout=rollout, attempt=attempt, resources=resources)
 
     def _touch_worker(self, tx: Tx, worker_id: str, ts: float, claimed: int) -> None:
         tx.run(
             "INSERT INTO workers (id, last_seen, claims) VALUES (?, ?, ?) "
-            "ON CONFLICT (id) DO UPDATE SET last_seen = excluded.last_seen",
+            "ON CONFLICT (id) DO UPDATE SET last_seen = excluded.last_seen, claims = workers.claims + excluded.claims",
             (worker_id, ts, claimed),
         )
 
@@ -309,10 +324,11 @@ class SqlStore:
     def heartbeat(
         self, attempt_id: str, worker_id: str | None = None, lease_seconds: float | None = None
     ) -> Attempt:
-        """Extend the lease of a running attempt (409 :class:`LeaseLost` when it is no longer held)."""
+        """Extend the lease of a running attempt (409 :class:`LeaseLost` when it is no longer held,
+        or when its lease already lapsed: the sweep may have requeued the rollout by now)."""
         ts = now()
-        self.expire(ts)
         with self._tx() as tx:
+            self._expire_in(tx, ts)
             attempt = self._held(tx, attempt_id, worker_id)
             expires = ts + (lease_seconds or self.lease_seconds)
             changed = tx.run(
@@ -328,18 +344,21 @@ class SqlStore:
         """End attempts whose lease lapsed or whose rollout timed out; requeue or fail their rollouts."""
         ts = ts or now()
         with self._tx() as tx:
-            rows = tx.all(
-                "SELECT id, rollout_id, lease_expires_at, deadline FROM attempts "
-                "WHERE status = ? AND (lease_expires_at < ? OR deadline < ?) ORDER BY id",
-                (AttemptStatus.RUNNING.value, ts, ts),
-            )
-            ended = 0
-            for attempt_id, rollout_id, lease_end, deadline in rows:
-                timed_out = deadline is not None and deadline < ts
-                status = AttemptStatus.TIMED_OUT if timed_out else AttemptStatus.LEASE_EXPIRED
-                why = "timed out" if timed_out else f"lease expired at {lease_end:.3f}"
-                finish = AttemptFinish(status=AttemptStatus.FAILED, error=why)
-                ended += self._end_attempt(tx, attempt_id, rollout_id, finish, status, ts)
+            return self._expire_in(tx, ts)
+
+    def _expire_in(self, tx: Tx, ts: float) -> int:
+        rows = tx.all(
+            "SELECT id, rollout_id, lease_expires_at, deadline FROM attempts "
+            "WHERE status = ? AND (lease_expires_at < ? OR deadline < ?) ORDER BY id",
+            (AttemptStatus.RUNNING.value, ts, ts),
+        )
+        ended = 0
+        for attempt_id, rollout_id, lease_end, deadline in rows:
+            timed_out = deadline is not None and deadline < ts
+            status = AttemptStatus.TIMED_OUT if timed_out else AttemptStatus.LEASE_EXPIRED
+            why = "timed out" if timed_out else f"lease expired at {lease_end:.3f}"
+            finish = AttemptFinish(status=AttemptStatus.FAILED, error=why)
+            ended += self._end_attempt(tx, attempt_id, rollout_id, finish, status, ts)
         return ended
 
     # ------------------------------------------------------------------ finishing
@@ -432,31 +451,22 @@ class SqlStore:
             return self._insert_events(tx, row[0], attempt_id, events)
 
     def _insert_events(self, tx: Tx, rollout_id: str, attempt_id: str, events: Sequence[EventCreate]) -> int:
-        seqs = [e.sequence for e in events if e.sequence is not None]
-        existing: set[int] = set()
-        if seqs:
-            marks = ", ".join("?" * len(seqs))
-            existing = {
-                r[0]
-                for r in tx.all(
-                    f"SELECT sequence FROM events WHERE attempt_id = ? AND sequence IN ({marks})",
-                    [attempt_id, *seqs],
-                )
-            }
         fresh, seen = [], set()
         for e in events:
-            if e.sequence is not None and (e.sequence in existing or e.sequence in seen):
-                continue
-            seen.add(e.sequence)
+            if e.sequence is not None:
+                if e.sequence in seen:
+                    continue
+                seen.add(e.sequence)
             fresh.append((rollout_id, attempt_id, e.sequence, e.type, e.timestamp, _dumps(e.data)))
-        if fresh:
-            tx.many(
-                "INSERT INTO events (rollout_id, attempt_id, sequence, type, timestamp, data) VALUES (?, ?, ?, ?, ?, ?) "
-                # a batch retried concurrently (another replica) must not fail or double up
-                "ON CONFLICT (attempt_id, sequence) DO NOTHING",
-                fresh,
-            )
-        return len(fresh)
+        if not fresh:
+            return 0
+        # (attempt, sequence) is unique: a re-sent batch, even one racing on another replica,
+        # inserts nothing twice; the row count tells how many were new.
+        return tx.many(
+            "INSERT INTO events (rollout_id, attempt_id, sequence, type, timestamp, data) VALUES (?, ?, ?, ?, ?, ?) "
+            "ON CONFLICT (attempt_id, sequence) DO NOTHING",
+            fresh,
+        )
 
     def list_events(
         self,

@@ -28,8 +28,8 @@ class _SqliteTx(Tx):
     def run(self, sql: str, params: Sequence[Any] = ()) -> int:
         return self.conn.execute(sql, params).rowcount
 
-    def many(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
-        self.conn.executemany(sql, rows)
+    def many(self, sql: str, rows: Sequence[Sequence[Any]]) -> int:
+        return self.conn.executemany(sql, rows).rowcount
 
 
 class SqliteDatabase(Database):
@@ -61,7 +61,9 @@ class SqliteDatabase(Database):
 
     def migrate(self, migrations: Sequence[tuple[int, list[str]]]) -> None:
         with self.transaction() as tx:
-            tx.run("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, applied_at REAL)")
+            tx.run(
+                "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, applied_at REAL)"
+            )
             done = {r[0] for r in tx.all("SELECT version FROM schema_migrations")}
             for version, statements in migrations:
                 if version in done:

@@ -1,0 +1,138 @@
+"""Store throughput over HTTP, the way runners use it.
+
+The server runs in its own process (SQLite file in WAL mode by default, or PostgreSQL with
+``--backend postgres``, optionally several replicas). W concurrent workers loop
+dequeue -> post S events -> finish until R rollouts are done. Prints rollouts/s, events/s and
+p50/p99 latency per call, then verifies that every rollout succeeded exactly once and that
+exactly R x S events are stored.
+
+    python benchmarks/store_throughput.py [--rollouts 2000 --workers 32 --events 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+import uuid
+from collections import defaultdict
+from pathlib import Path
+
+from agentbolt.client import AsyncClient, Client
+from agentbolt.schemas import AttemptStatus, EventCreate, RolloutCreate, RolloutStatus, Task
+from agentbolt.server import ServerConfig, ServerProcess
+
+CALLS = ("dequeue", "events", "finish")
+
+
+async def worker(url: str, wid: str, target: int, done: list[int], events_per: int, lat: dict) -> None:
+    client = AsyncClient(url, max_connections=4)
+    try:
+        while done[0] < target:
+            t0 = time.perf_counter()
+            claim = await client.dequeue(wid)
+            lat["dequeue"].append(time.perf_counter() - t0)
+            if claim is None:
+                await asyncio.sleep(0.005)
+                continue
+            aid = claim.attempt.id
+            events = [EventCreate(sequence=i, type="message", data={"i": i, "text": "x" * 64})
+                      for i in range(events_per)]  # fmt: skip
+            t0 = time.perf_counter()
+            await client.add_events(aid, events, wid)
+            lat["events"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            await client.finish(aid, AttemptStatus.SUCCEEDED, 1.0, None, wid)
+            lat["finish"].append(time.perf_counter() - t0)
+            done[0] += 1
+    finally:
+        await client.aclose()
+
+
+async def drive(urls: list[str], rollouts: int, workers: int, events_per: int) -> tuple[float, dict]:
+    lat: dict[str, list[float]] = defaultdict(list)
+    done = [0]
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker(urls[i % len(urls)], f"w{i}", rollouts, done, events_per, lat)
+                           for i in range(workers)))  # fmt: skip
+    return time.perf_counter() - t0, lat
+
+
+def pct(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100)[int(q) - 1] * 1000 if len(values) > 1 else float("nan")
+
+
+def verify(url: str, ids: list[str], events_per: int) -> tuple[bool, str]:
+    with Client(url, timeout=120) as client:
+        stats = client.stats()
+        ok_rollouts = 0
+        once = True
+        for start in range(0, len(ids), 1000):
+            for r in client.wait(ids[start : start + 1000], timeout=1).rollouts:
+                ok_rollouts += r.status == RolloutStatus.SUCCEEDED
+                once &= r.attempts == 1
+        events = stats["events"]
+    good = ok_rollouts == len(ids) and once and events == len(ids) * events_per
+    return good, (f"{ok_rollouts}/{len(ids)} succeeded, each exactly once: {once}; "
+                  f"events stored {events} (expected {len(ids) * events_per})")  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rollouts", "-R", type=int, default=2000)
+    ap.add_argument("--workers", "-W", type=int, default=32)
+    ap.add_argument("--events", "-S", type=int, default=6)
+    ap.add_argument("--backend", choices=["sqlite", "postgres"], default="sqlite")
+    ap.add_argument("--replicas", type=int, default=1)
+    ap.add_argument("--pg", default="postgresql://postgres@127.0.0.1:5432/test")
+    args = ap.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="agentbolt-bench-"))
+    if args.backend == "sqlite":
+        if args.replicas != 1:
+            raise SystemExit("SQLite serves one server process; use --backend postgres for replicas")
+        db = str(tmp / "bench.db")
+    else:
+        schema = f"bench_{uuid.uuid4().hex[:8]}"
+        db = f"{args.pg}?options=-csearch_path%3D{schema}"
+    servers = [ServerProcess(ServerConfig(db=db, lease_seconds=60)) for _ in range(args.replicas)]
+    if args.backend == "postgres":
+        import psycopg
+
+        with psycopg.connect(args.pg, autocommit=True) as conn:
+            conn.execute(f"CREATE SCHEMA {schema}")
+    for s in servers:
+        s.start()
+    try:
+        urls = [s.url for s in servers]
+        with Client(urls[0], timeout=120) as client:
+            ids: list[str] = []
+            for start in range(0, args.rollouts, 1000):
+                n = min(1000, args.rollouts - start)
+                ids += [r.id for r in client.enqueue([RolloutCreate(task=Task(data={"i": start + i}))
+                                                      for i in range(n)])]  # fmt: skip
+        elapsed, lat = asyncio.run(drive(urls, args.rollouts, args.workers, args.events))
+        print(f"backend={args.backend} replicas={args.replicas} rollouts={args.rollouts} "
+              f"workers={args.workers} events/rollout={args.events}")  # fmt: skip
+        print(f"  {args.rollouts / elapsed:8.1f} rollouts/s   {args.rollouts * args.events / elapsed:9.1f} events/s"
+              f"   ({elapsed:.2f} s)")  # fmt: skip
+        for call in CALLS:
+            print(
+                f"  {call:8s} p50 {pct(lat[call], 50):7.2f} ms   p99 {pct(lat[call], 99):7.2f} ms   n={len(lat[call])}"
+            )
+        good, detail = verify(urls[0], ids, args.events)
+        print(f"  check: {'OK' if good else 'FAILED'} - {detail}")
+        if not good:
+            raise SystemExit(1)
+    finally:
+        for s in servers:
+            s.stop()
+        if args.backend == "postgres":
+            with psycopg.connect(args.pg, autocommit=True) as conn:
+                conn.execute(f"DROP SCHEMA {schema} CASCADE")
+
+
+if __name__ == "__main__":
+    main()
