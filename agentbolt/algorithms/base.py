@@ -4,6 +4,7 @@ rollouts to completion with a progress bar and a bound on waiting."""
 from __future__ import annotations
 
 import abc
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -74,6 +75,7 @@ def run_rollouts(
     console: Console | None = None,
     label: str = "rollouts",
     metadata: dict[str, Any] | None = None,
+    progress: Progress | None = None,
 ) -> BatchResult:
     """Enqueue each task ``repeat`` times and wait until all are final or ``timeout`` passes.
 
@@ -91,7 +93,7 @@ def run_rollouts(
         for _ in range(repeat)
     ]  # fmt: skip
     ids = [r.id for r in client.enqueue(items)] if items else []
-    final = _wait_all(client, ids, timeout, console, label)
+    final = _wait_all(client, ids, timeout, console, label, progress)
     pending = [rid for rid in ids if rid not in final]
     for rid in pending:
         try:
@@ -102,15 +104,17 @@ def run_rollouts(
 
 
 def _wait_all(
-    client: Client, ids: list[str], timeout: float, console: Console | None, label: str
-) -> dict[str, Rollout]:
+    client: Client, ids: list[str], timeout: float, console: Console | None, label: str,
+    shared: Progress | None = None,
+) -> dict[str, Rollout]:  # fmt: skip
+    """Wait for ``ids``; shows a bar on ``shared`` (a display the caller runs) or its own."""
     final: dict[str, Rollout] = {}
     deadline = time.monotonic() + timeout
-    progress = Progress(
-        TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+    progress = shared or Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
         TimeElapsedColumn(), console=console or Console(), transient=True, disable=console is None,
     )  # fmt: skip
-    with progress:
+    with contextlib.nullcontext() if shared else progress:
         bar = progress.add_task(label, total=len(ids), info="")
         while len(final) < len(ids) and time.monotonic() < deadline:
             waiting = [rid for rid in ids if rid not in final]
@@ -120,4 +124,6 @@ def _wait_all(
                     final[rollout.id] = rollout
             ok = sum(1 for r in final.values() if r.status == RolloutStatus.SUCCEEDED)
             progress.update(bar, completed=len(final), info=f"{ok} ok, {len(final) - ok} failed")
+        if shared:
+            progress.remove_task(bar)
     return final

@@ -1,0 +1,320 @@
+"""GRPO: reinforcement learning on the policy's weights from the agent's own runs.
+
+One step: enqueue every sampled training task ``group_size`` times (a group), wait for the
+group with a bound (stragglers are cancelled; groups with fewer than ``min_group_size``
+finished samples are dropped), turn each rollout's ``llm_call`` events into token rows with the
+gateway's exact ids and masks (:mod:`agentbolt.adapters`), compute group-normalised advantages,
+take one clipped policy-gradient update on model-generated tokens only
+(:mod:`agentbolt.algorithms.rl_core`), push the new weights into the serving engine in place and
+publish them as a new resources version. Validation and checkpoints every K steps; ``resume``
+continues from the last checkpoint exactly (weights, optimizer, RNG, step, history).
+
+Departures from the paper are listed in :mod:`agentbolt.algorithms.rl_core`. Here: one update
+per batch (fully on-policy, so the ratio starts at 1 and clipping guards numeric drift between
+the engine's bf16 sampling pass and the training pass), and the engine's weights are the merged
+LoRA weights (serving never pays for the adapter).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Group
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from agentbolt.adapters import to_trajectories
+from agentbolt.algorithms.base import Algorithm, BatchResult, TrainContext, run_rollouts
+from agentbolt.algorithms.metrics import MetricsLog, plot_history
+from agentbolt.algorithms.rl_core import (
+    PolicyLoss,
+    TrainConfig,
+    grouped_advantages,
+    load_checkpoint,
+    make_train_state,
+    merged_state_dict,
+    micro_batches,
+    optimizer_step,
+    pad_batch,
+    save_checkpoint,
+)
+from agentbolt.schemas import LLM, Mode, ModelWeights, Resource, RolloutStatus, Task
+
+__all__ = ["GRPO", "GRPOResult", "success_rate"]
+
+
+@dataclass
+class GRPOResult:
+    history: list[dict[str, Any]]
+    val_before: float | None
+    val_after: float | None
+    plot: Path | None
+    resources_version: int | None
+    metrics_file: Path
+
+
+def success_rate(batch: BatchResult, threshold: float) -> float:
+    """Share of rollouts (failed ones included) whose reward reached ``threshold``."""
+    if not batch.rollouts:
+        return 0.0
+    ok = sum(1 for r in batch.succeeded if r.reward is not None and r.reward >= threshold)
+    return ok / len(batch.rollouts)
+
+
+@dataclass
+class GRPO(Algorithm):
+    model: str = "smollm2"
+    """The policy: ``"smollm2"`` (the bundled model) or a local Hugging Face model directory."""
+    steps: int = 10
+    tasks_per_step: int = 4
+    group_size: int = 8
+    """Rollouts per task per step; advantages are computed within a group."""
+    lr: float = 3e-4
+    lora: bool = True
+    """False: full fine-tuning."""
+    lora_r: int = 16
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    kl_coef: float = 0.0
+    """Weight of the k3 KL penalty to the initial policy (0: off, no reference pass)."""
+    max_tokens_per_micro_batch: int = 4096
+    """Gradient accumulation: padded tokens per forward/backward pass."""
+    bf16: bool = True
+    """Train under bfloat16 autocast (fp32 master weights); 1.5-2x faster on CPU."""
+    engine_dtype: str = "bfloat16"
+    val_every: int = 5
+    """Validate every K steps (and before the first and after the last); 0: only before/after."""
+    checkpoint_every: int = 5
+    resume: bool = False
+    """Continue from ``<run_dir>/checkpoint`` if it exists."""
+    success_threshold: float = 1.0
+    """A rollout whose reward reaches this counts as a success."""
+    min_group_size: int = 2
+    """Groups with fewer finished rollouts than this are dropped from the update."""
+    step_timeout: float = 600.0
+    """Seconds a step waits for its rollouts; stragglers are cancelled."""
+    rollout_timeout: float | None = 300.0
+    llm_resource: str = "llm"
+    """Name of the LLM resource the agent reads."""
+    sampling: dict[str, Any] = field(default_factory=lambda: {"temperature": 1.0})
+    seed: int = 0
+    plot: bool = True
+
+    def run(self, ctx: TrainContext) -> GRPOResult:
+        torch.manual_seed(self.seed)
+        with self._engine(ctx) as engine:
+            version = self._publish(ctx, engine, step=0, metrics={})
+            state = self._train_state(engine)
+            log = MetricsLog(ctx.run_dir / "metrics.jsonl", resume=self.resume)
+            start, history = self._maybe_resume(ctx, state, engine)
+            if start:
+                version = self._publish(ctx, engine, step=start, metrics=history[-1] if history else {})
+            return self._loop(ctx, engine, state, log, start, history, version)
+
+    # ------------------------------------------------------------------ setup
+
+    @contextlib.contextmanager
+    def _engine(self, ctx: TrainContext) -> Iterator[Any]:
+        """The serving engine: the Trainer's if it started one, else one started here."""
+        if "engine" in ctx.extras:
+            yield ctx.extras["engine"]
+            return
+        from agentbolt.engine import EngineServer, ModelEngine
+
+        ctx.console.print(f"loading the policy model ({self.model}) ...")
+        engine = ModelEngine.from_pretrained(self.model, dtype=self.engine_dtype)
+        with EngineServer(engine) as server:
+            engine.base_url = server.base_url  # type: ignore[attr-defined]
+            ctx.extras["engine"] = engine
+            try:
+                yield engine
+            finally:
+                ctx.extras.pop("engine", None)
+
+    def _train_state(self, engine: Any) -> Any:
+        from transformers import AutoModelForCausalLM
+
+        path = getattr(engine.model, "name_or_path", None) or self.model
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        config = TrainConfig(lora=self.lora, lora_r=self.lora_r, lora_alpha=2 * self.lora_r, lr=self.lr)
+        return make_train_state(model, config)
+
+    def _publish(self, ctx: TrainContext, engine: Any, step: int, metrics: dict[str, Any]) -> int:
+        latest = ctx.client.latest_resources()
+        resources: dict[str, Resource] = dict(latest.resources) if latest else {}
+        resources[self.llm_resource] = LLM(base_url=engine.base_url, model=engine.name,
+                                           sampling_parameters=self.sampling)  # fmt: skip
+        resources["policy_weights"] = ModelWeights(
+            path=f"engine://{engine.name}@{engine.version}", base_model=self.model,
+            format="lora" if self.lora else "full", metadata={"step": step},
+        )  # fmt: skip
+        meta = {"algorithm": "grpo", "step": step, "metrics": _jsonable(metrics)}
+        return ctx.client.publish_resources(resources, meta).version
+
+    def _maybe_resume(self, ctx: TrainContext, state: Any, engine: Any) -> tuple[int, list[dict[str, Any]]]:
+        path = ctx.run_dir / "checkpoint"
+        if not (self.resume and (path / "state.json").exists()):
+            return 0, []
+        ckpt = load_checkpoint(path, state.model, state.optimizer)
+        state.step = ckpt.step
+        engine.update_weights(state_dict=merged_state_dict(state.model), version=ckpt.step)
+        ctx.console.print(f"resumed from {path} at step {ckpt.step}")
+        return ckpt.step, list(ckpt.extra.get("history", []))
+
+    # ------------------------------------------------------------------ the loop
+
+    def _loop(self, ctx: TrainContext, engine: Any, state: Any, log: MetricsLog, start: int,
+              history: list[dict[str, Any]], version: int) -> GRPOResult:  # fmt: skip
+        table = _metrics_table()
+        for row in history:
+            _add_row(table, row)
+        progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=ctx.console)  # fmt: skip
+        val_before = next(
+            (h["val_success"] for h in history if h.get("step") == 0 and "val_success" in h), None
+        )
+        with Live(Group(table, progress), console=ctx.console, refresh_per_second=4, transient=False):
+            if start == 0:
+                val_before = self._validate(ctx, version, progress)
+                row = {"step": 0, "val_success": val_before, "resources_version": version}
+                history.append(row)
+                log.write(row)
+                _add_row(table, row)
+            for step in range(start + 1, self.steps + 1):
+                row, version = self._step(ctx, engine, state, step, version, progress)
+                if self._validate_now(step):
+                    row["val_success"] = self._validate(ctx, version, progress)
+                history.append(row)
+                log.write(row)
+                _add_row(table, row)
+                if self.checkpoint_every and (step % self.checkpoint_every == 0 or step == self.steps):
+                    save_checkpoint(ctx.run_dir / "checkpoint", state.model, state.optimizer, step,
+                                    extra={"history": _jsonable(history)})  # fmt: skip
+        log.close()
+        val_after = next((h["val_success"] for h in reversed(history) if "val_success" in h), None)
+        plot = plot_history(history, ctx.run_dir / "grpo.png") if self.plot else None
+        return GRPOResult(history, val_before, val_after, plot, version, log.path)
+
+    def _validate_now(self, step: int) -> bool:
+        return step == self.steps or bool(self.val_every and step % self.val_every == 0)
+
+    def _validate(self, ctx: TrainContext, version: int, progress: Progress) -> float | None:
+        if not ctx.val_tasks:
+            return None
+        batch = run_rollouts(ctx.client, ctx.val_tasks, mode=Mode.VAL, resources_version=version,
+                             timeout=self.step_timeout, rollout_timeout=self.rollout_timeout,
+                             progress=progress, label="validation")  # fmt: skip
+        return success_rate(batch, self.success_threshold)
+
+    def _step(self, ctx: TrainContext, engine: Any, state: Any, step: int, version: int,
+              progress: Progress) -> tuple[dict[str, Any], int]:  # fmt: skip
+        rng = random.Random(self.seed * 100_003 + step)
+        tasks = rng.sample(ctx.train_tasks, min(self.tasks_per_step, len(ctx.train_tasks)))
+        t0 = time.perf_counter()
+        batch = run_rollouts(ctx.client, tasks, mode=Mode.TRAIN, resources_version=version, repeat=self.group_size,
+                             group_prefix=f"{ctx.run_dir.name}:s{step}", timeout=self.step_timeout,
+                             rollout_timeout=self.rollout_timeout, progress=progress,
+                             label=f"step {step} rollouts")  # fmt: skip
+        t_rollouts = time.perf_counter() - t0
+        rows, gen_tokens, data = self._rows(ctx, batch, tasks)
+        t1 = time.perf_counter()
+        metrics = self._update(state, rows)
+        t_update = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        if metrics.get("num_tokens"):
+            engine.update_weights(state_dict=merged_state_dict(state.model), version=step)
+        version = self._publish(ctx, engine, step, metrics)
+        t_sync = time.perf_counter() - t2
+        rewards = [r.reward for r in batch.succeeded if r.reward is not None]
+        mean = sum(rewards) / len(rewards) if rewards else 0.0
+        std = (sum((x - mean) ** 2 for x in rewards) / len(rewards)) ** 0.5 if rewards else 0.0
+        row = {
+            "step": step, "resources_version": version, "reward_mean": mean, "reward_std": std,
+            "success": success_rate(batch, self.success_threshold), "rollouts": len(batch.rollouts),
+            "failed": len(batch.failed), **data, **{k: v for k, v in metrics.items() if k != "num_tokens"},
+            "train_tokens": metrics.get("num_tokens", 0.0), "gen_tokens_per_s": gen_tokens / max(t_rollouts, 1e-9),
+            "train_tokens_per_s": metrics.get("num_tokens", 0.0) / max(t_update, 1e-9),
+            "t_rollouts": t_rollouts, "t_update": t_update, "t_sync": t_sync,
+        }  # fmt: skip
+        return row, version
+
+    def _rows(
+        self, ctx: TrainContext, batch: BatchResult, tasks: list[Task]
+    ) -> tuple[list[Any], int, dict[str, Any]]:
+        finished: dict[str, list[Any]] = defaultdict(list)
+        for r in batch.rollouts:
+            if r.status == RolloutStatus.SUCCEEDED and r.reward is not None and r.group_id:
+                finished[r.group_id].append(r)
+        kept = {g: rs for g, rs in finished.items() if len(rs) >= self.min_group_size}
+        traj_rows, gen_tokens, mismatches = [], 0, 0
+        for rollouts in kept.values():
+            for r in rollouts:
+                rows, stats = to_trajectories(ctx.client.all_events(r.id, type=["llm_call", "reward"]), reward=r.reward,
+                                              group_id=r.group_id, task_id=r.task.id)  # fmt: skip
+                traj_rows += rows
+                mismatches += stats.prefix_mismatches
+                gen_tokens += sum(row.num_model_tokens for row in rows)
+        train_rows, adv = grouped_advantages(traj_rows)
+        data = {"groups": adv.groups, "zero_spread_groups": adv.zero_spread_groups,
+                "dropped_groups": len(tasks) - len(kept), "prefix_mismatches": mismatches}  # fmt: skip
+        return train_rows, gen_tokens, data
+
+    def _update(self, state: Any, rows: list[Any]) -> dict[str, float]:
+        if not rows:
+            return {"num_tokens": 0.0}
+        batches = [pad_batch(mb) for mb in micro_batches(rows, max_tokens=self.max_tokens_per_micro_batch)]
+        if self.kl_coef:
+            from agentbolt.algorithms.rl_core import reference_logprobs
+
+            batches = [_with_ref(b, reference_logprobs(state.model, b)) for b in batches]
+        loss = PolicyLoss(self.clip_low, self.clip_high, self.kl_coef)
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
+        with autocast:
+            return optimizer_step(state, batches, loss)
+
+
+def _with_ref(batch: Any, ref: torch.Tensor) -> Any:
+    from dataclasses import replace
+
+    return replace(batch, ref_logprobs_BT=ref)
+
+
+_COLUMNS = (("step", "{}"), ("success", "{:.0%}"), ("reward_mean", "{:.3f}"), ("val_success", "{:.0%}"),
+            ("loss", "{:+.4f}"), ("clip_fraction", "{:.3f}"), ("entropy", "{:.2f}"),
+            ("zero_spread_groups", "{}"), ("t_rollouts", "{:.1f}s"), ("t_update", "{:.1f}s"), ("t_sync", "{:.1f}s"))  # fmt: skip
+
+
+def _metrics_table() -> Table:
+    table = Table(title="GRPO", expand=False)
+    for name, _ in _COLUMNS:
+        table.add_column(name.replace("_", " "), justify="right")
+    return table
+
+
+def _add_row(table: Table, row: dict[str, Any]) -> None:
+    cells = []
+    for name, fmt in _COLUMNS:
+        value = row.get(name)
+        cells.append(fmt.format(value) if value is not None else "-")
+    table.add_row(*cells)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float | int | str | bool) or value is None:
+        return value
+    if hasattr(value, "item"):
+        return value.item()
+    return asdict(value) if hasattr(value, "__dataclass_fields__") else str(value)

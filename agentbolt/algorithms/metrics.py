@@ -1,0 +1,95 @@
+"""Training metrics: a JSONL file (one object per step), optional W&B / MLflow mirroring when
+the user has them installed and configured, and a PNG plot at the end."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MetricsLog", "plot_history"]
+
+
+class MetricsLog:
+    def __init__(self, path: Path, resume: bool = False) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path.open("a" if resume else "w")
+        self._wandb = _wandb_run()
+        self._mlflow = _mlflow()
+
+    def write(self, row: dict[str, Any]) -> None:
+        clean = {k: v for k, v in row.items() if isinstance(v, int | float | str | bool) or v is None}
+        self._file.write(json.dumps(clean) + "\n")
+        self._file.flush()
+        numeric = {k: v for k, v in clean.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        step = int(row.get("step", 0))
+        if self._wandb is not None:
+            self._wandb.log(numeric, step=step)
+        if self._mlflow is not None:
+            self._mlflow.log_metrics({k: float(v) for k, v in numeric.items() if math.isfinite(v)}, step=step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _wandb_run() -> Any:
+    """W&B when installed and WANDB_PROJECT is set (never prompts for a login)."""
+    if not os.environ.get("WANDB_PROJECT") or importlib.util.find_spec("wandb") is None:
+        return None
+    import wandb
+
+    return wandb.init(project=os.environ["WANDB_PROJECT"], reinit=True)
+
+
+def _mlflow() -> Any:
+    """MLflow when installed and MLFLOW_TRACKING_URI is set."""
+    if not os.environ.get("MLFLOW_TRACKING_URI") or importlib.util.find_spec("mlflow") is None:
+        return None
+    import mlflow
+
+    mlflow.start_run()
+    return mlflow
+
+
+def plot_history(history: list[dict[str, Any]], path: Path) -> Path:
+    """Reward and success per step, validation success where measured."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    train = [h for h in history if "reward_mean" in h]
+    val = [h for h in history if h.get("val_success") is not None]
+    if train:
+        ax.plot(
+            [h["step"] for h in train], [h["reward_mean"] for h in train], "o-", label="train reward (mean)"
+        )
+        ax.plot(
+            [h["step"] for h in train], [h["success"] for h in train], "s--", alpha=0.7, label="train success"
+        )
+    if val:
+        ax.plot(
+            [h["step"] for h in val],
+            [h["val_success"] for h in val],
+            "D-",
+            lw=2.5,
+            label="validation success",
+        )
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward / success rate")
+    ax.set_ylim(-0.02, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title("agentbolt GRPO")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
