@@ -4,21 +4,22 @@
 upstream named by the rollout's ``LLM`` resource (the ``base_url`` as published). It asks the
 upstream for token ids and logprobs, records one ``llm_call`` event per call (see
 ``docs/events.md``) and returns to the agent only what the agent asked for. Dequeued claims
-get their ``LLM`` resources pointed here (:func:`rewrite_claim`), so agents are captured with
-no code change.
+get their ``LLM`` resources pointed here (:func:`~agentbolt.server.gateway_access.rewrite_claim`),
+so agents are captured with no code change.
 
 Choices worth knowing:
 
 - The event is recorded before the answer is returned (after the last chunk for streams), so
   when an agent's call returns its record is in the store.
-- Upstream API keys come from the resource's ``api_key`` or ``ServerConfig.upstream_api_keys``
-  (by base URL, then ``"*"``); they travel only in the upstream request's header. The API serves
-  resources with keys redacted; a resource re-published from such a read keeps using the key
-  last published for its base URL.
+- Upstream API keys (see :mod:`.gateway_access`) travel only in the upstream request's header;
+  they are scrubbed from upstream error messages before those are recorded or returned.
 - Retries (with backoff) only where the upstream cannot have started work: connection failures,
   and 429/502/503 answers. A read timeout or a broken stream is reported, not retried.
 - An upstream that rejects ``return_token_ids`` (400 naming it) is asked again without it and
   remembered; its calls are recorded with ``token_ids: null``.
+- Cost: the POST routes are served by a pure ASGI fast path (``_FastPath``) and plain-http
+  upstreams go through a lean keep-alive transport (:mod:`.http1`); FastAPI routing and httpx's
+  default pool each cost more than the rest of a call (``benchmarks/gateway_overhead.py``).
 """
 
 from __future__ import annotations
@@ -40,27 +41,29 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from agentbolt.errors import NotFound
-from agentbolt.schemas import LLM, AttemptStatus, Claim, EventCreate, EventType, Resources
-from agentbolt.server.app import REDACTED, StoreCaller
+from agentbolt.schemas import LLM, AttemptStatus, EventCreate, EventType
+from agentbolt.server.app import StoreCaller
 from agentbolt.server.config import ServerConfig
+from agentbolt.server.gateway_access import UpstreamKeys, rewrite_claim
+from agentbolt.server.http1 import Http1Transport
 from agentbolt.server.openai_format import (
     CHAT,
     COMPLETIONS,
     StreamAssembler,
     Wants,
+    count_usage,
     error_body,
     extract,
     prepare,
     strip,
 )
 
-__all__ = ["Gateway", "install", "rewrite_claim"]
+__all__ = ["Gateway", "install"]
 
 log = logging.getLogger("agentbolt.gateway")
 
 RETRY_STATUSES = (429, 502, 503)
 MAX_TRIES = 4
-PLACEHOLDER_KEY = "agentbolt"  # what agents get as api_key when the server has no auth
 _PATHS = {CHAT: "chat/completions", COMPLETIONS: "completions"}
 
 
@@ -126,23 +129,24 @@ class Gateway:
         self._http: httpx.AsyncClient | None = None
         self._targets: OrderedDict[str, _Target] = OrderedDict()
         self._token_ids: dict[str, bool] = {}  # base URL -> whether it accepts return_token_ids
-        self._history_keys: dict[tuple[str, int], str | None] = {}
+        self.keys = UpstreamKeys(call, config)
+        self._urls: dict[tuple[str, str], httpx.URL] = {}
+        self._h1 = Http1Transport()  # plain-http upstreams (model servers on the cluster network)
+        self._timeout = httpx.Timeout(config.upstream_timeout, connect=min(10.0, config.upstream_timeout))
 
     @property
     def http(self) -> httpx.AsyncClient:
         """One client for every upstream call: pooled keep-alive connections."""
         if self._http is None:
-            timeout = httpx.Timeout(
-                self.config.upstream_timeout, connect=min(10.0, self.config.upstream_timeout)
-            )
             limits = httpx.Limits(max_connections=1000, max_keepalive_connections=256, keepalive_expiry=60)
-            self._http = httpx.AsyncClient(timeout=timeout, limits=limits)
+            self._http = httpx.AsyncClient(timeout=self._timeout, limits=limits, mounts={"http://": self._h1})
         return self._http
 
     async def aclose(self) -> None:
         if self._http is not None:
             await self._http.aclose()
             self._http = None
+        await self._h1.aclose()
 
     # ------------------------------------------------------------------ resolving a call
 
@@ -173,27 +177,6 @@ class Gateway:
         llms = {k: r for k, r in resources.resources.items() if isinstance(r, LLM)} if resources else {}
         return _Target(rollout_id, attempt_id, version, llms)
 
-    async def upstream_key(self, llm: LLM, version: int | None) -> str | None:
-        """The resource's key, else the configured one for its base URL, else (for a resource
-        re-published from a redacted read) the key last published for that URL, else ``"*"``."""
-        if llm.api_key and llm.api_key != REDACTED:
-            return llm.api_key
-        keys = self.config.upstream_api_keys
-        for url in (llm.base_url, llm.base_url.rstrip("/")):
-            if url in keys:
-                return keys[url]
-        if llm.api_key == REDACTED and version is not None:
-            found = await self._key_from_history(llm.base_url, version)
-            if found:
-                return found
-        return keys.get("*")
-
-    async def _key_from_history(self, base_url: str, version: int) -> str | None:
-        cache_key = (base_url, version)
-        if cache_key not in self._history_keys:
-            self._history_keys[cache_key] = await self.call(_published_key, self.store, base_url, version)
-        return self._history_keys[cache_key]
-
     # ------------------------------------------------------------------ forwarding
 
     async def forward(self, request: Request, rollout_id: str, attempt_id: str, endpoint: str) -> Response:
@@ -207,7 +190,7 @@ class Gateway:
         try:
             target = await self.target(rollout_id, attempt_id)
             resource, llm = target.pick(body.get("model"))
-            key = await self.upstream_key(llm, target.resources_version)
+            key = await self.keys.resolve(llm, target.resources_version)
         except _Refused as exc:
             return exc.response()
         ask_ids = self._token_ids.get(llm.base_url, True)
@@ -237,11 +220,17 @@ class Gateway:
         return _json(out, upstream.status_code)
 
     def _upstream_request(self, call: _Call, payload: dict[str, Any]) -> httpx.Request:
-        headers = {"content-type": "application/json", "accept": "application/json"}
+        # built directly (not client.build_request): URL parsing and header merging cost more
+        # than the rest of the call; the parsed URL is cached per upstream and endpoint
+        key = (call.llm.base_url, call.endpoint)
+        url = self._urls.get(key)
+        if url is None:
+            url = self._urls[key] = httpx.URL(f"{call.llm.base_url.rstrip('/')}/{_PATHS[call.endpoint]}")
+        headers = [(b"content-type", b"application/json"), (b"accept", b"application/json")]
         if call.key:
-            headers["authorization"] = f"Bearer {call.key}"
-        url = f"{call.llm.base_url.rstrip('/')}/{_PATHS[call.endpoint]}"
-        return self.http.build_request("POST", url, content=orjson.dumps(payload), headers=headers)
+            headers.append((b"authorization", f"Bearer {call.key}".encode()))
+        return httpx.Request("POST", url, content=orjson.dumps(payload), headers=headers,
+                             extensions={"timeout": self._timeout.as_dict()})  # fmt: skip
 
     async def _send_with_fallback(self, call: _Call, payload: dict[str, Any]) -> httpx.Response:
         response = await self._send(lambda: self._upstream_request(call, payload))
@@ -263,13 +252,22 @@ class Gateway:
             self._token_ids[base] = True
         return response
 
+    async def _dispatch(self, request: httpx.Request) -> httpx.Response:
+        """Plain-http upstreams: straight to the lean transport (the client's cookie, auth and
+        redirect handling cost a quarter of a call and the gateway needs none of it)."""
+        if request.url.scheme != "http":
+            return await self.http.send(request, stream=True)
+        response = await self._h1.handle_async_request(request)
+        response.request = request
+        return response
+
     async def _send(self, build: Any) -> httpx.Response:
         """Send (streamed), retrying with backoff where the upstream did not start work."""
         deadline = time.monotonic() + self.config.upstream_timeout
         for attempt in range(MAX_TRIES):
             last = attempt == MAX_TRIES - 1
             try:
-                response = await self.http.send(build(), stream=True)
+                response = await self._dispatch(build())
             except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout):
                 if last or time.monotonic() > deadline:
                     raise
@@ -351,7 +349,7 @@ class Gateway:
         model_version = headers.get("x-model-version") or full.get("model_version")
         out = strip(full, call.wants)
         assert out is not None
-        usage = out.get("usage") or _count_usage(prompt_ids, choices)
+        usage = out.get("usage") or count_usage(prompt_ids, choices)
         data = self._base_data(call, status, out)
         data.update(prompt_token_ids=prompt_ids, choices=choices, usage=usage, model=out.get("model") or data["model"],
                     model_version=str(model_version) if model_version is not None else None, **(extra or {}))  # fmt: skip
@@ -424,7 +422,7 @@ class Gateway:
         try:
             target = await self.target(rollout_id, attempt_id)
             _, llm = target.pick(None)
-            key = await self.upstream_key(llm, target.resources_version)
+            key = await self.keys.resolve(llm, target.resources_version)
         except _Refused as exc:
             return exc.response()
         headers = {"authorization": f"Bearer {key}"} if key else {}
@@ -437,27 +435,6 @@ class Gateway:
         return _json({"object": "list", "data": data})
 
 
-def _published_key(store: Any, base_url: str, version: int) -> str | None:
-    """The api_key last published (at or before ``version``) for an LLM at ``base_url``."""
-    for v in range(version, max(0, version - 1000), -1):
-        try:
-            resources: Resources = store.get_resources(v)
-        except NotFound:
-            continue
-        for res in resources.resources.values():
-            if isinstance(res, LLM) and res.base_url == base_url and res.api_key and res.api_key != REDACTED:
-                return res.api_key
-    return None
-
-
-def _count_usage(prompt_ids: list[int] | None, choices: list[dict[str, Any]]) -> dict[str, int] | None:
-    if prompt_ids is None or any(c.get("token_ids") is None for c in choices):
-        return None
-    completion = sum(len(c["token_ids"]) for c in choices)
-    return {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
-            "total_tokens": len(prompt_ids) + completion}  # fmt: skip
-
-
 def _backoff(attempt: int) -> float:
     return random.uniform(0.5, 1.0) * min(2.0, 0.1 * 2**attempt)
 
@@ -467,25 +444,6 @@ def _retry_after(value: str | None) -> float | None:
         return min(5.0, max(0.0, float(value))) if value else None
     except ValueError:
         return None
-
-
-# ---------------------------------------------------------------------------- claims
-
-
-def rewrite_claim(claim: Claim, request: Request) -> Claim:
-    """Point the claim's LLM resources at this attempt's gateway, with a harmless api_key: the
-    runner's own bearer token (the gateway needs it when auth is on), else a placeholder."""
-    if claim.resources is None or not any(isinstance(r, LLM) for r in claim.resources.resources.values()):
-        return claim
-    base = str(request.base_url).rstrip("/")
-    url = f"{base}/gateway/{claim.rollout.id}/{claim.attempt.id}/v1"
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    key = token.strip() if scheme.lower() == "bearer" and token.strip() else PLACEHOLDER_KEY
-    resources = {
-        name: res.model_copy(update={"base_url": url, "api_key": key}) if isinstance(res, LLM) else res
-        for name, res in claim.resources.resources.items()
-    }
-    return claim.model_copy(update={"resources": claim.resources.model_copy(update={"resources": resources})})
 
 
 # ---------------------------------------------------------------------------- routes
@@ -511,7 +469,8 @@ def install(app: FastAPI, config: ServerConfig) -> None:
     async def models(rollout_id: str, attempt_id: str) -> Response:
         return await gateway.models(rollout_id, attempt_id)
 
-    app.include_router(router)
+    app.include_router(router)  # documents the routes; _FastPath serves the POSTs
+    app.add_middleware(_FastPath, gateway=gateway)
     inner = app.router.lifespan_context
 
     @contextlib.asynccontextmanager
@@ -523,3 +482,34 @@ def install(app: FastAPI, config: ServerConfig) -> None:
                 await gateway.aclose()
 
     app.router.lifespan_context = lifespan
+
+
+_ENDPOINTS = {"chat/completions": CHAT, "completions": COMPLETIONS}
+
+
+class _FastPath:
+    """Serves gateway POSTs as a pure ASGI app in front of FastAPI's router, whose route
+    matching and dependency solving cost about as much as the rest of a call. It sits inside
+    the auth and body-limit middleware, like every route."""
+
+    def __init__(self, app: Any, gateway: Gateway) -> None:
+        self.app, self.gateway = app, gateway
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and scope["method"] == "POST" and path.startswith("/gateway/"):
+            parts = path.split("/", 5)  # "", "gateway", rollout, attempt, "v1", endpoint
+            endpoint = _ENDPOINTS.get(parts[5]) if len(parts) == 6 and parts[4] == "v1" else None
+            if endpoint is not None and parts[2] and parts[3]:
+                try:
+                    response = await self.gateway.forward(
+                        Request(scope, receive), parts[2], parts[3], endpoint
+                    )
+                except Exception:
+                    log.exception("gateway call on %s failed", path)
+                    response = _json(
+                        error_body("internal gateway error (see the server log)", "internal_error"), 500
+                    )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

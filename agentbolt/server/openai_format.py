@@ -20,6 +20,7 @@ __all__ = [
     "CHAT",
     "COMPLETIONS",
     "StreamAssembler",
+    "count_usage",
     "Wants",
     "error_body",
     "extract",
@@ -228,3 +229,12 @@ def _merge_logprobs(into: dict[str, Any] | None, part: dict[str, Any]) -> dict[s
         elif key not in merged:
             merged[key] = value
     return merged
+
+
+def count_usage(prompt_ids: list[int] | None, choices: list[dict[str, Any]]) -> dict[str, int] | None:
+    """Usage from the token ids, for an upstream that reported none."""
+    if prompt_ids is None or any(c.get("token_ids") is None for c in choices):
+        return None
+    completion = sum(len(c["token_ids"]) for c in choices)
+    return {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
+            "total_tokens": len(prompt_ids) + completion}  # fmt: skip

@@ -1,0 +1,80 @@
+"""Who calls the upstream with which key, and where agents are sent.
+
+- :func:`rewrite_claim` points a dequeued claim's ``LLM`` resources at the attempt's gateway
+  URL, with a harmless ``api_key``: the runner's own bearer token when auth is on (the gateway
+  call must authenticate; the auth middleware lets runner tokens POST under ``/gateway/``),
+  else a placeholder. ``openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key)`` just works.
+- :class:`UpstreamKeys` finds the real key for an upstream call. Keys never leave the server
+  except in the upstream request's header: the API serves resources with keys redacted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+
+from agentbolt.errors import NotFound
+from agentbolt.schemas import LLM, Claim, Resources
+from agentbolt.server.app import REDACTED, StoreCaller
+from agentbolt.server.config import ServerConfig
+
+__all__ = ["PLACEHOLDER_KEY", "UpstreamKeys", "rewrite_claim"]
+
+PLACEHOLDER_KEY = "agentbolt"  # what agents get as api_key when the server has no auth
+
+
+def rewrite_claim(claim: Claim, request: Request) -> Claim:
+    """Point the claim's LLM resources at this attempt's gateway, with a harmless api_key: the
+    runner's own bearer token (the gateway needs it when auth is on), else a placeholder."""
+    if claim.resources is None or not any(isinstance(r, LLM) for r in claim.resources.resources.values()):
+        return claim
+    base = str(request.base_url).rstrip("/")
+    url = f"{base}/gateway/{claim.rollout.id}/{claim.attempt.id}/v1"
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    key = token.strip() if scheme.lower() == "bearer" and token.strip() else PLACEHOLDER_KEY
+    resources = {
+        name: res.model_copy(update={"base_url": url, "api_key": key}) if isinstance(res, LLM) else res
+        for name, res in claim.resources.resources.items()
+    }
+    return claim.model_copy(update={"resources": claim.resources.model_copy(update={"resources": resources})})
+
+
+class UpstreamKeys:
+    def __init__(self, call: StoreCaller, config: ServerConfig) -> None:
+        self.call, self.store, self.config = call, call.store, config
+        self._history: dict[tuple[str, int], str | None] = {}
+
+    async def resolve(self, llm: LLM, version: int | None) -> str | None:
+        """The resource's key, else the configured one for its base URL, else (for a resource
+        re-published from a redacted read) the key last published for that URL, else ``"*"``."""
+        if llm.api_key and llm.api_key != REDACTED:
+            return llm.api_key
+        keys = self.config.upstream_api_keys
+        for url in (llm.base_url, llm.base_url.rstrip("/")):
+            if url in keys:
+                return keys[url]
+        if llm.api_key == REDACTED and version is not None:
+            found = await self._from_history(llm.base_url, version)
+            if found:
+                return found
+        return keys.get("*")
+
+    async def _from_history(self, base_url: str, version: int) -> str | None:
+        cache_key = (base_url, version)
+        if cache_key not in self._history:
+            self._history[cache_key] = await self.call(_published_key, self.store, base_url, version)
+        return self._history[cache_key]
+
+
+def _published_key(store: Any, base_url: str, version: int) -> str | None:
+    """The api_key last published (at or before ``version``) for an LLM at ``base_url``."""
+    for v in range(version, max(0, version - 1000), -1):
+        try:
+            resources: Resources = store.get_resources(v)
+        except NotFound:
+            continue
+        for res in resources.resources.values():
+            if isinstance(res, LLM) and res.base_url == base_url and res.api_key and res.api_key != REDACTED:
+                return res.api_key
+    return None

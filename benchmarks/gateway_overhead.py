@@ -1,0 +1,226 @@
+"""What the gateway costs per model call.
+
+The same chat completion calls go (a) straight to an upstream on loopback and (b) through the
+gateway, which forwards them to that upstream and records each as an ``llm_call`` event. The
+upstream is a minimal OpenAI-compatible server in its own process that answers at once (with
+token ids and logprobs when asked, as vLLM does), so what (b) adds is the gateway's own cost:
+its HTTP hop, the request rewrite, the upstream call and the store write. The agentbolt server
+runs in its own process (SQLite file, WAL). A lean keep-alive HTTP/1.1 client keeps the driver's
+own CPU use small; ``C`` calls are in flight at once (one connection each).
+
+Prints, per phase, p50/p99 latency per call and throughput, then the added latency and the
+throughput ratio, and checks that every gateway call was recorded.
+
+    python benchmarks/gateway_overhead.py [--calls 4000 --concurrency 32 --upstream-delay-ms 0]
+
+``--upstream-delay-ms`` makes the upstream wait before answering, as a real model would; the
+throughput ratio then shows whether the gateway limits concurrency rather than its CPU cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from agentbolt.client import Client
+from agentbolt.schemas import LLM, RolloutCreate, Task
+from agentbolt.server import ServerConfig, ServerProcess
+from agentbolt.server.run import free_port, wait_healthy
+
+REQUEST = {"model": "bench", "messages": [{"role": "system", "content": "You are terse."},
+                                          {"role": "user", "content": "Say OK."}], "max_tokens": 4}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- the upstream
+
+
+def _answer(body: dict, delay: float) -> bytes:
+    extras = body.get("return_token_ids")
+    choice = {"index": 0, "message": {"role": "assistant", "content": "OK."}, "finish_reason": "stop",
+              "logprobs": {"content": [{"token": "OK", "logprob": -0.01, "bytes": [79, 75], "top_logprobs": []},
+                                       {"token": ".", "logprob": -0.2, "bytes": [46], "top_logprobs": []}]}
+              if body.get("logprobs") else None}  # fmt: skip
+    if extras:
+        choice["token_ids"] = [9906, 13]
+    out = {"id": "chatcmpl-bench", "object": "chat.completion", "created": 1_700_000_000, "model": body.get("model"),
+           "choices": [choice], "usage": {"prompt_tokens": 12, "completion_tokens": 2, "total_tokens": 14}}  # fmt: skip
+    if extras:
+        out["prompt_token_ids"] = list(range(1, 13))
+    return json.dumps(out).encode()
+
+
+def _upstream_app(delay: float):
+    async def app(scope, receive, send):  # a raw ASGI app: as little server-side cost as possible
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        if delay:
+            await asyncio.sleep(delay)
+        payload = (
+            _answer(json.loads(body or b"{}"), delay) if scope["method"] == "POST" else b'{"status":"ok"}'
+        )
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": payload})
+
+    return app
+
+
+def _serve_upstream(port: int, delay: float) -> None:
+    import uvicorn
+
+    uvicorn.run(_upstream_app(delay), host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+# ---------------------------------------------------------------------------- a lean client
+
+
+class Connection:
+    """One keep-alive HTTP/1.1 connection; enough for JSON POSTs with a content-length answer."""
+
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        self.host, self.port, self.base = parts.hostname, parts.port, parts.path.rstrip("/")
+
+    async def open(self) -> Connection:
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        return self
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        head = (f"POST {self.base}{path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\n"
+                f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n")  # fmt: skip
+        self.writer.write(head.encode() + body)
+        status = int((await self.reader.readline()).split()[1])
+        length = 0
+        while (line := await self.reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        return status, await self.reader.readexactly(length)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+async def _phase(urls: list[str], calls: int, concurrency: int) -> tuple[float, list[float]]:
+    """``calls`` POSTs spread over ``concurrency`` connections; (seconds, latencies)."""
+    body = json.dumps(REQUEST).encode()
+    conns = [await Connection(urls[i % len(urls)]).open() for i in range(concurrency)]
+    latencies: list[float] = []
+    left = [calls]
+
+    async def loop(conn: Connection) -> None:
+        while left[0] > 0:
+            left[0] -= 1
+            t0 = time.perf_counter()
+            status, _ = await conn.post("/chat/completions", body)
+            latencies.append(time.perf_counter() - t0)
+            if status != 200:
+                raise RuntimeError(f"HTTP {status} from {conn.base}")
+
+    for conn in conns:  # warm up every connection (and the gateway's upstream pool)
+        await conn.post("/chat/completions", body)
+    t0 = time.perf_counter()
+    await asyncio.gather(*(loop(c) for c in conns))
+    elapsed = time.perf_counter() - t0
+    for conn in conns:
+        conn.close()
+    return elapsed, latencies
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc), immune to other load."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pct(values: list[float], q: int) -> float:
+    return statistics.quantiles(values, n=100)[q - 1] * 1000
+
+
+def _gateway_urls(server_url: str, upstream: str, n: int) -> list[str]:
+    """``n`` running attempts, each with its own gateway URL (one per in-flight caller)."""
+    with Client(server_url) as client:
+        client.publish_resources({"llm": LLM(base_url=upstream, model="bench")})
+        client.enqueue([RolloutCreate(task=Task(data={"i": i})) for i in range(n)])
+        claims = [client.dequeue("bench", lease_seconds=3600) for _ in range(n)]
+    return [c.resources.resources["llm"].base_url for c in claims if c is not None]
+
+
+def _count_llm_calls(server_url: str) -> int:
+    with Client(server_url, timeout=120) as client:
+        return int(client.stats()["events"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=4000)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--upstream-delay-ms", type=float, default=0.0)
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="direct/gateway pairs, alternating; best of each"
+    )
+    args = parser.parse_args()
+
+    port = free_port()
+    upstream_url = f"http://127.0.0.1:{port}/v1"
+    up = multiprocessing.get_context("spawn").Process(target=_serve_upstream, args=(port, args.upstream_delay_ms / 1000),
+                                                     daemon=True)  # fmt: skip
+    up.start()
+    wait_healthy(f"http://127.0.0.1:{port}")
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        ServerProcess(ServerConfig(db=str(Path(tmp) / "bench.db"))) as server,
+    ):
+        gateway_urls = _gateway_urls(server.url, upstream_url, args.concurrency)
+        results: dict[str, list[tuple[float, list[float]]]] = {"direct": [], "gateway": []}
+        cpu = {"upstream": 0.0, "gateway": 0.0}
+        for _ in range(args.rounds):
+            results["direct"].append(asyncio.run(_phase([upstream_url], args.calls, args.concurrency)))
+            before = cpu_seconds(server.process.pid), cpu_seconds(up.pid)
+            results["gateway"].append(asyncio.run(_phase(gateway_urls, args.calls, args.concurrency)))
+            cpu["gateway"] += cpu_seconds(server.process.pid) - before[0]
+            cpu["upstream"] += cpu_seconds(up.pid) - before[1]
+        recorded = _count_llm_calls(server.url)
+    up.terminate()
+    up.join(5)
+
+    summary = {}
+    print(
+        f"{args.calls} chat calls, {args.concurrency} in flight, upstream delay {args.upstream_delay_ms:g} ms"
+    )
+    for name, runs in results.items():
+        elapsed, lat = min(runs, key=lambda r: r[0])  # the best round: least disturbed by other load
+        summary[name] = (args.calls / elapsed, pct(lat, 50), pct(lat, 99))
+        print(
+            f"  {name:8s} {summary[name][0]:8.0f} calls/s   p50 {summary[name][1]:6.2f} ms   p99 {summary[name][2]:6.2f} ms"
+        )
+    added50 = summary["gateway"][1] - summary["direct"][1]
+    added99 = summary["gateway"][2] - summary["direct"][2]
+    ratio = summary["gateway"][0] / summary["direct"][0]
+    print(f"  added latency per call: p50 {added50:.2f} ms, p99 {added99:.2f} ms")
+    print(f"  throughput ratio gateway/direct: {ratio:.2f}x")
+    n = (args.calls + args.concurrency) * args.rounds
+    print(f"  CPU per call through the gateway: gateway process {cpu['gateway'] / n * 1000:.2f} ms, "
+          f"upstream process {cpu['upstream'] / n * 1000:.2f} ms")  # fmt: skip
+    expected = (args.calls + args.concurrency) * args.rounds
+    print(
+        f"  llm_call events recorded: {recorded} (expected {expected}) {'ok' if recorded == expected else 'MISMATCH'}"
+    )
+
+
+if __name__ == "__main__":
+    main()
