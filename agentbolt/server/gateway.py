@@ -347,12 +347,15 @@ class Gateway:
         """Record a successful call; return the body as the agent gets it."""
         prompt_ids, choices = extract(call.endpoint, full)
         model_version = headers.get("x-model-version") or full.get("model_version")
+        mixed = bool(full.get("model_version_mixed"))
         out = strip(full, call.wants)
         assert out is not None
         usage = out.get("usage") or count_usage(prompt_ids, choices)
         data = self._base_data(call, status, out)
         data.update(prompt_token_ids=prompt_ids, choices=choices, usage=usage, model=out.get("model") or data["model"],
                     model_version=str(model_version) if model_version is not None else None, **(extra or {}))  # fmt: skip
+        if mixed:
+            data["model_version_mixed"] = True
         await self._record(call, data)
         return out
 

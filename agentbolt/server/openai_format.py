@@ -34,6 +34,9 @@ COMPLETIONS = "completions"
 # Fields an upstream adds when asked for token ids (vLLM: ``prompt_text`` comes with them).
 _TOP_EXTRAS = ("prompt_token_ids", "prompt_text")
 _CHOICE_EXTRAS = ("token_ids", "prompt_token_ids", "prompt_text")
+# The embedded engine reports which weights served a call; a choice generated across a weight
+# swap carries ``model_versions`` (one per token) and the body ``model_version_mixed: true``.
+_VERSION_EXTRAS = ("model_version", "model_version_mixed")
 
 
 @dataclass(frozen=True)
@@ -73,12 +76,14 @@ def prepare(endpoint: str, body: dict[str, Any], ask_token_ids: bool) -> tuple[d
 
 def strip(body: dict[str, Any], wants: Wants, stream: bool = False) -> dict[str, Any] | None:
     """Remove (in place) what the agent did not ask for; ``None``: drop this stream chunk."""
-    body.pop("model_version", None)  # the engine's own report, for the record only
+    for key in _VERSION_EXTRAS:  # the engine's own reports, for the record only
+        body.pop(key, None)
     if not wants.token_ids:
         for key in _TOP_EXTRAS:
             body.pop(key, None)
     choices = body.get("choices") or []
     for choice in choices:
+        choice.pop("model_versions", None)
         if not wants.token_ids:
             for key in _CHOICE_EXTRAS:
                 choice.pop(key, None)
@@ -119,6 +124,8 @@ def extract(endpoint: str, response: dict[str, Any]) -> tuple[list[int] | None, 
         record["logprobs"] = _logprob_values(endpoint, choice.get("logprobs"))
         if choice.get("prompt_token_ids") not in (None, prompt_ids):  # a batch of prompts
             record["prompt_token_ids"] = choice["prompt_token_ids"]
+        if choice.get("model_versions") is not None:  # weights changed while it was generated
+            record["model_versions"] = choice["model_versions"]
         records.append(record)
     return prompt_ids, records
 
@@ -135,7 +142,7 @@ class StreamAssembler:
         self.prompt_token_ids: list[int] | None = None
 
     def add(self, chunk: dict[str, Any]) -> None:
-        for key in ("id", "created", "model", "system_fingerprint", "model_version"):
+        for key in ("id", "created", "model", "system_fingerprint", "model_version", "model_version_mixed"):
             if key not in self.top and chunk.get(key) is not None:
                 self.top[key] = chunk[key]
         if chunk.get("prompt_token_ids") is not None:
@@ -193,7 +200,7 @@ class StreamAssembler:
             "choices": choices,
             "usage": self.usage,
         }
-        for key in ("system_fingerprint", "model_version"):
+        for key in ("system_fingerprint", "model_version", "model_version_mixed"):
             if key in self.top:
                 body[key] = self.top[key]
         if self.prompt_token_ids is not None:
