@@ -98,3 +98,23 @@ def test_tracing_off_records_user_spans_as_events_without_otel_export(server, cl
 def test_span_outside_a_rollout_is_a_no_op():
     with span("nothing") as s:
         s.set_attribute("k", 1)
+
+
+@rollout
+def failing_agent(task: Task) -> float:
+    with span("step"):
+        raise ValueError("no luck")
+
+
+def test_tracing_on_marks_a_failed_rollout(server, client):
+    [ro] = client.enqueue([RolloutCreate(task=Task(), max_attempts=1)])
+    _run(Runner(failing_agent, server.url, max_rollouts=1, tracing=True))
+    spans, _ = _by_name(client, ro.id)
+    assert spans["step"]["status"] == {"code": "error", "message": "ValueError: no luck"}
+    assert spans["agentbolt.rollout"]["status"]["code"] == "error"
+    exception = spans["agentbolt.exception"]
+    assert (
+        exception["status"]["code"] == "error"
+        and exception["attributes"]["agentbolt.exception.type"] == "ValueError"
+    )
+    assert exception["parent_span_id"] == spans["agentbolt.rollout"]["span_id"]
