@@ -160,7 +160,8 @@ class Batcher:
                     break
                 taken.append(self._waiting.popleft())
                 slots -= len(group)
-        return [[s for s in g if not self._finish_if_done(s)] for g in taken]
+        _close([s for g in taken for s in g if s.cancelled.is_set()])
+        return [[s for s in g if not s.cancelled.is_set()] for g in taken]
 
     def _forward(
         self, ids_BT: torch.Tensor, mask_BL: torch.Tensor, pos_BT: torch.Tensor, cache
@@ -218,50 +219,45 @@ class Batcher:
 
     def _merge(self, seqs: list[Sequence], cache: DynamicCache, mask_BL: torch.Tensor) -> None:
         """Add freshly prefilled rows to the running batch, left-padding whichever side is shorter."""
-        keep = [i for i, s in enumerate(seqs) if not self._finish_if_done(s)]
-        if not keep:
-            return
-        if len(keep) < len(seqs):
+        keep = [i for i, s in enumerate(seqs) if not _is_over(s)]
+        if len(keep) < len(seqs) and keep:
             cache.batch_select_indices(torch.tensor(keep))
             mask_BL = mask_BL[keep]
         new = [seqs[i] for i in keep]
-        if self._cache is None:
+        if not new:
+            pass
+        elif self._cache is None:
             self._cache, self._mask_BL, self._running = cache, mask_BL, new
-            return
-        width = max(self._mask_BL.shape[1], mask_BL.shape[1])
-        for old_layer, new_layer in zip(self._cache.layers, cache.layers, strict=True):
-            old_layer.keys = torch.cat([_pad_left(old_layer.keys, width), _pad_left(new_layer.keys, width)])
-            old_layer.values = torch.cat(
-                [_pad_left(old_layer.values, width), _pad_left(new_layer.values, width)]
-            )
-        self._mask_BL = torch.cat([_pad_left_2d(self._mask_BL, width), _pad_left_2d(mask_BL, width)])
-        self._running = self._running + new
+        else:
+            width = max(self._mask_BL.shape[1], mask_BL.shape[1])
+            for old, fresh in zip(self._cache.layers, cache.layers, strict=True):
+                old.keys = torch.cat([_pad_left(old.keys, width), _pad_left(fresh.keys, width)])
+                old.values = torch.cat([_pad_left(old.values, width), _pad_left(fresh.values, width)])
+            self._mask_BL = torch.cat([_pad_left_2d(self._mask_BL, width), _pad_left_2d(mask_BL, width)])
+            self._running = self._running + new
+        _close([s for s in seqs if _is_over(s)])  # after the batch is consistent: callers may look at it
 
     def _evict_finished(self) -> None:
-        keep = [i for i, s in enumerate(self._running) if not self._finish_if_done(s)]
-        if len(keep) == len(self._running):
+        over = [s for s in self._running if _is_over(s)]
+        if not over:
             return
+        keep = [i for i, s in enumerate(self._running) if not _is_over(s)]
         if not keep:
             self._running, self._cache = [], None
             self._mask_BL = torch.zeros(0, 0, dtype=torch.long)
-            return
-        self._running = [self._running[i] for i in keep]
-        self._cache.batch_select_indices(torch.tensor(keep))
-        self._mask_BL = self._mask_BL[keep]
-        cut = int((self._mask_BL.sum(dim=0) == 0).long().cumprod(dim=0).sum())  # leading all-pad columns
+        else:
+            self._running = [self._running[i] for i in keep]
+            self._cache.batch_select_indices(torch.tensor(keep))
+            self._mask_BL = self._mask_BL[keep]
+            self._cut_leading_padding()
+        _close(over)
+
+    def _cut_leading_padding(self) -> None:
+        cut = int((self._mask_BL.sum(dim=0) == 0).long().cumprod(dim=0).sum())  # all-pad columns on the left
         if cut:
             self._mask_BL = self._mask_BL[:, cut:]
             for layer in self._cache.layers:
                 layer.keys, layer.values = layer.keys[:, :, cut:], layer.values[:, :, cut:]
-
-    def _finish_if_done(self, seq: Sequence) -> bool:
-        if seq.cancelled.is_set():
-            seq.finish("abort")
-            return True
-        if seq.finished:
-            seq.finish()
-            return True
-        return False
 
     def _fail_running(self, exc: BaseException) -> None:
         running, self._running, self._cache = self._running, [], None
@@ -284,6 +280,15 @@ class Batcher:
             update.future.set_result(self.version)
         with self._cond:
             self._update = None
+
+
+def _is_over(seq: Sequence) -> bool:
+    return seq.finished or seq.cancelled.is_set()
+
+
+def _close(seqs: list[Sequence]) -> None:
+    for seq in seqs:
+        seq.finish("abort" if seq.cancelled.is_set() else None)
 
 
 def _pad_left(t_BHLD: torch.Tensor, width: int) -> torch.Tensor:

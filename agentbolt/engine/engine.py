@@ -8,7 +8,6 @@ awaits them from asyncio. Weight updates go through the same thread, between two
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import os
 import threading
@@ -74,7 +73,6 @@ class ModelEngine:
             getattr(model.config, "max_position_embeddings", 2048), 8192
         )
         self.eos_ids = _eos_ids(model, tokenizer)
-        self._engine_tokenizer = copy.deepcopy(tokenizer)  # the engine thread decodes too (stop strings)
         self._weights = WeightManager(model)
         self._update_lock = threading.Lock()
         self._served_names = {name}
@@ -165,7 +163,7 @@ class ModelEngine:
 
     async def complete(self, request: Mapping[str, Any]) -> dict[str, Any]:
         """Answer an OpenAI ``/v1/completions`` body (``stream`` is ignored here)."""
-        req = parse_request(CompletionRequest, dict(request))
+        req = parse_request(CompletionRequest, request)
         self._check_model(req.model)
         prompts = self._completion_prompts(req.prompt)
         runs = []
@@ -188,7 +186,7 @@ class ModelEngine:
     def _prepare_chat(
         self, request: Mapping[str, Any]
     ) -> tuple[ChatCompletionRequest, list[int], SamplingParams]:
-        req = parse_request(ChatCompletionRequest, dict(request))
+        req = parse_request(ChatCompletionRequest, request)
         self._check_model(req.model)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         prompt_ids = render_chat_prompt(
@@ -266,7 +264,11 @@ class ModelEngine:
         return out
 
     def make_sequences(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[Sequence]:
-        decode = self._engine_tokenizer.decode
+        tok = self.tokenizer  # decode only (stop strings): safe from the engine thread
+
+        def decode(ids: list[int]) -> str:
+            return tok.decode(ids, skip_special_tokens=True)
+
         seeds = [None if params.seed is None else params.seed + i for i in range(n)]
         return [Sequence(list(prompt_ids), replace(params, seed=s), decode=decode) for s in seeds]
 

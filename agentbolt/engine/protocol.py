@@ -9,6 +9,7 @@ vLLM extensions understood: ``return_token_ids``, ``top_k``, ``stop_token_ids``,
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -146,10 +147,10 @@ class CompletionRequest(_Sampling):
 
 def parse_request(model: type[BaseModel], body: Any) -> Any:
     """Validate ``body`` into ``model``, turning pydantic errors into one OpenAI-style 400."""
-    if not isinstance(body, dict):
+    if not isinstance(body, Mapping):
         raise EngineRequestError("request body must be a JSON object")
     try:
-        return model.model_validate(body)
+        return model.model_validate(dict(body))
     except ValidationError as exc:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None

@@ -1,0 +1,18 @@
+"""Helpers shared by the engine tests."""
+
+from __future__ import annotations
+
+import torch
+
+
+def teacher_forced_logprobs(model, prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:
+    """Log-probabilities of ``completion_ids`` after ``prompt_ids`` from one plain forward pass."""
+    ids = torch.tensor([prompt_ids + completion_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)[len(prompt_ids) - 1 : -1]
+    return logprobs.gather(1, torch.tensor(completion_ids)[:, None]).squeeze(1)
+
+
+def chat_body(text: str, **extra) -> dict:
+    return {"model": "tiny", "messages": [{"role": "user", "content": text}], **extra}
