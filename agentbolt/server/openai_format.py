@@ -110,7 +110,7 @@ def extract(endpoint: str, response: dict[str, Any]) -> tuple[list[int] | None, 
     """Prompt token ids and one record per choice (message or text, finish reason, completion
     token ids, logprobs), exactly as the upstream returned them."""
     prompt_ids = response.get("prompt_token_ids")
-    records = []
+    records: list[dict[str, Any]] = []
     for choice in response.get("choices") or []:
         if prompt_ids is None and choice.get("prompt_token_ids") is not None:
             prompt_ids = choice["prompt_token_ids"]

@@ -76,6 +76,13 @@ def _seconds(nanos: Any) -> float | None:
     return int(nanos) / 1e9 if nanos not in (None, "", 0, "0") else None
 
 
+def _enum(value: Any, names: dict[int, str], prefix: str) -> str:
+    """An OTLP enum: a number (OTLP/JSON) or, from other encoders, its name."""
+    if isinstance(value, int):
+        return names.get(value, str(value))
+    return str(value).lower().removeprefix(prefix)
+
+
 def _span(span: dict[str, Any], service: Any, scope: str | None, from_protobuf: bool) -> dict[str, Any]:
     status = span.get("status") or {}
     code = status.get("code", 0)
@@ -84,14 +91,12 @@ def _span(span: dict[str, Any], service: Any, scope: str | None, from_protobuf: 
         "trace_id": _hex(span.get("traceId"), from_protobuf),
         "span_id": _hex(span.get("spanId"), from_protobuf),
         "parent_span_id": _hex(span.get("parentSpanId"), from_protobuf),
-        "kind": _KIND.get(
-            span.get("kind"), str(span.get("kind", "unspecified")).lower().removeprefix("span_kind_")
-        ),
+        "kind": _enum(span.get("kind", 0), _KIND, "span_kind_"),
         "start_time": _seconds(span.get("startTimeUnixNano")),
         "end_time": _seconds(span.get("endTimeUnixNano")),
         "attributes": _attributes(span.get("attributes")),
         "status": {
-            "code": _STATUS.get(code, str(code).lower().removeprefix("status_code_")),
+            "code": _enum(code, _STATUS, "status_code_"),
             "message": status.get("message") or None,
         },  # fmt: skip
         "events": [
