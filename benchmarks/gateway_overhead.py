@@ -173,6 +173,7 @@ def main() -> None:
     parser.add_argument(
         "--rounds", type=int, default=2, help="direct/gateway pairs, alternating; best of each"
     )
+    parser.add_argument("--db", default="file", choices=["file", "memory"], help="the server's SQLite store")
     args = parser.parse_args()
 
     port = free_port()
@@ -183,7 +184,9 @@ def main() -> None:
     wait_healthy(f"http://127.0.0.1:{port}")
     with (
         tempfile.TemporaryDirectory() as tmp,
-        ServerProcess(ServerConfig(db=str(Path(tmp) / "bench.db"))) as server,
+        ServerProcess(
+            ServerConfig(db=str(Path(tmp) / "bench.db") if args.db == "file" else ":memory:")
+        ) as server,
     ):
         gateway_urls = _gateway_urls(server.url, upstream_url, args.concurrency)
         results: dict[str, list[tuple[float, list[float]]]] = {"direct": [], "gateway": []}
