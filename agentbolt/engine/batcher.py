@@ -32,6 +32,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +48,8 @@ log = logging.getLogger(__name__)
 
 class _PendingUpdate:
     def __init__(self, apply: Callable[[], int | str], deadline: float) -> None:
-        self.apply, self.deadline, self.future = apply, deadline, Future()
+        self.apply, self.deadline = apply, deadline
+        self.future: Future[int | str] = Future()
 
 
 class Batcher:
@@ -74,7 +76,7 @@ class Batcher:
         self._update: _PendingUpdate | None = None
         self._running: list[Sequence] = []
         self._admitting: list[Sequence] = []  # taken from the queue, not yet running
-        self._cache: DynamicCache | None = None
+        self._cache: Any = None  # a DynamicCache whose layers hold .keys/.values
         self._mask_BL = torch.zeros(0, 0, dtype=torch.long)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -98,7 +100,9 @@ class Batcher:
             self._waiting.append(group)
             self._cond.notify_all()
 
-    def request_update(self, apply: Callable[[], int | str], drain_timeout_s: float | None = None) -> Future:
+    def request_update(
+        self, apply: Callable[[], int | str], drain_timeout_s: float | None = None
+    ) -> Future[int | str]:
         """Run ``apply`` (which swaps weights and returns the new version) between two steps."""
         timeout = self.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         with self._cond:
@@ -166,8 +170,8 @@ class Batcher:
     def _forward(
         self, ids_BT: torch.Tensor, mask_BL: torch.Tensor, pos_BT: torch.Tensor, cache
     ) -> torch.Tensor:
-        device = self.model.device
-        kwargs = {self._cache_kw: cache, "use_cache": True}
+        device: Any = self.model.device
+        kwargs: dict[str, Any] = {self._cache_kw: cache, "use_cache": True}
         if self._keep_kw:
             kwargs["logits_to_keep"] = 1
         out = self.model(
@@ -210,14 +214,14 @@ class Batcher:
         out = sample_step(logits_BV, [s.params for s in seqs], [s.generator for s in seqs], k)
         for i, seq in enumerate(seqs):
             top = None
-            if seq.params.top_logprobs:
+            if seq.params.top_logprobs and out.top_ids is not None and out.top_logprobs is not None:
                 n = seq.params.top_logprobs
                 top = list(zip(out.top_ids[i][:n], out.top_logprobs[i][:n], strict=True))
             seq.append(out.token_ids[i], out.logprobs[i], top, self.eos_ids)
             if not seq.finished and len(seq.prompt_ids) + len(seq.output_ids) >= self.max_context:
                 seq.finish_reason = "length"
 
-    def _merge(self, seqs: list[Sequence], cache: DynamicCache, mask_BL: torch.Tensor) -> None:
+    def _merge(self, seqs: list[Sequence], cache: Any, mask_BL: torch.Tensor) -> None:
         """Add freshly prefilled rows to the running batch, left-padding whichever side is shorter."""
         keep = [i for i, s in enumerate(seqs) if not _is_over(s)]
         if len(keep) < len(seqs) and keep:

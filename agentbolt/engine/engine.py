@@ -13,6 +13,7 @@ import os
 import threading
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -109,7 +110,8 @@ class ModelEngine:
         path = ensure_model(path_or_name, allow_download=allow_download)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype)).to(device)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype))
+        model.to(device)  # type: ignore[arg-type]
         served = name or (SMOLLM2_DIRNAME if path.name == SMOLLM2_DIRNAME else Path(path).name)
         return cls(model, tokenizer, name=served, config=EngineConfig(**config))
 
@@ -281,7 +283,7 @@ class ModelEngine:
         seqs = self.make_sequences(prompt_ids, params, n)
         futures = [loop.create_future() for _ in seqs]
         for seq, fut in zip(seqs, futures, strict=True):
-            seq.on_done = lambda s, f=fut: loop.call_soon_threadsafe(_resolve, f, s)
+            seq.on_done = partial(_call_soon, loop, fut)
         self.submit(seqs)
         try:
             done = await asyncio.gather(*futures)
@@ -313,6 +315,7 @@ class ModelEngine:
             if adapter_path is not None:
                 weights, apply = self._weights.prepare_adapter(adapter_path), self._weights.apply_adapter
             else:
+                assert state_dict is not None
                 tensors = (
                     load_tensors(state_dict) if isinstance(state_dict, (str, os.PathLike)) else state_dict
                 )
@@ -340,6 +343,10 @@ class ModelEngine:
         )
         self._served_names.add(lora_name)
         return result
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, seq: Sequence) -> None:
+    loop.call_soon_threadsafe(_resolve, fut, seq)
 
 
 def _resolve(fut: asyncio.Future, seq: Sequence) -> None:

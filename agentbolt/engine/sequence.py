@@ -26,9 +26,9 @@ class Sequence:
     params: SamplingParams
     decode: Callable[[list[int]], str]
     """Token ids -> text, used for stop strings and streaming."""
-    on_done: Callable[[Sequence], None] = lambda seq: None
+    on_done: Callable[[Sequence], object] = lambda seq: None
     """Called from the engine thread once the sequence has finished or failed."""
-    on_token: Callable[[Sequence], None] | None = None
+    on_token: Callable[[Sequence], object] | None = None
     """Called from the engine thread after each new token (streaming)."""
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)

@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -136,7 +137,7 @@ class WeightManager:
             f"no adapter_model.safetensors in {folder}", status_code=404, param="lora_path"
         )
 
-    def _by_param(self, pairs: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
+    def _by_param(self, pairs: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, Any]]:
         out = {}
         for module, ab in pairs.items():
             if set(ab) != {"A", "B"}:
@@ -160,7 +161,7 @@ class WeightManager:
             )
         return (base.float() + delta.to(param.device)).to(param.dtype)
 
-    def _restore_base(self, skip: set[str] = frozenset()) -> None:
+    def _restore_base(self, skip: Set[str] = frozenset()) -> None:
         for name, base in list(self._base.items()):
             if name not in skip:
                 self.params[name].data.copy_(base)
