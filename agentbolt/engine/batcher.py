@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
 
+from agentbolt.engine import kv_cache
 from agentbolt.engine.sampling import sample_step
 from agentbolt.engine.sequence import Sequence
 
@@ -190,13 +190,13 @@ class Batcher:
         width = max(len(p) for p in prompts)
         ids_PT = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts])
         mask_PT = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        cache = DynamicCache()
+        cache = kv_cache.new_cache()
         logits_PV = self._forward(ids_PT, mask_PT, (mask_PT.cumsum(-1) - 1).clamp(min=0), cache)
         seqs = [s for g in groups for s in g]
         rows = torch.tensor([prompts.index(tuple(s.prompt_ids)) for s in seqs])
         for seq in seqs:
             seq.versions.append(self.version)
-        cache.batch_select_indices(rows)
+        kv_cache.select_rows(cache, rows)
         self._record(seqs, logits_PV[rows])
         self._merge(seqs, cache, mask_PT[rows])
 
@@ -225,7 +225,7 @@ class Batcher:
         """Add freshly prefilled rows to the running batch, left-padding whichever side is shorter."""
         keep = [i for i, s in enumerate(seqs) if not _is_over(s)]
         if len(keep) < len(seqs) and keep:
-            cache.batch_select_indices(torch.tensor(keep))
+            kv_cache.select_rows(cache, torch.tensor(keep))
             mask_BL = mask_BL[keep]
         new = [seqs[i] for i in keep]
         if not new:
@@ -234,9 +234,7 @@ class Batcher:
             self._cache, self._mask_BL, self._running = cache, mask_BL, new
         else:
             width = max(self._mask_BL.shape[1], mask_BL.shape[1])
-            for old, fresh in zip(self._cache.layers, cache.layers, strict=True):
-                old.keys = torch.cat([_pad_left(old.keys, width), _pad_left(fresh.keys, width)])
-                old.values = torch.cat([_pad_left(old.values, width), _pad_left(fresh.values, width)])
+            kv_cache.merge_rows(self._cache, cache, width)
             self._mask_BL = torch.cat([_pad_left_2d(self._mask_BL, width), _pad_left_2d(mask_BL, width)])
             self._running = self._running + new
         _close([s for s in seqs if _is_over(s)])  # after the batch is consistent: callers may look at it
@@ -251,7 +249,7 @@ class Batcher:
             self._mask_BL = torch.zeros(0, 0, dtype=torch.long)
         else:
             self._running = [self._running[i] for i in keep]
-            self._cache.batch_select_indices(torch.tensor(keep))
+            kv_cache.select_rows(self._cache, torch.tensor(keep))
             self._mask_BL = self._mask_BL[keep]
             self._cut_leading_padding()
         _close(over)
@@ -260,8 +258,7 @@ class Batcher:
         cut = int((self._mask_BL.sum(dim=0) == 0).long().cumprod(dim=0).sum())  # all-pad columns on the left
         if cut:
             self._mask_BL = self._mask_BL[:, cut:]
-            for layer in self._cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, cut:], layer.values[:, :, cut:]
+            kv_cache.cut_left(self._cache, cut)
 
     def _fail_running(self, exc: BaseException) -> None:
         running, self._running, self._cache = self._running, [], None
@@ -293,10 +290,6 @@ def _is_over(seq: Sequence) -> bool:
 def _close(seqs: list[Sequence]) -> None:
     for seq in seqs:
         seq.finish("abort" if seq.cancelled.is_set() else None)
-
-
-def _pad_left(t_BHLD: torch.Tensor, width: int) -> torch.Tensor:
-    return F.pad(t_BHLD, (0, 0, width - t_BHLD.shape[2], 0))
 
 
 def _pad_left_2d(t_BL: torch.Tensor, width: int) -> torch.Tensor:
