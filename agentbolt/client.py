@@ -130,10 +130,9 @@ class _Api:
         return _Call("POST", "/api/rollouts", _rollouts, json=body)
 
     @staticmethod
-    def dequeue(worker_id: str, lease_seconds: float | None) -> _Call[Claim | None]:
-        return _Call(
-            "POST", "/api/dequeue", _claim, json={"worker_id": worker_id, "lease_seconds": lease_seconds}
-        )
+    def dequeue(worker_id: str, lease_seconds: float | None, wait: float = 0.0) -> _Call[Claim | None]:
+        body = {"worker_id": worker_id, "lease_seconds": lease_seconds, "wait": wait}
+        return _Call("POST", "/api/dequeue", _claim, json=body, timeout=wait + 30 if wait else None)
 
     @staticmethod
     def heartbeat(attempt_id: str, worker_id: str | None, lease_seconds: float | None) -> _Call[Attempt]:
@@ -247,8 +246,8 @@ class Client(_Base):
     def enqueue(self, items: Sequence[RolloutCreate]) -> list[Rollout]:
         return self._send(_Api.enqueue(items))
 
-    def dequeue(self, worker_id: str, lease_seconds: float | None = None) -> Claim | None:
-        return self._send(_Api.dequeue(worker_id, lease_seconds))
+    def dequeue(self, worker_id: str, lease_seconds: float | None = None, wait: float = 0.0) -> Claim | None:
+        return self._send(_Api.dequeue(worker_id, lease_seconds, wait))
 
     def heartbeat(
         self, attempt_id: str, worker_id: str | None = None, lease_seconds: float | None = None
@@ -359,8 +358,10 @@ class AsyncClient(_Base):
     async def enqueue(self, items: Sequence[RolloutCreate]) -> list[Rollout]:
         return await self._send(_Api.enqueue(items))
 
-    async def dequeue(self, worker_id: str, lease_seconds: float | None = None) -> Claim | None:
-        return await self._send(_Api.dequeue(worker_id, lease_seconds))
+    async def dequeue(
+        self, worker_id: str, lease_seconds: float | None = None, wait: float = 0.0
+    ) -> Claim | None:
+        return await self._send(_Api.dequeue(worker_id, lease_seconds, wait))
 
     async def heartbeat(
         self, attempt_id: str, worker_id: str | None = None, lease_seconds: float | None = None

@@ -24,6 +24,7 @@ from typing import Annotated, Any
 import typer
 
 from agentbolt.agent import LitAgent, emit_tool_call
+from agentbolt.llm import async_openai
 from agentbolt.schemas import LLM, PromptTemplate, Task
 
 __all__ = ["CalculatorAgent", "calculator", "demo_command", "make_tasks", "score"]
@@ -94,24 +95,20 @@ class CalculatorAgent(LitAgent):
     max_tokens = 24
 
     async def execute_rollout(self, task: Task) -> float:
-        import openai
-
         llm: LLM = self.get_resource("llm")
         prompt = self.get_resource("system_prompt")
-        client = openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key or "none", max_retries=0,
-                                    timeout=120)  # fmt: skip
+        client = async_openai(llm, timeout=600)
         messages = [{"role": "system", "content": prompt}, *WORKED_EPISODE,
                     {"role": "user", "content": task.data["question"]}]  # fmt: skip
         replies: list[str] = []
-        async with client:
-            for _turn in range(2):
-                reply = await self._ask(client, llm, messages)
-                replies.append(reply)
-                messages.append({"role": "assistant", "content": reply})
-                call = _CALC.search(reply)
-                if call is None or _turn == 1:
-                    break
-                messages.append({"role": "user", "content": f"RESULT: {self._tool(call.group(1))}"})
+        for _turn in range(2):
+            reply = await self._ask(client, llm, messages)
+            replies.append(reply)
+            messages.append({"role": "assistant", "content": reply})
+            call = _CALC.search(reply)
+            if call is None or _turn == 1:
+                break
+            messages.append({"role": "user", "content": f"RESULT: {self._tool(call.group(1))}"})
         return score(task.data, replies)
 
     async def _ask(self, client: Any, llm: LLM, messages: list[dict[str, str]]) -> str:

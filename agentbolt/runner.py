@@ -86,7 +86,7 @@ class Runner:
         worker_id: str | None = None,
         lease_seconds: float | None = None,
         heartbeat_interval: float | None = None,
-        poll_interval: float = 0.2,
+        poll_wait: float = 5.0,
         flush_interval: float = 0.5,
         flush_size: int = 64,
         grace: float = 10.0,
@@ -99,7 +99,7 @@ class Runner:
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.lease_seconds = lease_seconds
         self.heartbeat_interval = heartbeat_interval or (lease_seconds or 30.0) / 3
-        self.poll_interval, self.flush_interval, self.flush_size = poll_interval, flush_interval, flush_size
+        self.poll_wait, self.flush_interval, self.flush_size = poll_wait, flush_interval, flush_size
         self.grace, self.max_rollouts = grace, max_rollouts
         # Retry forever while the server is down: a runner outlives server restarts.
         self.client = AsyncClient(server_url, token, timeout=request_timeout,
@@ -167,15 +167,11 @@ class Runner:
     # ------------------------------------------------------------------ the loop
 
     async def _slot(self, index: int) -> None:
-        idle = self.poll_interval
         while not self._done:
             try:
                 claim = await self._claim()
                 if claim is None:
-                    await self._sleep(idle)
-                    idle = min(idle * 1.5, 2.0)
-                    continue
-                idle = self.poll_interval
+                    continue  # the dequeue itself waited (long poll)
                 await self._execute(claim)
             except asyncio.CancelledError:
                 raise
@@ -185,7 +181,9 @@ class Runner:
 
     async def _claim(self) -> Claim | None:
         assert self._stopping is not None
-        dequeue = asyncio.ensure_future(self.client.dequeue(self.worker_id, self.lease_seconds))
+        dequeue = asyncio.ensure_future(
+            self.client.dequeue(self.worker_id, self.lease_seconds, self.poll_wait)
+        )
         stop = asyncio.ensure_future(self._stopping.wait())
         await asyncio.wait({dequeue, stop}, return_when=asyncio.FIRST_COMPLETED)
         stop.cancel()

@@ -338,6 +338,7 @@ class EnqueueRequest(_Strict):
 class DequeueRequest(_Strict):
     worker_id: str = Field(min_length=1, max_length=200)
     lease_seconds: float | None = Field(default=None, gt=0, le=24 * 3600)
+    wait: float = Field(default=0.0, ge=0, le=60, description="seconds to long-poll for work")
 
 
 class HeartbeatRequest(_Strict):

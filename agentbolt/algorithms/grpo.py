@@ -243,7 +243,7 @@ class GRPO(Algorithm):
             "failed": len(batch.failed), **data, **{k: v for k, v in metrics.items() if k != "num_tokens"},
             "train_tokens": metrics.get("num_tokens", 0.0), "gen_tokens_per_s": gen_tokens / max(t_rollouts, 1e-9),
             "train_tokens_per_s": metrics.get("num_tokens", 0.0) / max(t_update, 1e-9),
-            "t_rollouts": t_rollouts, "t_update": t_update, "t_sync": t_sync,
+            "t_rollouts": t_rollouts, "t_update": t_update, "t_sync": t_sync, "t_step": time.perf_counter() - t0,
         }  # fmt: skip
         return row, version
 

@@ -70,11 +70,32 @@ class StoreCaller:
     def __init__(self, store: SqlStore) -> None:
         self.store = store
         self.inline = store.backend == "sqlite"
+        self.wake: WakeUp | None = None
 
     async def __call__(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
         if self.inline:
             return fn(*args, **kwargs)
         return await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
+
+
+class WakeUp:
+    """Wakes long-polling requests when this process changed the queue (an enqueue, a finish,
+    an expiry). Other replicas' changes are seen by the waiters' fallback polling."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait(self, timeout: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._event.wait(), timeout)
+
+
+# Fallback polling while long-polling (changes made by other server replicas).
+POLL_SECONDS = 0.5
 
 
 def _json(model: BaseModel | list[Any] | dict[str, Any], status: int = 200) -> Response:
@@ -117,11 +138,15 @@ def _install_error_handlers(app: FastAPI) -> None:
 def _store_router(call: StoreCaller, config: ServerConfig) -> APIRouter:
     api = APIRouter(prefix="/api")
     store = call.store
+    wake = WakeUp()
+    call.wake = wake
 
     @api.post("/rollouts", response_model=list[Rollout], status_code=201, tags=["queue"])
     async def enqueue(body: EnqueueRequest) -> Response:
         """Enqueue rollouts (one per item); items with an existing ``id`` are returned unchanged."""
-        return _json(await call(store.enqueue, body.rollouts), 201)
+        created = await call(store.enqueue, body.rollouts)
+        wake.notify()
+        return _json(created, 201)
 
     @api.get("/rollouts", response_model=Page[Rollout], tags=["queue"])
     async def list_rollouts(
@@ -149,7 +174,7 @@ def _store_router(call: StoreCaller, config: ServerConfig) -> APIRouter:
             done = len(rollouts) == len(set(body.rollout_ids)) and all(r.status.is_final for r in rollouts)
             if done or loop.time() >= deadline:
                 return _json(WaitResult(rollouts=rollouts, done=done))
-            await asyncio.sleep(min(0.1, max(0.0, deadline - loop.time())))
+            await wake.wait(min(POLL_SECONDS, max(0.0, deadline - loop.time())))
 
     @api.get("/rollouts/{rollout_id}", response_model=Rollout, tags=["queue"])
     async def get_rollout(rollout_id: str) -> Response:
@@ -178,10 +203,14 @@ def _store_router(call: StoreCaller, config: ServerConfig) -> APIRouter:
 
     @api.post("/dequeue", response_model=Claim | None, tags=["runner"])
     async def dequeue(body: DequeueRequest, request: Request) -> Response:
-        """Claim the oldest queued rollout as a new attempt; ``null`` when the queue is empty."""
-        claim = await call(store.dequeue, body.worker_id, body.lease_seconds)
-        if claim is None:
-            return Response(content=b"null", media_type="application/json")
+        """Claim the oldest queued rollout as a new attempt; ``null`` when the queue stays empty
+        for ``wait`` seconds (a long poll: a runner gets new work as soon as it is enqueued)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + body.wait
+        while (claim := await call(store.dequeue, body.worker_id, body.lease_seconds)) is None:
+            if loop.time() >= deadline:
+                return Response(content=b"null", media_type="application/json")
+            await wake.wait(min(POLL_SECONDS, max(0.0, deadline - loop.time())))
         redacted = redact(claim.resources)
         if redacted is not claim.resources:
             claim = claim.model_copy(update={"resources": redacted})
@@ -207,7 +236,9 @@ def _store_router(call: StoreCaller, config: ServerConfig) -> APIRouter:
     @api.post("/attempts/{attempt_id}/finish", response_model=Rollout, tags=["runner"])
     async def finish(attempt_id: str, body: FinishRequest) -> Response:
         finish = body.model_dump(exclude={"worker_id"})
-        return _json(await call(store.finish_attempt, attempt_id, AttemptFinish(**finish), body.worker_id))
+        rollout = await call(store.finish_attempt, attempt_id, AttemptFinish(**finish), body.worker_id)
+        wake.notify()  # a requeue is new work; a final rollout ends someone's wait
+        return _json(rollout)
 
     @api.post("/resources", response_model=Resources, status_code=201, tags=["resources"])
     async def publish(body: ResourcesCreate) -> Response:
@@ -305,6 +336,8 @@ async def _sweep(call: StoreCaller, interval: float) -> None:
         await asyncio.sleep(interval)
         try:
             expired = await call(call.store.expire)
+            if expired and call.wake is not None:
+                call.wake.notify()
             if expired:
                 log.info("expired %d attempt(s)", expired)
         except Exception:
