@@ -115,14 +115,14 @@ def main() -> None:
     path = str(tiny_model_dir(tempfile.mkdtemp()) if args.model == "tiny" else ensure_model(args.model))
     shape = (args.steps, args.group, args.prompts, args.max_tokens, args.lr)
     ours = run_agentbolt(path, *shape)
-    print(f"agentbolt: {['%.1f' % t for t in ours]} s/iteration")
+    print(f"agentbolt: {[round(t, 1) for t in ours]} s/iteration")
     try:
         import trl  # noqa: F401
     except ImportError:
         print("TRL is not installed: pip install 'agentbolt[compare]' (or pip install trl) to compare")
         return
     theirs = run_trl(path, *shape)
-    print(f"TRL GRPOTrainer: {['%.1f' % t for t in theirs]} s/iteration")
+    print(f"TRL GRPOTrainer: {[round(t, 1) for t in theirs]} s/iteration")
     # the first iteration of each warms up (allocations, compilation of kernels); compare the rest
     a = statistics.median(ours[1:] or ours)
     b = statistics.median(theirs[1:] or theirs)
