@@ -14,6 +14,7 @@ from agentbolt.agent import (
 from agentbolt.algorithms import Algorithm, Evaluate, TrainContext
 from agentbolt.client import AsyncClient, Client
 from agentbolt.errors import AgentboltError, ConfigError, InvalidTransition, LeaseLost, NotFound
+from agentbolt.llm import async_openai, sync_openai
 from agentbolt.runner import Runner
 from agentbolt.schemas import (
     LLM,
@@ -28,6 +29,7 @@ from agentbolt.schemas import (
     Trajectory,
 )
 from agentbolt.server import ServerConfig, create_app
+from agentbolt.tracing import span
 from agentbolt.trainer import Trainer
 
 __all__ = [
@@ -62,5 +64,8 @@ __all__ = [
     "emit_message",
     "emit_reward",
     "emit_tool_call",
+    "async_openai",
     "rollout",
+    "span",
+    "sync_openai",
 ]

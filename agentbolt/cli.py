@@ -89,6 +89,9 @@ def runner(
     concurrency: Annotated[int, typer.Option("--concurrency", "-n", min=1, help="Rollouts at a time.")] = 1,
     lease_seconds: Annotated[float | None, typer.Option(help="Lease per attempt.")] = None,
     max_rollouts: Annotated[int | None, typer.Option(help="Exit after this many rollouts.")] = None,
+    tracing: Annotated[
+        bool, typer.Option(help="Export OpenTelemetry spans of each rollout to the server.")
+    ] = False,
 ) -> None:
     """Run an agent on queued rollouts until stopped (Ctrl-C finishes or releases running ones)."""
     from agentbolt.runner import Runner, load_agent
@@ -97,7 +100,7 @@ def runner(
     sys.path.insert(0, os.getcwd())
     loaded = load_agent(agent)
     worker = Runner(loaded, server, token=token, concurrency=concurrency, lease_seconds=lease_seconds,
-                    max_rollouts=max_rollouts)  # fmt: skip
+                    max_rollouts=max_rollouts, tracing=tracing or None)  # fmt: skip
     worker.run_sync()
     if worker.abandoned:
         # Released attempts whose agent threads still run: they cannot be interrupted, and

@@ -108,6 +108,8 @@ class GRPO(Algorithm):
     sampling: dict[str, Any] = field(default_factory=lambda: {"temperature": 1.0})
     seed: int = 0
     plot: bool = True
+    device: str | None = None
+    """Training device; None: ``cuda`` when available, else ``cpu``."""
 
     def run(self, ctx: TrainContext) -> GRPOResult:
         torch.manual_seed(self.seed)
@@ -144,9 +146,13 @@ class GRPO(Algorithm):
         from transformers import AutoModelForCausalLM
 
         path = getattr(engine.model, "name_or_path", None) or self.model
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self._device())
         config = TrainConfig(lora=self.lora, lora_r=self.lora_r, lora_alpha=2 * self.lora_r, lr=self.lr)
         return make_train_state(model, config)
+
+    def _device(self) -> torch.device:
+        """Where training runs: the GPU when there is one (the engine picks its device the same way)."""
+        return torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
     def _publish(self, ctx: TrainContext, engine: Any, step: int, metrics: dict[str, Any]) -> int:
         latest = ctx.client.latest_resources()
@@ -277,9 +283,21 @@ class GRPO(Algorithm):
 
             batches = [_with_ref(b, reference_logprobs(state.model, b)) for b in batches]
         loss = PolicyLoss(self.clip_low, self.clip_high, self.kl_coef)
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
+        device = self._device()
+        batches = [_to_device(b, device) for b in batches] if device.type != "cpu" else batches
+        autocast = (
+            torch.autocast(device.type, dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
+        )
         with autocast:
             return optimizer_step(state, batches, loss)
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    from dataclasses import fields, replace
+
+    moved = {f.name: getattr(batch, f.name).to(device) for f in fields(batch)
+             if isinstance(getattr(batch, f.name), torch.Tensor)}  # fmt: skip
+    return replace(batch, **moved)
 
 
 def _with_ref(batch: Any, ref: torch.Tensor) -> Any:
