@@ -171,7 +171,7 @@ def export_model(
     from agentbolt.export import export_model as write_model
     from agentbolt.export import resolve_weights
 
-    if weights.isdigit():
+    if weights.isdigit() and not Path(weights).is_dir():
         with Client(server, token) as client:
             found = resolve_weights(weights, client, resource)
     else:

@@ -357,8 +357,10 @@ class _Search:
     def _row(self, version: str, parent: str, train: float | None = None, val: float | None = None,
              note: str = "", r: int = 0) -> None:  # fmt: skip
         best = max(self.pool, key=Candidate.rank)
-        best_so_far = f"{_fmt(best.val)} (v{best.version})"
-        self.table.add_row(str(r), version, parent, _fmt(train), _fmt(val), best_so_far, note)
+        cells = (str(r), version, parent, _fmt(train), _fmt(val), f"{_fmt(best.val)} (v{best.version})", note)
+        self.table.add_row(*cells)
+        if not self.ctx.console.is_terminal:  # a log file sees no live table until the end
+            self.ctx.console.print("APO " + " | ".join(cells), markup=False, highlight=False)
 
     def finish(self) -> APOResult:
         best, seed = max(self.pool, key=Candidate.rank), self.pool[0]

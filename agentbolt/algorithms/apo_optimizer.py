@@ -172,9 +172,15 @@ def render_runs(records: Sequence[RunRecord], prompt: str, max_chars: int) -> st
 
 
 def extract_prompt(text: str) -> str | None:
-    """The last ``<prompt>...</prompt>`` in ``text``, stripped; None when there is none."""
+    """The last ``<prompt>...</prompt>`` in ``text``, stripped; None when there is none.
+
+    An answer with a closing tag only counts too (what precedes it): small models asked to
+    answer "between <prompt> and </prompt>" often start the prompt right away (SmolLM2 does)."""
     found = _PROMPT_RE.findall(text)
-    return found[-1].strip() if found else None
+    if found:
+        return str(found[-1]).strip()
+    head, closed, _ = text.partition("</prompt>")
+    return head.strip() if closed and "<prompt>" not in head.lower() else None
 
 
 class Optimizer:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import io
 import re
 import threading
@@ -22,6 +23,7 @@ from typer.testing import CliRunner
 
 from agentbolt import LLM, LitAgent, PromptTemplate, Task, Trainer
 from agentbolt.algorithms.apo import APO, APOResult, Candidate, pareto_front, select_beam
+from agentbolt.algorithms.apo_optimizer import extract_prompt
 from agentbolt.export_cli import export_app
 from agentbolt.runner import Runner
 from agentbolt.schemas import Mode
@@ -118,7 +120,7 @@ def rig(tmp_path: Path) -> Iterator[ServerThread]:
     """A real server plus a real runner (4 slots) in a thread."""
     config = ServerConfig(db=str(tmp_path / "store.db"), lease_seconds=30.0, sweep_interval=0.1)
     with ServerThread(config) as server:
-        runner = Runner(KeywordAgent(), server.url, concurrency=4, poll_interval=0.05, grace=1.0)
+        runner = Runner(KeywordAgent(), server.url, concurrency=4, grace=1.0, poll_wait=0.5)
         thread = threading.Thread(target=runner.run_sync, kwargs={"install_signals": False}, daemon=True)
         thread.start()
         yield server
@@ -256,13 +258,26 @@ def test_pareto_front_and_beam_selection() -> None:
     assert select_beam([tie, seed], 1) == [seed]  # the seed wins ties
 
 
-def test_one_round_with_the_embedded_engine(rig: ServerThread, tmp_path: Path) -> None:
-    pytest.importorskip("torch")
-    from agentbolt.client import Client
-    from agentbolt.engine import EngineServer, ModelEngine, tiny_model_dir
+def test_extract_prompt() -> None:
+    assert extract_prompt("x <prompt> a </prompt> y <PROMPT>b</PROMPT>") == "b"
+    assert extract_prompt("Be brief.\n</prompt> and more") == "Be brief."  # a closing tag only
+    assert extract_prompt("no tags") is None and extract_prompt("<prompt>unclosed") is None
 
-    engine = ModelEngine.from_pretrained(tiny_model_dir(tmp_path / "tiny", max_position_embeddings=4096),
-                                         default_max_tokens=8)  # fmt: skip
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random 2-layer Llama whose context fits a critique request."""
+    pytest.importorskip("torch")
+    from agentbolt.engine import tiny_model_dir
+
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny"), max_position_embeddings=4096)
+
+
+def test_one_round_with_the_embedded_engine(rig: ServerThread, tmp_path: Path, tiny_model: Path) -> None:
+    from agentbolt.client import Client
+    from agentbolt.engine import EngineServer, ModelEngine
+
+    engine = ModelEngine.from_pretrained(tiny_model, default_max_tokens=8)
     with EngineServer(engine) as llm_server:
         resources = {"system_prompt": PromptTemplate(template="Be brief."),
                      "llm": LLM(base_url=llm_server.base_url, model=engine.name)}  # fmt: skip
@@ -276,3 +291,18 @@ def test_one_round_with_the_embedded_engine(rig: ServerThread, tmp_path: Path) -
         rollout = client.list_rollouts(resources_version=result.seed_version).items[0]
         calls = client.all_events(rollout.id, type=["llm_call"])
     assert calls and calls[0].data["prompt_token_ids"] and calls[0].data["choices"][0]["token_ids"]
+
+
+def test_the_example_runs_offline_on_a_tiny_model(tiny_model: Path, tmp_path: Path, monkeypatch) -> None:
+    for name in ("OPENAI_BASE_URL", "OPENAI_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    spec = importlib.util.spec_from_file_location(
+        "apo_qa", Path(__file__).parents[2] / "examples" / "apo_qa.py"
+    )
+    assert spec and spec.loader
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    result = example.main(model=str(tiny_model), rounds=1, branch_factor=1, optimizer_max_tokens=16,
+                          optimizer_retries=0, max_example_chars=300)  # fmt: skip
+    assert result.best_val >= result.seed_val and result.stats.optimizer_calls >= 1
