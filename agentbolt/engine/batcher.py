@@ -84,6 +84,7 @@ class Batcher:
 
     # ------------------------------------------------------------------ public, any thread
     def start(self) -> None:
+        self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="agentbolt-engine", daemon=True)
         self._thread.start()
 
@@ -130,10 +131,15 @@ class Batcher:
                 self._fail_running(exc)
             finally:
                 self._admitting = []
-        self._fail_running(RuntimeError("engine stopped"))
-        for group in self._waiting:
-            for seq in group:
-                seq.finish(error=RuntimeError("engine stopped"))
+        stopped = RuntimeError("engine stopped")
+        self._fail_running(stopped)
+        with self._cond:
+            waiting, self._waiting = [s for g in self._waiting for s in g], deque()
+            update, self._update = self._update, None
+        for seq in waiting:
+            seq.finish(error=stopped)
+        if update is not None:
+            update.future.set_exception(stopped)
 
     def _step(self) -> None:
         self._maybe_apply_update()

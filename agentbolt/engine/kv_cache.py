@@ -22,6 +22,8 @@ __all__ = ["GrowingLayer", "cut_left", "merge_rows", "new_cache", "select_rows"]
 class GrowingLayer(DynamicLayer):
     """A ``DynamicLayer`` that appends in place into a buffer grown by 1.5x when full."""
 
+    keys: torch.Tensor  # set by lazy_initialization before use
+    values: torch.Tensor
     _buf_k: torch.Tensor | None = None
     _buf_v: torch.Tensor | None = None
 

@@ -128,6 +128,7 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
     _drop_quantization_flag(model)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like any model folder
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     _publish_dir(tmp, out_dir)

@@ -108,3 +108,31 @@ async def test_tool_request_end_to_end(engine: ModelEngine) -> None:
                                   "max_tokens": 4, "temperature": 0})  # fmt: skip
     prompt = engine.tokenizer.decode(response["prompt_token_ids"])
     assert '"name": "calculator"' in prompt and response["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTOOLS:{% for t in tools %} {{ t.function.name }}{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}CALL {{ c.function.name }} {{ c.function.arguments.expression }}{% endfor %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_with_tool_support_renders_them_itself(engine: ModelEngine) -> None:
+    import copy
+
+    tok = copy.deepcopy(engine.tokenizer)
+    tok.chat_template = TOOL_TEMPLATE
+    assert template_supports_tools(tok)
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "calculator", "arguments": '{"expression": "1+2"}'},
+    }
+    messages = [
+        {"role": "user", "content": "1+2?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+    ]
+    text = tok.decode(render_chat_prompt(tok, messages, tools=[CALC]))
+    assert text.startswith("<|im_start|>system\nTOOLS: calculator<|im_end|>")
+    assert "CALL calculator 1+2" in text and "# Tools" not in text  # arguments handed over as an object
