@@ -1,0 +1,65 @@
+"""The agentbolt command line: real server, clear messages on bad input, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from agentbolt.schemas import AttemptStatus, EventCreate, RolloutCreate, Task
+
+AGENTS = str(Path(__file__).with_name("sample_agents.py"))
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "agentbolt", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)  # fmt: skip
+
+
+def test_help_lists_every_command():
+    out = cli("--help").stdout
+    for command in ("server", "runner", "eval", "rollouts", "demo", "model", "export"):
+        assert command in out, command
+
+
+def test_rollouts_list_and_show(server, client):
+    [ro] = client.enqueue([RolloutCreate(task=Task(id="t-show", data={"q": "hi"}))])
+    claim = client.dequeue("w")
+    llm = {"endpoint": "chat.completions", "request": {"messages": [{"role": "user", "content": "2+2?"}]},
+           "choices": [{"index": 0, "message": {"role": "assistant", "content": "four"}, "token_ids": [1, 2],
+                        "logprobs": [-0.1, -0.2]}],
+           "prompt_token_ids": [5, 6, 7], "latency_ms": 12.5, "usage": {"prompt_tokens": 3, "completion_tokens": 2}}  # fmt: skip
+    client.add_events(claim.attempt.id, [EventCreate(sequence=0, type="llm_call", data=llm),
+                                         EventCreate(sequence=1, type="reward", data={"value": 0.5})])  # fmt: skip
+    client.finish(claim.attempt.id, AttemptStatus.SUCCEEDED, 0.5)
+    listed = cli("rollouts", "list", "--server", server.url)
+    assert listed.returncode == 0 and ro.id in listed.stdout and "succeeded" in listed.stdout
+    shown = cli("rollouts", "show", ro.id, "--server", server.url)
+    assert shown.returncode == 0, shown.stderr
+    assert "four" in shown.stdout and "12" in shown.stdout and "0.5" in shown.stdout
+
+
+def test_eval_runs_an_agent_file_on_a_task_file(tmp_path):
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("\n".join(json.dumps({"id": f"t{i}", "q": str(i), "reward": 0.5}) for i in range(4)))
+    done = cli("eval", "--agent", f"{AGENTS}:echo", "--tasks", str(tasks), "--runners", "1", "--prompt", "P:")
+    assert done.returncode == 0, done.stderr
+    assert "0.500" in done.stdout and "4" in done.stdout
+
+
+def test_bad_input_gives_one_clear_message(tmp_path):
+    missing = cli("eval", "--agent", f"{AGENTS}:echo", "--tasks", str(tmp_path / "nope.jsonl"))
+    assert (
+        missing.returncode != 0 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr
+    )
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json")
+    broken = cli("eval", "--agent", f"{AGENTS}:echo", "--tasks", str(bad))
+    assert broken.returncode != 0 and "not JSON" in broken.stderr and "Traceback" not in broken.stderr
+    spec = cli("runner", "--agent", "no_colon_here", "--server", "http://127.0.0.1:9")
+    assert spec.returncode != 0 and "module:object" in spec.stderr and "Traceback" not in spec.stderr
+    down = cli("rollouts", "list", "--server", "http://127.0.0.1:9")
+    assert down.returncode != 0 and "failed after" in down.stderr and "Traceback" not in down.stderr
