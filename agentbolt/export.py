@@ -195,10 +195,12 @@ def dataset_card(s: ExportSummary) -> str:
 
 
 def _card_path(out: Path, fmt: ExportFormat) -> Path:
-    """README.md inside an HF dataset folder, else beside the file; never over a user's README."""
+    """README.md inside an HF dataset folder, else beside the file; never over a user's README
+    or the card of another export (``<name>.README.md`` then)."""
     folder = out if fmt == "hf" else out.parent
     card = folder / "README.md"
-    if card.exists() and CARD_MARKER not in card.read_text(errors="replace"):
+    text = card.read_text(errors="replace") if card.exists() else None
+    if text is not None and not (CARD_MARKER in text and f"`{out.name}`" in text):
         return folder / f"{out.name}.README.md"
     return card
 
@@ -211,10 +213,16 @@ def write_rows(rows: Sequence[dict[str, Any]], out: Path, fmt: ExportFormat) -> 
     out.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "hf":
         try:
-            from datasets import Dataset
+            import datasets
         except ImportError as exc:
             raise ConfigError(f"the hf format needs `pip install 'agentbolt[export]'` ({exc})") from None
-        Dataset.from_list(list(rows)).save_to_disk(str(out))
+        was_on = datasets.is_progress_bar_enabled()  # our own bar is on screen
+        datasets.disable_progress_bars()
+        try:
+            datasets.Dataset.from_list(list(rows)).save_to_disk(str(out))
+        finally:
+            if was_on:
+                datasets.enable_progress_bars()
         return
     tmp = out.with_name(out.name + ".tmp")
     with tmp.open("w", encoding="utf-8") as f:
@@ -319,12 +327,12 @@ def _count(s: ExportSummary, rollout: Rollout, fresh: list[dict], dropped: int, 
 def resolve_weights(spec: str, client: Client | None = None, resource: str | None = None) -> ModelWeights:
     """``spec`` is a folder (an adapter or a full model) or a resources version number on the
     server; ``resource`` names the :class:`ModelWeights` resource when a version holds several."""
-    if not spec.isdigit():
-        folder = Path(spec).expanduser()
-        if not folder.is_dir():
-            raise ConfigError(f"{spec} is neither a folder nor a resources version")
+    folder = Path(spec).expanduser()
+    if folder.is_dir():
         fmt: Literal["lora", "full"] = "lora" if (folder / "adapter_config.json").is_file() else "full"
         return ModelWeights(path=str(folder), format=fmt)
+    if not spec.isdigit():
+        raise ConfigError(f"{spec} is neither a folder nor a resources version")
     if client is None:
         raise ConfigError(f"resources version {spec} needs --server")
     res = client.get_resources(int(spec))

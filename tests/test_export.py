@@ -237,6 +237,11 @@ def test_card_reports_counts_rewards_and_versions(runs: Client, tmp_path: Path) 
     for text in ("| rollouts matching the filters | 3 |", "| duplicate rows dropped | 1 |", "min 0.8", "max 1",
                  "min_reward=0.5", "mode=train", "## Source resources versions"):  # fmt: skip
         assert text in card, text
+    first = export_dataset(runs, tmp_path / "sub" / "b.jsonl", "openai")
+    second = export_dataset(runs, tmp_path / "sub" / "c.jsonl", "openai")
+    again = export_dataset(runs, tmp_path / "sub" / "b.jsonl", "openai")
+    assert first.card == again.card == tmp_path / "sub" / "README.md"
+    assert second.card == tmp_path / "sub" / "c.jsonl.README.md"
 
 
 def test_dedupe_keeps_the_first_of_equal_keys() -> None:

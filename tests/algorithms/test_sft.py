@@ -18,7 +18,7 @@ from agentbolt.algorithms.rl_core import TrainConfig, TrainRow, make_train_state
 from agentbolt.algorithms.sft import SFT, eval_loss, select_rollouts, sft_rows, train_rows
 from agentbolt.client import Client
 from agentbolt.runner import Runner
-from agentbolt.schemas import Event, Mode, ModelWeights, Rollout, RolloutStatus
+from agentbolt.schemas import LLM, Event, Mode, ModelWeights, Rollout, RolloutStatus
 from agentbolt.trainer import Trainer
 
 
@@ -175,7 +175,7 @@ class _FakeEngine:
 
 @pytest.fixture
 def runner_thread(server: Any) -> Iterator[Runner]:
-    runner = Runner(scripted, server.url, concurrency=4, poll_interval=0.05)
+    runner = Runner(scripted, server.url, concurrency=4)
     thread = threading.Thread(target=runner.run_sync, kwargs={"install_signals": False}, daemon=True)
     thread.start()
     yield runner
@@ -211,3 +211,62 @@ def test_a_run_trains_publishes_and_swaps_weights(server: Any, client: Client, r
     round2 = client.list_rollouts(mode=Mode.TRAIN, resources_version=first.resources_version, limit=100).items
     assert len(round2) == 8
     assert (tmp_path / "sft" / "rounds.jsonl").read_text().count("\n") == 2
+
+
+# ---------------------------------------------------------------------------- end to end, real engine
+
+
+@rollout
+def chat_agent(task: Task, llm: LLM) -> float:
+    """Two chat turns through the gateway; the reward prefers even-length answers."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=llm.base_url, api_key=llm.api_key or "none", max_retries=0, timeout=60)
+    messages: list[Any] = [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": task.data["q"]},
+    ]
+    first = client.chat.completions.create(model=llm.model, messages=messages, **llm.sampling_parameters)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content or ""},
+                 {"role": "user", "content": "The calculator says 42."}]  # fmt: skip
+    second = client.chat.completions.create(model=llm.model, messages=messages, **llm.sampling_parameters)
+    return 1.0 if len(second.choices[0].message.content or "") % 2 == 0 else 0.0
+
+
+def test_end_to_end_through_server_runner_gateway_and_engine(
+    server: Any, client: Client, tmp_path: Path
+) -> None:
+    from agentbolt.engine import EngineServer, ModelEngine, tiny_model_dir
+
+    engine = ModelEngine.from_pretrained(tiny_model_dir(tmp_path / "model"), dtype="float32")
+    runner = Runner(chat_agent, server.url, concurrency=4)
+    thread = threading.Thread(target=runner.run_sync, kwargs={"install_signals": False}, daemon=True)
+    with EngineServer(engine) as engine_server:
+        engine.base_url = engine_server.base_url  # type: ignore[attr-defined]
+        thread.start()
+        try:
+            algo = SFT(rounds=2, rollouts_per_task=2, min_reward=None, top_fraction=0.5, epochs=1, batch_size=4,
+                       bf16=False, train=TrainConfig(lr=1e-2, lora_r=4), round_timeout=120,
+                       sampling={"temperature": 1.0, "max_tokens": 12})  # fmt: skip
+            trainer = Trainer(algo, n_runners=0, server_url=server.url, run_dir=tmp_path / "run",
+                              console=Console(quiet=True))  # fmt: skip
+            trainer.extras["engine"] = engine
+            tasks = [Task(id=f"t{i}", data={"q": f"What is {i} plus 30?"}) for i in range(4)]
+            result = trainer.fit(chat_agent, tasks, [Task(id="v", data={"q": "What is 12 plus 30?"})])
+        finally:
+            runner.stop()
+            thread.join(30)
+        engine.close()
+
+    assert [(r.rollouts, r.succeeded, r.kept) for r in result.rounds] == [(8, 8, 4), (8, 8, 4)]
+    assert all(r.rows >= 1 and r.train is not None and r.val is not None for r in result.rounds)
+    assert engine.version == "sft-r2"
+    latest = client.latest_resources()
+    assert latest is not None and latest.version == result.resources_version
+    weights, llm = latest.resources["policy_weights"], latest.resources["llm"]
+    assert isinstance(weights, ModelWeights) and Path(weights.path, "adapter_model.safetensors").is_file()
+    assert isinstance(llm, LLM) and llm.base_url == engine_server.base_url
+    # round 2 sampled from round 1's weights, and the gateway recorded which weights served each call
+    round2 = client.list_rollouts(mode=Mode.TRAIN, resources_version=result.rounds[0].resources_version).items
+    calls = [e for r in round2 for e in client.all_events(r.id, type=["llm_call"])]
+    assert len(calls) == 16 and {str(e.data.get("model_version")) for e in calls} == {"sft-r1"}
