@@ -21,7 +21,6 @@ import contextlib
 import random
 import time
 from collections import defaultdict
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,13 +34,13 @@ from rich.table import Table
 from agentbolt.adapters import to_trajectories
 from agentbolt.algorithms.base import Algorithm, BatchResult, TrainContext, run_rollouts
 from agentbolt.algorithms.metrics import MetricsLog, plot_history
+from agentbolt.algorithms.policy import serve_policy
 from agentbolt.algorithms.rl_core import (
     PolicyLoss,
     TrainConfig,
     grouped_advantages,
     load_checkpoint,
     make_train_state,
-    merged_state_dict,
     micro_batches,
     optimizer_step,
     pad_batch,
@@ -110,10 +109,16 @@ class GRPO(Algorithm):
     plot: bool = True
     device: str | None = None
     """Training device; None: ``cuda`` when available, else ``cpu``."""
+    serve_url: str | None = None
+    """A vLLM-compatible server already serving ``model`` (e.g. vLLM with ``--enable-lora``):
+    sampling goes there and each update is loaded as a LoRA adapter. None: the embedded engine."""
+    serve_model: str | None = None
+    """The base model's name on ``serve_url``."""
 
     def run(self, ctx: TrainContext) -> GRPOResult:
         torch.manual_seed(self.seed)
-        with self._engine(ctx) as engine:
+        with serve_policy(self.model, self.serve_url, self.serve_model, ctx.run_dir, self.engine_dtype,
+                          ctx.console) as engine:  # fmt: skip
             version = self._publish(ctx, engine, step=0, metrics={})
             state = self._train_state(engine)
             log = MetricsLog(ctx.run_dir / "metrics.jsonl", resume=self.resume)
@@ -124,28 +129,10 @@ class GRPO(Algorithm):
 
     # ------------------------------------------------------------------ setup
 
-    @contextlib.contextmanager
-    def _engine(self, ctx: TrainContext) -> Iterator[Any]:
-        """The serving engine: the Trainer's if it started one, else one started here."""
-        if "engine" in ctx.extras:
-            yield ctx.extras["engine"]
-            return
-        from agentbolt.engine import EngineServer, ModelEngine
-
-        ctx.console.print(f"loading the policy model ({self.model}) ...")
-        engine = ModelEngine.from_pretrained(self.model, dtype=self.engine_dtype)
-        with EngineServer(engine) as server:
-            engine.base_url = server.base_url  # type: ignore[attr-defined]
-            ctx.extras["engine"] = engine
-            try:
-                yield engine
-            finally:
-                ctx.extras.pop("engine", None)
-
     def _train_state(self, engine: Any) -> Any:
         from transformers import AutoModelForCausalLM
 
-        path = getattr(engine.model, "name_or_path", None) or self.model
+        path = engine.base_model_path
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self._device())
         config = TrainConfig(lora=self.lora, lora_r=self.lora_r, lora_alpha=2 * self.lora_r, lr=self.lr)
         return make_train_state(model, config)
@@ -157,10 +144,10 @@ class GRPO(Algorithm):
     def _publish(self, ctx: TrainContext, engine: Any, step: int, metrics: dict[str, Any]) -> int:
         latest = ctx.client.latest_resources()
         resources: dict[str, Resource] = dict(latest.resources) if latest else {}
-        resources[self.llm_resource] = LLM(base_url=engine.base_url, model=engine.name,
+        resources[self.llm_resource] = LLM(base_url=engine.base_url, model=engine.model_name,
                                            sampling_parameters=self.sampling)  # fmt: skip
         resources["policy_weights"] = ModelWeights(
-            path=f"engine://{engine.name}@{engine.version}", base_model=self.model,
+            path=engine.weights_uri, base_model=self.model,
             format="lora" if self.lora else "full", metadata={"step": step},
         )  # fmt: skip
         meta = {"algorithm": "grpo", "step": step, "metrics": _jsonable(metrics)}
@@ -172,7 +159,7 @@ class GRPO(Algorithm):
             return 0, []
         ckpt = load_checkpoint(path, state.model, state.optimizer)
         state.step = ckpt.step
-        engine.update_weights(state_dict=merged_state_dict(state.model), version=ckpt.step)
+        engine.sync(state.model, ckpt.step)
         ctx.console.print(f"resumed from {path} at step {ckpt.step}")
         return ckpt.step, list(ckpt.extra.get("history", []))
 
@@ -237,7 +224,7 @@ class GRPO(Algorithm):
         t_update = time.perf_counter() - t1
         t2 = time.perf_counter()
         if metrics.get("num_tokens"):
-            engine.update_weights(state_dict=merged_state_dict(state.model), version=step)
+            engine.sync(state.model, step)
         version = self._publish(ctx, engine, step, metrics)
         t_sync = time.perf_counter() - t2
         rewards = [r.reward for r in batch.succeeded if r.reward is not None]

@@ -9,6 +9,7 @@ import pytest
 from agentbolt import LitAgent, Task, Trainer
 from agentbolt.algorithms.grpo import GRPO
 from agentbolt.engine import tiny_model_dir
+from agentbolt.llm import async_openai
 from agentbolt.schemas import LLM
 
 
@@ -69,3 +70,43 @@ def test_grpo_smoke_run_and_resume(tiny, tmp_path):
     assert [h["step"] for h in resumed.history] == [0, 1, 2, 3]
     assert resumed.history[:3] == result.history[:3]
     assert json.loads((run_dir / "checkpoint" / "state.json").read_text())["step"] == 3
+
+
+class LengthAgent(VowelAgent):
+    """Reward: the reply's length (a random model's replies all but never tie within a group)."""
+
+    async def execute_rollout(self, task: Task) -> float:
+        llm: LLM = self.get_resource("llm")
+        response = await async_openai(llm).chat.completions.create(
+            model=llm.model,
+            messages=[{"role": "user", "content": task.data["q"]}],
+            max_tokens=8,
+            temperature=1.0,
+        )
+        return len(response.choices[0].message.content or "") / 40
+
+
+def test_grpo_against_a_remote_vllm_style_server(tiny, tmp_path):
+    """The vLLM path: sampling on a separately started OpenAI-compatible server, each update
+    written as a LoRA adapter and loaded through POST /v1/load_lora_adapter (the embedded
+    engine speaks that API as vLLM does)."""
+    import httpx
+
+    from agentbolt.engine import EngineServer, ModelEngine
+
+    engine = ModelEngine.from_pretrained(tiny, dtype="float32")
+    with EngineServer(engine) as served:
+        algo = _grpo(tiny, 1)
+        algo.serve_url, algo.serve_model, algo.val_every = served.base_url, engine.name, 0
+        run_dir = tmp_path / "remote"
+        train = [{"id": f"t{i}", "q": f"hello {i}"} for i in range(2)]
+        result = Trainer(algo, n_runners=1, runner_concurrency=8, run_dir=run_dir).fit(
+            LengthAgent(), train, []
+        )
+        assert [h["step"] for h in result.history] == [0, 1]
+        assert result.history[1]["train_tokens"] > 0
+        adapter = run_dir / "adapters" / "step-00001"
+        assert (adapter / "adapter_config.json").exists()
+        served_models = [m["id"] for m in httpx.get(f"{served.base_url}/models").json()["data"]]
+        assert "policy-step-1" in served_models
+        assert engine.version == "policy-step-1"
