@@ -35,6 +35,7 @@ run long and wins ties (the same validation batch for all; a noisy agent is meas
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import math
 import os
@@ -130,7 +131,7 @@ def pareto_front(pool: Sequence[Candidate]) -> list[Candidate]:
 def _sample_front(front: Sequence[Candidate], k: int, rng: random.Random) -> list[Candidate]:
     """Up to ``k`` distinct parents, drawn with odds by the number of tasks each wins."""
     wins = _task_wins(front)
-    left, picked = list(front), []
+    left, picked = list(front), list[Candidate]()
     while left and len(picked) < k:
         choice = rng.choices(left, weights=[max(wins[c.order], 1) for c in left])[0]
         picked.append(choice)
@@ -197,7 +198,9 @@ class APO(Algorithm):
             )
         search = _Search(self, ctx, self._optimizer(base))
         try:
-            with Live(search.table, console=ctx.console, refresh_per_second=4):
+            # A log file gets one line per candidate instead of a live table (see _Search._row).
+            live = ctx.console.is_terminal
+            with Live(search.table, console=ctx.console) if live else contextlib.nullcontext():
                 search.start(seed_prompt, base.version)
                 for r in range(1, self.rounds + 1):
                     if not search.round(r):
@@ -205,7 +208,7 @@ class APO(Algorithm):
             result = search.finish()
         finally:
             search.optimizer.close()
-        _report(ctx.console, result)
+        _report(ctx.console, result, None if live else search.table)
         return result
 
     def _check_config(self, ctx: TrainContext) -> None:
@@ -311,9 +314,10 @@ class _Search:
 
     def _rollouts(self, cand: Candidate, tasks: list[Task], mode: Mode) -> list[Rollout]:
         self.stats.rollouts += len(tasks)
+        console = self.ctx.console if self.ctx.console.is_terminal else None  # no bars in a log file
         batch = run_rollouts(
             self.client, tasks, mode=mode, resources_version=cand.version, timeout=self.apo.batch_timeout,
-            rollout_timeout=self.apo.rollout_timeout, console=self.ctx.console, label=f"v{cand.version} {mode.value}",
+            rollout_timeout=self.apo.rollout_timeout, console=console, label=f"v{cand.version} {mode.value}",
             metadata={"algorithm": "apo", "run": self.run_id, "round": cand.round},
         )  # fmt: skip
         return batch.rollouts
@@ -359,7 +363,7 @@ class _Search:
         best = max(self.pool, key=Candidate.rank)
         cells = (str(r), version, parent, _fmt(train), _fmt(val), f"{_fmt(best.val)} (v{best.version})", note)
         self.table.add_row(*cells)
-        if not self.ctx.console.is_terminal:  # a log file sees no live table until the end
+        if not self.ctx.console.is_terminal:
             self.ctx.console.print("APO " + " | ".join(cells), markup=False, highlight=False)
 
     def finish(self) -> APOResult:
@@ -385,13 +389,15 @@ def _table(strategy: str) -> Table:
     return table
 
 
-def _report(console: Console, result: APOResult) -> None:
+def _report(console: Console, result: APOResult, table: Table | None) -> None:
+    if table is not None:
+        console.print(table)
     title = (
         f"best prompt: version {result.best_version}, val {result.best_val:.3f} (seed {result.seed_val:.3f})"
     )
     console.print(Panel(result.best_prompt, title=title))
-    diff = "".join(difflib.unified_diff(result.seed_prompt.splitlines(keepends=True),
-                                        result.best_prompt.splitlines(keepends=True), "seed", "best"))  # fmt: skip
+    seed, best = result.seed_prompt.splitlines(), result.best_prompt.splitlines()
+    diff = "\n".join(difflib.unified_diff(seed, best, "seed", "best", lineterm=""))
     console.print(Syntax(diff, "diff") if diff else "(the seed prompt won: no change)")
     console.print(f"APO stats: {result.stats.as_dict()}")
 

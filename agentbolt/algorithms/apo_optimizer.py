@@ -242,9 +242,20 @@ class Optimizer:
             response = self.client.chat.completions.create(
                 model=self.model, messages=messages, temperature=self.temperature, max_tokens=self.max_tokens
             )
-        except openai.APIError as exc:
+        except (openai.APIError, ValueError) as exc:  # ValueError: a body that is not JSON
             self.stats.optimizer_errors += 1
             self.stats.timeouts += isinstance(exc, openai.APITimeoutError)
             return None
-        choices = response.choices or []
-        return (choices[0].message.content or "") if choices else ""
+        text = _content(response)
+        self.stats.optimizer_errors += text is None
+        return text
+
+
+def _content(response: Any) -> str | None:
+    """The first choice's text; None when the body is not a chat completion at all."""
+    choices = getattr(response, "choices", None)
+    if not isinstance(choices, list):
+        return None
+    message = getattr(choices[0], "message", None) if choices else None
+    content = getattr(message, "content", None)
+    return content if isinstance(content, str) else ""

@@ -17,7 +17,7 @@ import openai
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -30,7 +30,7 @@ from agentbolt.schemas import Mode
 from agentbolt.server import ServerConfig, ServerThread
 from agentbolt.server.run import free_port
 
-Fault = tuple[str, Any]  # ("text", str) | ("status", int) | ("sleep", seconds) | ("pass", None)
+Fault = tuple[str, Any]  # ("text" | "raw", str) | ("status", int) | ("sleep", seconds) | ("pass", "")
 
 
 @dataclass
@@ -39,7 +39,7 @@ class ScriptedOptimizer:
 
     APO's critique requests get ``critique``; its rewrite requests get ``rewrite(current_prompt,
     n)`` for the n-th rewrite; ``faults`` (taken first, one per optimizer call) replace an answer
-    with given text, an HTTP status or a delay, or let it through (``pass``). Any other request - the agent's own calls through
+    with given text, a raw 200 body, an HTTP status or a delay, or let it through (``pass``). Any other request - the agent's own calls through
     the gateway - gets a short fixed answer. ``seen`` holds (kind, user message) per request.
     """
 
@@ -71,18 +71,23 @@ class ScriptedOptimizer:
     def kinds(self, kind: str) -> list[str]:
         return [text for k, text in self.seen if k == kind]
 
-    async def _chat(self, request: Request) -> JSONResponse:
+    async def _chat(self, request: Request) -> Response:
         body = await request.json()
         user = body["messages"][-1]["content"]
         kind = "rewrite" if "<critique>" in user else "critique" if "Runs of the agent" in user else "agent"
         self.seen.append((kind, user))
         if kind == "agent":
             return _answer(body, "I would rather not say.")
-        what, value = self.faults.pop(0) if self.faults else ("pass", None)
+        fault: Fault = self.faults.pop(0) if self.faults else ("pass", "")
+        what, value = fault
         if what != "pass":
             if what == "status":
                 return JSONResponse(
                     {"error": {"message": "scripted", "type": "server_error"}}, status_code=value
+                )
+            if what == "raw":  # a 200 whose body is not a chat completion
+                return Response(
+                    value, media_type="application/json" if value.startswith("{") else "text/plain"
                 )
             await asyncio.sleep(value if what == "sleep" else 0)
             return _answer(body, value if what == "text" else "late")
@@ -212,16 +217,24 @@ def test_never_worse_than_the_seed_and_budget_stops(rig: ServerThread, tmp_path:
 
 
 def test_malformed_optimizer_output_is_counted_and_skipped(rig: ServerThread, tmp_path: Path) -> None:
-    faults: list[Fault] = [("status", 500), ("sleep", 2.0), ("pass", None), ("text", ""), ("text", "no tags"),
-                           ("text", f"<prompt>{'x' * 200}</prompt>")]  # fmt: skip
+    critique_faults = [
+        ("status", 500),
+        ("sleep", 2.0),
+        ("raw", "garbage"),
+        ("raw", "{not json"),
+        ("pass", ""),
+    ]
+    rewrite_faults: list[Fault] = [("text", ""), ("text", "no tags"), ("text", f"<prompt>{'x' * 200}</prompt>"),
+                      ("text", "<prompt>Seed.</prompt>"), ("text", "<prompt> </prompt>")]  # fmt: skip
     rewrite = "<prompt>Answer with KEYWORD.</prompt>"
-    with ScriptedOptimizer(rewrite=lambda p, n: rewrite, faults=faults) as double:
-        apo = _fast(rounds=1, beam_width=1, branch_factor=2, optimizer_retries=2, optimizer_timeout=0.5,
+    with ScriptedOptimizer(rewrite=lambda p, n: rewrite, faults=critique_faults + rewrite_faults) as double:
+        apo = _fast(rounds=1, beam_width=1, branch_factor=2, optimizer_retries=4, optimizer_timeout=0.5,
                     max_prompt_chars=100)  # fmt: skip
         result, _ = _fit(apo, rig.url, double, "Seed.", _tasks("KEYWORD"), n_runners=0, run_dir=tmp_path)
     stats = result.stats
-    assert (stats.optimizer_errors, stats.timeouts, stats.empty_outputs) == (2, 1, 1)
-    assert (stats.missing_prompt, stats.too_long, stats.skipped_candidates, stats.retries) == (1, 1, 1, 4)
+    assert (stats.optimizer_calls, stats.optimizer_errors, stats.timeouts, stats.retries) == (12, 4, 1, 8)
+    assert (stats.empty_outputs, stats.missing_prompt, stats.too_long, stats.duplicates) == (2, 1, 1, 1)
+    assert stats.skipped_candidates == 1 and [c.prompt for c in result.history] == ["Seed.", rewrite[8:-9]]
     assert result.best_prompt == "Answer with KEYWORD." and result.best_val == 1.0
 
 
@@ -250,8 +263,9 @@ def _cand(order: int, scores: dict[str, float]) -> Candidate:
 
 
 def test_pareto_front_and_beam_selection() -> None:
-    seed, a, b, ab, c = (_cand(i, s) for i, s in enumerate([{"x": 0, "y": 0}, {"x": 1, "y": 0}, {"x": 0, "y": 1},
-                                                            {"x": 1, "y": 0}, {"x": 0.5, "y": 0.5}]))  # fmt: skip
+    scores: list[dict[str, float]] = [{"x": 0, "y": 0}, {"x": 1, "y": 0}, {"x": 0, "y": 1}, {"x": 1, "y": 0},
+                                      {"x": 0.5, "y": 0.5}]  # fmt: skip
+    seed, a, b, ab, c = (_cand(i, s) for i, s in enumerate(scores))
     assert pareto_front([seed, a, b, c]) == [a, b]
     assert pareto_front([seed, a, ab]) == [a, ab]  # equal on every task: both kept
     tie = _cand(1, {"x": 0, "y": 0})
@@ -279,8 +293,8 @@ def test_one_round_with_the_embedded_engine(rig: ServerThread, tmp_path: Path, t
 
     engine = ModelEngine.from_pretrained(tiny_model, default_max_tokens=8)
     with EngineServer(engine) as llm_server:
-        resources = {"system_prompt": PromptTemplate(template="Be brief."),
-                     "llm": LLM(base_url=llm_server.base_url, model=engine.name)}  # fmt: skip
+        resources: dict[str, Any] = {"system_prompt": PromptTemplate(template="Be brief."),
+                                     "llm": LLM(base_url=llm_server.base_url, model=engine.name)}  # fmt: skip
         apo = _fast(rounds=1, beam_width=1, branch_factor=1, train_batch_size=2, optimizer_retries=0,
                     optimizer_max_tokens=16, optimizer_temperature=0.0, max_example_chars=400)  # fmt: skip
         trainer = Trainer(apo, server_url=rig.url, resources=resources, run_dir=tmp_path,
