@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -50,6 +51,12 @@ def _load_tasks(path: Path) -> list[Task]:
     return [Task.of(i) for i in items]
 
 
+def _without_password(url: str) -> str:
+    """A store URL fit to print: ``user:secret@`` and ``password=secret`` become ``***``."""
+    url = re.sub(r"://([^:@/]*):[^@/]*@", r"://\1:***@", url)
+    return re.sub(r"(?i)(password=)[^&\s]*", r"\1***", url)
+
+
 @app.command()
 def server(
     db: Annotated[str, typer.Option(help="SQLite file, ':memory:' or postgresql:// URL.")] = "agentbolt.db",
@@ -77,7 +84,7 @@ def server(
         )
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = ServerConfig(db=db, host=host, port=port, tokens=tokens, lease_seconds=lease_seconds)
-    console.print(f"agentbolt server on http://{host}:{port}  (store: {db})")
+    console.print(f"agentbolt server on http://{host}:{port}  (store: {_without_password(db)})")
     serve(config, log_level)
 
 

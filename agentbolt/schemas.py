@@ -8,17 +8,22 @@ Lifecycles are one ``StrEnum`` per object plus one table of allowed transitions,
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import uuid
 from enum import StrEnum
-from typing import Annotated, Any, Generic, Literal, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypeVar, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from agentbolt.errors import InvalidTransition
 
 __all__ = [
+    "MAX_INT32",
+    "ErrorBody",
+    "ErrorInfo",
     "WaitResult",
     "WaitRequest",
     "FinishRequest",
@@ -65,9 +70,38 @@ def now() -> float:
 
 
 class _Strict(BaseModel):
-    """What clients send: unknown fields are an error, not silently dropped."""
+    """What clients send: unknown fields are an error, not silently dropped; a number must be
+    a JSON number (pydantic's lax mode would take ``true`` or ``"5"``; ``2.0`` is an integer,
+    as JSON Schema says)."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _numbers_are_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, bool | str | bytes) and info.field_name in _numeric_fields(cls):
+            raise ValueError("must be a JSON number")
+        return value
+
+
+@functools.cache
+def _numeric_fields(model: type[BaseModel]) -> frozenset[str]:
+    def numeric(tp: Any) -> bool:
+        return tp in (int, float) or any(numeric(a) for a in get_args(tp))
+
+    return frozenset(name for name, f in model.model_fields.items() if numeric(f.annotation))
+
+
+MAX_INT32 = 2**31 - 1  # resources versions are INTEGER columns
+
+
+def _check_storable(*values: Any) -> None:
+    """Free-form JSON (task data, metadata, event data) must fit the store's JSON encoding,
+    which keeps integers to 64 bits: a bigger one is a 422 here, not a 500 at write time."""
+    try:
+        orjson.dumps(values)
+    except TypeError as exc:
+        raise ValueError(f"free-form JSON cannot be stored: {exc} (integers must fit in 64 bits)") from None
 
 
 # ---------------------------------------------------------------------------- lifecycles
@@ -166,7 +200,9 @@ class RolloutCreate(_Strict):
     id: str | None = Field(default=None, max_length=200)
     task: Task
     mode: Mode = Mode.TRAIN
-    resources_version: int | None = Field(default=None, ge=1, description="None: latest at dequeue time")
+    resources_version: int | None = Field(
+        default=None, ge=1, le=MAX_INT32, description="None: latest at dequeue time"
+    )
     timeout_seconds: float | None = Field(default=None, gt=0, le=7 * 24 * 3600)
     max_attempts: int = Field(default=3, ge=1, le=100)
     group_id: str | None = Field(default=None, max_length=200, description="e.g. a GRPO group")
@@ -250,7 +286,8 @@ class EventCreate(_Strict):
     """An append-only record. ``sequence`` is per attempt; re-sending one is a no-op.
     Events recorded by the server itself (the gateway, OTLP ingest) carry no sequence."""
 
-    sequence: int | None = Field(default=None, ge=0, le=2**62)
+    # 2**53 - 1: exact as a JSON number in every client (a double), as a BIGINT in the store
+    sequence: int | None = Field(default=None, ge=0, le=2**53 - 1)
     type: str = Field(min_length=1, max_length=100, description="an EventType or a user type")
     timestamp: float = Field(default_factory=now)
     data: dict[str, Any] = Field(default_factory=dict)
@@ -269,7 +306,14 @@ class Event(BaseModel):
 # ---------------------------------------------------------------------------- resources
 
 
+def _type_required(schema: dict[str, Any]) -> None:
+    """``type`` has a default in Python, but the API needs it to tell resources apart."""
+    schema["required"] = sorted({*schema.get("required", []), "type"})
+
+
 class PromptTemplate(BaseModel):
+    model_config = ConfigDict(json_schema_extra=_type_required)
+
     type: Literal["prompt_template"] = "prompt_template"
     template: str
     engine: Literal["f-string", "plain"] = "f-string"
@@ -284,6 +328,8 @@ class PromptTemplate(BaseModel):
 class LLM(BaseModel):
     """An OpenAI-compatible endpoint. Inside a rollout ``base_url`` points at the gateway."""
 
+    model_config = ConfigDict(json_schema_extra=_type_required)
+
     type: Literal["llm"] = "llm"
     base_url: str
     model: str
@@ -292,6 +338,8 @@ class LLM(BaseModel):
 
 
 class ModelWeights(BaseModel):
+    model_config = ConfigDict(json_schema_extra=_type_required)
+
     type: Literal["model_weights"] = "model_weights"
     path: str
     base_model: str | None = None
@@ -305,6 +353,11 @@ Resource = Annotated[PromptTemplate | LLM | ModelWeights, Field(discriminator="t
 class ResourcesCreate(_Strict):
     resources: dict[str, Resource]
     metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _storable(self) -> ResourcesCreate:
+        _check_storable(self.metadata, [r.model_dump() for r in self.resources.values()])
+        return self
 
 
 class Resources(BaseModel):
@@ -334,6 +387,11 @@ class Trajectory(BaseModel):
 class EnqueueRequest(_Strict):
     rollouts: list[RolloutCreate] = Field(min_length=1, max_length=10_000)
 
+    @model_validator(mode="after")
+    def _storable(self) -> EnqueueRequest:
+        _check_storable([(r.task.data, r.task.metadata, r.metadata) for r in self.rollouts])
+        return self
+
 
 class DequeueRequest(_Strict):
     worker_id: str = Field(min_length=1, max_length=200)
@@ -350,6 +408,11 @@ class EventsRequest(_Strict):
     worker_id: str | None = Field(default=None, max_length=200)
     events: list[EventCreate] = Field(max_length=10_000)
 
+    @model_validator(mode="after")
+    def _storable(self) -> EventsRequest:
+        _check_storable([e.data for e in self.events])
+        return self
+
 
 class FinishRequest(AttemptFinish):
     worker_id: str | None = Field(default=None, max_length=200)
@@ -363,6 +426,22 @@ class WaitRequest(_Strict):
 class WaitResult(BaseModel):
     rollouts: list[Rollout]
     done: bool
+
+
+class ErrorInfo(BaseModel):
+    """``type`` and ``message`` always; OpenAI-style errors (the gateway) add ``param`` and
+    ``code``, validation errors add ``details``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    message: str
+
+
+class ErrorBody(BaseModel):
+    """Every error the server answers (4xx and 5xx) has this shape."""
+
+    error: ErrorInfo
 
 
 class Page(BaseModel, Generic[T]):

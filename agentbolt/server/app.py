@@ -15,15 +15,17 @@ from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, TypeVar
 
 import anyio.to_thread
-from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi import APIRouter, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from pydantic_core import to_json
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agentbolt.errors import AgentboltError
 from agentbolt.schemas import (
     LLM,
+    MAX_INT32,
     Attempt,
     AttemptFinish,
     Claim,
@@ -43,14 +45,19 @@ from agentbolt.schemas import (
     WaitResult,
     Worker,
 )
-from agentbolt.server.config import FASTAPI_TELEMETRY_OFF, ServerConfig
+from agentbolt.server.config import FASTAPI_TELEMETRY_OFF, Role, ServerConfig
 from agentbolt.server.middleware import AuthMiddleware, BodyLimitMiddleware
+from agentbolt.server.openapi import document, http_error
 from agentbolt.store import SqlStore, open_store
 
 __all__ = ["REDACTED", "create_app", "redact"]
 
 log = logging.getLogger("agentbolt.server")
 R = TypeVar("R")
+# Cursors as the store writes them (a queue position; "<timestamp>:<event id>" for events):
+# anything else is a 422 from validation, not a 400 from the store.
+INT_CURSOR = r"^[0-9]{1,18}$"
+EVENT_CURSOR = r"^-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?:[0-9]{1,18}$"
 REDACTED = "<redacted>"
 
 
@@ -125,6 +132,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         where = ".".join(str(p) for p in first["loc"])
         return _error(422, "validation_error", f"{where}: {first['msg']}", details=details)
 
+    app.add_exception_handler(StarletteHTTPException, http_error)  # type: ignore[arg-type]
+
     @app.exception_handler(ValueError)
     async def _value_error(request: Request, exc: ValueError) -> JSONResponse:
         return _error(400, "bad_request", str(exc))
@@ -133,6 +142,16 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return _error(500, "internal_error", "internal server error (see the server log)")
+
+
+def _holder_named(request: Request, worker_id: str | None) -> None:
+    """A runner token writes only to attempts it holds: it must name its ``worker_id``, which
+    the store then checks against the attempt's holder (admins may write without one)."""
+    if worker_id is None and request.scope.get("agentbolt.role") == Role.RUNNER:
+        raise RequestValidationError(
+            [{"loc": ("body", "worker_id"), "msg": "a runner token must name the worker holding the attempt",
+              "type": "missing"}]
+        )  # fmt: skip
 
 
 def _store_router(call: StoreCaller, config: ServerConfig) -> APIRouter:
@@ -152,10 +171,10 @@ def _store_router(call: StoreCaller, config: ServerConfig) -> APIRouter:
     async def list_rollouts(
         status: Annotated[list[RolloutStatus] | None, Query()] = None,
         mode: Mode | None = None,
-        resources_version: Annotated[int | None, Query(ge=1)] = None,
+        resources_version: Annotated[int | None, Query(ge=1, le=MAX_INT32)] = None,
         group_id: str | None = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-        cursor: str | None = None,
+        cursor: Annotated[str | None, Query(pattern=INT_CURSOR)] = None,
         newest_first: bool = False,
     ) -> Response:
         page = await call(
@@ -166,13 +185,16 @@ def _store_router(call: StoreCaller, config: ServerConfig) -> APIRouter:
 
     @api.post("/rollouts/wait", response_model=WaitResult, tags=["queue"])
     async def wait(body: WaitRequest) -> Response:
-        """Long-poll until every listed rollout is final or ``timeout`` seconds pass."""
+        """Long-poll until every listed rollout is final or ``timeout`` seconds pass. An unknown
+        id can never finish: the answer then comes at once (``done`` false, that id left out)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + body.timeout
+        wanted = set(body.rollout_ids)
         while True:
             rollouts = await call(store.get_rollouts, body.rollout_ids)
-            done = len(rollouts) == len(set(body.rollout_ids)) and all(r.status.is_final for r in rollouts)
-            if done or loop.time() >= deadline:
+            known = len({r.id for r in rollouts}) == len(wanted)  # ids may repeat in the request
+            done = known and all(r.status.is_final for r in rollouts)
+            if done or not known or loop.time() >= deadline:
                 return _json(WaitResult(rollouts=rollouts, done=done))
             await wake.wait(min(POLL_SECONDS, max(0.0, deadline - loop.time())))
 
@@ -194,7 +216,7 @@ def _store_router(call: StoreCaller, config: ServerConfig) -> APIRouter:
         attempt_id: str | None = None,
         type: Annotated[list[str] | None, Query()] = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-        cursor: str | None = None,
+        cursor: Annotated[str | None, Query(pattern=EVENT_CURSOR)] = None,
     ) -> Response:
         page = await call(
             store.list_events, rollout_id, attempt_id=attempt_id, types=type, limit=limit, cursor=cursor
@@ -211,6 +233,8 @@ def _store_router(call: StoreCaller, config: ServerConfig) -> APIRouter:
             if loop.time() >= deadline:
                 return Response(content=b"null", media_type="application/json")
             await wake.wait(min(POLL_SECONDS, max(0.0, deadline - loop.time())))
+            if await request.is_disconnected():  # a dead runner's poll must not take the work
+                return Response(content=b"null", media_type="application/json")
         redacted = redact(claim.resources)
         if redacted is not claim.resources:
             claim = claim.model_copy(update={"resources": redacted})
@@ -224,17 +248,20 @@ def _store_router(call: StoreCaller, config: ServerConfig) -> APIRouter:
         return _json(await call(store.get_attempt, attempt_id))
 
     @api.post("/attempts/{attempt_id}/heartbeat", response_model=Attempt, tags=["runner"])
-    async def heartbeat(attempt_id: str, body: HeartbeatRequest) -> Response:
+    async def heartbeat(attempt_id: str, body: HeartbeatRequest, request: Request) -> Response:
+        _holder_named(request, body.worker_id)
         return _json(await call(store.heartbeat, attempt_id, body.worker_id, body.lease_seconds))
 
     @api.post("/attempts/{attempt_id}/events", tags=["runner"])
-    async def add_events(attempt_id: str, body: EventsRequest) -> Response:
+    async def add_events(attempt_id: str, body: EventsRequest, request: Request) -> Response:
         """Append events; ones whose (attempt, sequence) is already stored are skipped."""
+        _holder_named(request, body.worker_id)
         added = await call(store.add_events, attempt_id, body.events, body.worker_id)
         return _json({"added": added})
 
     @api.post("/attempts/{attempt_id}/finish", response_model=Rollout, tags=["runner"])
-    async def finish(attempt_id: str, body: FinishRequest) -> Response:
+    async def finish(attempt_id: str, body: FinishRequest, request: Request) -> Response:
+        _holder_named(request, body.worker_id)
         finish = body.model_dump(exclude={"worker_id"})
         rollout = await call(store.finish_attempt, attempt_id, AttemptFinish(**finish), body.worker_id)
         wake.notify()  # a requeue is new work; a final rollout ends someone's wait
@@ -246,7 +273,8 @@ def _store_router(call: StoreCaller, config: ServerConfig) -> APIRouter:
 
     @api.get("/resources", response_model=Page[Resources], tags=["resources"])
     async def list_resources(
-        limit: Annotated[int, Query(ge=1, le=1000)] = 100, cursor: str | None = None
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+        cursor: Annotated[str | None, Query(pattern=INT_CURSOR)] = None,
     ) -> Response:
         page = await call(store.list_resources, limit, cursor)
         return _json(page.model_copy(update={"items": [redact(r) for r in page.items]}))
@@ -257,7 +285,7 @@ def _store_router(call: StoreCaller, config: ServerConfig) -> APIRouter:
         return _json(redact(res)) if res is not None else Response(b"null", media_type="application/json")
 
     @api.get("/resources/{version}", response_model=Resources, tags=["resources"])
-    async def get_resources(version: int) -> Response:
+    async def get_resources(version: Annotated[int, Path(ge=1, le=MAX_INT32)]) -> Response:
         return _json(redact(await call(store.get_resources, version)))
 
     @api.get("/workers", response_model=list[Worker], tags=["status"])
@@ -303,6 +331,7 @@ def create_app(config: ServerConfig | None = None, store: SqlStore | None = None
 
     app.include_router(_store_router(call, config))
     _mount_extensions(app, config)
+    document(app, auth=bool(config.tokens))
     app.add_middleware(AuthMiddleware, tokens=config.tokens)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     if config.cors_origins:

@@ -49,8 +49,10 @@ from agentbolt.server.http1 import Http1Transport
 from agentbolt.server.openai_format import (
     CHAT,
     COMPLETIONS,
+    REQUEST_SCHEMAS,
     StreamAssembler,
     Wants,
+    check_request,
     count_usage,
     error_body,
     extract,
@@ -187,6 +189,9 @@ class Gateway:
             body = None
         if not isinstance(body, dict):
             return _json(error_body("the request body must be a JSON object", "invalid_request_error"), 400)
+        malformed = check_request(endpoint, body)
+        if malformed is not None:
+            return _json(error_body(malformed[0], "invalid_request_error", param=malformed[1]), 400)
         try:
             target = await self.target(rollout_id, attempt_id)
             resource, llm = target.pick(body.get("model"))
@@ -452,18 +457,34 @@ def _retry_after(value: str | None) -> float | None:
 # ---------------------------------------------------------------------------- routes
 
 
+def _openapi_body(endpoint: str) -> dict[str, Any]:
+    """The request body, for the OpenAPI document (the route reads it raw)."""
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": REQUEST_SCHEMAS[endpoint]}},
+        }
+    }
+
+
+_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "The model server's answer (a stream of server-sent events with stream=true)",
+          "content": {"application/json": {"schema": {"type": "object"}}, "text/event-stream": {}}}
+}  # fmt: skip
+
+
 def install(app: FastAPI, config: ServerConfig) -> None:
     gateway = Gateway(app.state.call, config)
     app.state.gateway = gateway
     app.state.claim_hook = rewrite_claim
     router = APIRouter(prefix="/gateway/{rollout_id}/{attempt_id}/v1", tags=["gateway"])
 
-    @router.post("/chat/completions")
+    @router.post("/chat/completions", openapi_extra=_openapi_body(CHAT), responses=_RESPONSES)
     async def chat_completions(rollout_id: str, attempt_id: str, request: Request) -> Response:
         """OpenAI chat completions, forwarded to the rollout's LLM and recorded."""
         return await gateway.forward(request, rollout_id, attempt_id, CHAT)
 
-    @router.post("/completions")
+    @router.post("/completions", openapi_extra=_openapi_body(COMPLETIONS), responses=_RESPONSES)
     async def completions(rollout_id: str, attempt_id: str, request: Request) -> Response:
         """OpenAI (legacy) completions, forwarded to the rollout's LLM and recorded."""
         return await gateway.forward(request, rollout_id, attempt_id, COMPLETIONS)

@@ -19,7 +19,9 @@ from typing import Any
 __all__ = [
     "CHAT",
     "COMPLETIONS",
+    "REQUEST_SCHEMAS",
     "StreamAssembler",
+    "check_request",
     "count_usage",
     "Wants",
     "error_body",
@@ -53,6 +55,90 @@ def error_body(
 ) -> dict[str, Any]:
     """An OpenAI-style error body."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def _is_int(value: Any, low: int = 0) -> bool:
+    """An integer as JSON Schema sees it (``2.0`` counts), at least ``low``."""
+    whole = (isinstance(value, int) and not isinstance(value, bool)) or (
+        isinstance(value, float) and value.is_integer()
+    )
+    return whole and value >= low
+
+
+def _is_prompt(value: Any) -> bool:
+    """A legacy completions prompt: text, token ids, or a batch of either."""
+    if isinstance(value, str):
+        return True
+    if not isinstance(value, list) or not value:
+        return False
+    return (all(isinstance(x, str) for x in value) or all(_is_int(x) for x in value)
+            or all(isinstance(x, list) and x and all(_is_int(t) for t in x) for x in value))  # fmt: skip
+
+
+# (field, test, what it must be) for fields the gateway itself reads; anything else passes
+# through for the model server to judge.
+_FIELD_CHECKS: list[tuple[str, Any, str]] = [
+    ("model", lambda v: v is None or isinstance(v, str), "a string"),
+    ("stream", lambda v: v is None or isinstance(v, bool), "a boolean"),
+    ("stream_options", lambda v: v is None or isinstance(v, dict), "an object"),
+    ("n", lambda v: v is None or _is_int(v, 1), "an integer >= 1"),
+    ("max_tokens", lambda v: v is None or _is_int(v, 1), "an integer >= 1"),
+    ("max_completion_tokens", lambda v: v is None or _is_int(v, 1), "an integer >= 1"),
+    (
+        "tools",
+        lambda v: v is None or (isinstance(v, list) and all(isinstance(t, dict) for t in v)),
+        "a list of objects",
+    ),
+]
+
+
+def check_request(endpoint: str, body: dict[str, Any]) -> tuple[str, str] | None:
+    """``(message, param)`` when the request is malformed in a way the gateway would trip on
+    or forward pointlessly; ``None`` when it is fine to forward."""
+    if endpoint == CHAT:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return "'messages' must be a non-empty list", "messages"
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                return f"messages[{i}] must be an object with a string 'role'", f"messages[{i}]"
+            if not (m.get("content") is None or isinstance(m["content"], str | list)):
+                return f"messages[{i}].content must be a string, a list of parts or null", f"messages[{i}]"
+    elif not _is_prompt(body.get("prompt")):
+        return "'prompt' must be a string, a list of strings or token ids", "prompt"
+    for name, test, what in _FIELD_CHECKS:
+        if name in body and not test(body[name]):
+            return f"'{name}' must be {what}", name
+    return None
+
+
+# The request bodies as the OpenAPI document shows them (what check_request enforces).
+_MESSAGE = {
+    "type": "object",
+    "required": ["role"],
+    "properties": {
+        "role": {"type": "string"},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array"}, {"type": "null"}]},
+    },
+}
+_POSITIVE = {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}]}
+_COMMON = {
+    "model": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+    "stream": {"anyOf": [{"type": "boolean"}, {"type": "null"}]},
+    "stream_options": {"anyOf": [{"type": "object"}, {"type": "null"}]},
+    "n": _POSITIVE,
+    "max_tokens": _POSITIVE,
+    "max_completion_tokens": _POSITIVE,
+    "tools": {"anyOf": [{"type": "array", "items": {"type": "object"}}, {"type": "null"}]},
+}
+REQUEST_SCHEMAS: dict[str, dict[str, Any]] = {
+    CHAT: {"type": "object", "required": ["messages"],
+           "properties": {"messages": {"type": "array", "minItems": 1, "items": _MESSAGE}, **_COMMON}},
+    COMPLETIONS: {"type": "object", "required": ["prompt"],
+                  "properties": {"prompt": {"anyOf": [{"type": "string"},
+                                                      {"type": "array", "minItems": 1, "items": {"type": "string"}}]},
+                                 **_COMMON}},
+}  # fmt: skip
 
 
 def prepare(endpoint: str, body: dict[str, Any], ask_token_ids: bool) -> tuple[dict[str, Any], Wants]:

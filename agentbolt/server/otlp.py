@@ -49,7 +49,10 @@ def _value(v: dict[str, Any]) -> Any:
     if "boolValue" in v:
         return bool(v["boolValue"])
     if "intValue" in v:
-        return int(v["intValue"])  # int64 travels as a string in OTLP/JSON
+        n = int(v["intValue"])  # int64 travels as a string in OTLP/JSON
+        if not -(2**63) <= n < 2**63:
+            raise BadPayload(f"intValue {n} is out of the int64 range")
+        return n
     if "doubleValue" in v:
         return float(v["doubleValue"])
     if "arrayValue" in v:
@@ -112,21 +115,43 @@ def _span(span: dict[str, Any], service: Any, scope: str | None, from_protobuf: 
     }
 
 
+def _objects(obj: dict[str, Any], *keys: str) -> list[dict[str, Any]]:
+    """The objects listed under ``keys`` (absent: none); any other shape is a bad payload."""
+    out: list[dict[str, Any]] = []
+    for key in keys:
+        value = obj.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, list) or not all(isinstance(x, dict) for x in value):
+            raise BadPayload(f"OTLP {key} must be a list of objects")
+        out += value
+    return out
+
+
 def spans_from_otlp(
     body: dict[str, Any], from_protobuf: bool = False
 ) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """(routing attributes, span event data) for each span of an OTLP/JSON export body."""
+    """(routing attributes, span event data) for each span of an OTLP/JSON export body.
+    A body that is not shaped like OTLP raises :class:`BadPayload` (a 400), never a 500."""
     out = []
-    for rs in body.get("resourceSpans") or []:
-        resource = _attributes((rs.get("resource") or {}).get("attributes"))
-        routing = {k: resource[k] for k in (ROLLOUT_ATTR, ATTEMPT_ATTR) if k in resource}
-        for ss in (rs.get("scopeSpans") or []) + (rs.get("instrumentationLibrarySpans") or []):
-            scope = (ss.get("scope") or ss.get("instrumentationLibrary") or {}).get("name")
-            for span in ss.get("spans") or []:
-                data = _span(span, resource.get("service.name"), scope, from_protobuf)
-                attrs = data["attributes"]
-                route = {**routing, **{k: attrs[k] for k in (ROLLOUT_ATTR, ATTEMPT_ATTR) if k in attrs}}
-                out.append((route, data))
+    try:
+        for rs in _objects(body, "resourceSpans"):
+            resource = _attributes((rs.get("resource") or {}).get("attributes"))
+            routing = {k: str(resource[k]) for k in (ROLLOUT_ATTR, ATTEMPT_ATTR) if k in resource}
+            for ss in _objects(rs, "scopeSpans", "instrumentationLibrarySpans"):
+                scope = (ss.get("scope") or ss.get("instrumentationLibrary") or {}).get("name")
+                for span in _objects(ss, "spans"):
+                    data = _span(span, resource.get("service.name"), scope, from_protobuf)
+                    attrs = data["attributes"]
+                    route = {
+                        **routing,
+                        **{k: str(attrs[k]) for k in (ROLLOUT_ATTR, ATTEMPT_ATTR) if k in attrs},
+                    }
+                    out.append((route, data))
+    except (AttributeError, TypeError, ValueError, KeyError) as exc:  # a field of the wrong type
+        if isinstance(exc, BadPayload):
+            raise
+        raise BadPayload(f"malformed OTLP body: {type(exc).__name__}: {exc}") from None
     return out
 
 
@@ -215,19 +240,58 @@ def _answer(rejected: int, why: str, protobuf: bool) -> Response:
     return Response(orjson.dumps(body), media_type="application/json")
 
 
+# The body is read raw (protobuf or JSON): documented here. Protobuf is listed as a response
+# only: fuzzers cannot make valid protobuf from a "binary" schema.
+_OPENAPI = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "properties": {  # proto3 JSON: null is the empty list
+                        "resourceSpans": {
+                            "anyOf": [{"type": "array", "items": {"type": "object"}}, {"type": "null"}]
+                        }
+                    },
+                },
+            },
+        },
+    }
+}
+_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "OTLP ExportTraceServiceResponse, in the request's encoding",
+        "content": {"application/json": {"schema": {"type": "object"}}, PROTOBUF: {}},
+    },
+    415: {
+        "description": "Neither protobuf nor JSON",
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}},
+    },
+}
+
+
 def install(app: FastAPI, config: ServerConfig) -> None:
     ingest = OtlpIngest(app.state.call, config)
 
-    @app.post("/v1/traces", tags=["tracing"])
+    @app.post("/v1/traces", tags=["tracing"], openapi_extra=_OPENAPI, responses=_RESPONSES)
     async def traces(request: Request) -> Response:
         """OTLP/HTTP trace export (``application/x-protobuf`` or ``application/json``)."""
-        content_type = request.headers.get("content-type", PROTOBUF).lower()
+        content_type = request.headers.get("content-type", "").lower()
         protobuf = content_type.startswith(PROTOBUF)
+        if not (protobuf or content_type.startswith("application/json")):  # OTLP/HTTP names one
+            return Response(orjson.dumps({"error": {"type": "unsupported_media_type", "message":
+                            f"content-type must be {PROTOBUF} or application/json"}}), 415,
+                            media_type="application/json")  # fmt: skip
         try:
             body, from_protobuf = _decode(await request.body(), content_type,
                                           request.headers.get("content-encoding", "").lower(), config.max_body_bytes)  # fmt: skip
         except (BadPayload, zlib.error) as exc:
             return Response(orjson.dumps({"error": {"type": "bad_request", "message": str(exc)}}), 400,
                             media_type="application/json")  # fmt: skip
-        rejected, why = await ingest.ingest(body, from_protobuf)
+        try:
+            rejected, why = await ingest.ingest(body, from_protobuf)
+        except BadPayload as exc:
+            return Response(orjson.dumps({"error": {"type": "bad_request", "message": str(exc)}}), 400,
+                            media_type="application/json")  # fmt: skip
         return _answer(rejected, why, protobuf)

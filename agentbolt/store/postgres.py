@@ -48,18 +48,33 @@ def to_pyformat(sql: str) -> str:
     return "".join(out)
 
 
+@contextmanager
+def _no_nul() -> Iterator[None]:
+    """PostgreSQL text cannot hold NUL characters (SQLite can): a client's string with one is
+    a bad request (400), not a server error. psycopg refuses it before anything is sent."""
+    try:
+        yield
+    except psycopg.DataError as exc:
+        if "NUL (0x00)" in str(exc):
+            raise ValueError("text values cannot contain NUL (0x00) characters") from None
+        raise
+
+
 class _PgTx(Tx):
     def __init__(self, conn: psycopg.Connection) -> None:
         self.cur = conn.cursor()
 
     def all(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-        return self.cur.execute(to_pyformat(sql), params).fetchall()
+        with _no_nul():
+            return self.cur.execute(to_pyformat(sql), params).fetchall()
 
     def run(self, sql: str, params: Sequence[Any] = ()) -> int:
-        return self.cur.execute(to_pyformat(sql), params).rowcount
+        with _no_nul():
+            return self.cur.execute(to_pyformat(sql), params).rowcount
 
     def many(self, sql: str, rows: Sequence[Sequence[Any]]) -> int:
-        self.cur.executemany(to_pyformat(sql), rows)
+        with _no_nul():
+            self.cur.executemany(to_pyformat(sql), rows)
         return max(self.cur.rowcount, 0)
 
 

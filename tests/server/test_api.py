@@ -83,7 +83,7 @@ def test_empty_queue_dequeues_null(server):
         ("POST", "/api/rollouts", "not json", 422),
         ("GET", "/api/rollouts?status=bogus", None, 422),
         ("GET", "/api/rollouts?limit=0", None, 422),
-        ("GET", "/api/rollouts?cursor=abc", None, 400),
+        ("GET", "/api/rollouts?cursor=abc", None, 422),
         ("GET", "/api/rollouts/missing", None, 404),
         ("POST", "/api/rollouts/missing/cancel", None, 404),
         ("GET", "/api/rollouts/missing/attempts", None, 404),
