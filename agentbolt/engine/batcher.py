@@ -18,6 +18,9 @@ wastes attention work when lengths differ a lot; left columns that no running ro
 after every eviction. Identical prompts admitted together are prefilled once (``n`` > 1 and
 GRPO groups) and their cache rows copied.
 
+On CPU the thread count of the forward passes is re-chosen from measured step times
+(:mod:`agentbolt.engine.threads`): on a shared machine one thread can beat two by several times.
+
 Weight updates are applied between steps: the loop stops admitting, lets running sequences finish
 on the old weights (up to ``drain_timeout_s``), swaps, and resumes. Sequences still running at the
 deadline continue on the new weights and report both versions.
@@ -40,6 +43,7 @@ import torch.nn.functional as F
 from agentbolt.engine import kv_cache
 from agentbolt.engine.sampling import sample_step
 from agentbolt.engine.sequence import Sequence
+from agentbolt.engine.threads import ThreadTuner
 
 __all__ = ["Batcher"]
 
@@ -64,6 +68,7 @@ class Batcher:
         max_context: int = 2048,
         prefill_tokens: int = 4096,
         drain_timeout_s: float = 60.0,
+        tune_threads: bool | None = None,
     ) -> None:
         self.model, self.eos_ids, self.version = model, eos_ids, version
         self.max_batch, self.max_context, self.prefill_tokens = max_batch, max_context, prefill_tokens
@@ -81,6 +86,9 @@ class Batcher:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.steps = 0
+        if tune_threads is None:
+            tune_threads = next(model.parameters()).device.type == "cpu"
+        self.tuner = ThreadTuner() if tune_threads else None
 
     # ------------------------------------------------------------------ public, any thread
     def start(self) -> None:
@@ -211,7 +219,11 @@ class Batcher:
         last_B1 = torch.tensor([[s.output_ids[-1]] for s in seqs])
         pos_B1 = self._mask_BL.sum(dim=1, keepdim=True)
         self._mask_BL = torch.cat([self._mask_BL, torch.ones(len(seqs), 1, dtype=torch.long)], dim=1)
+        threads = self.tuner.next_threads() if self.tuner else 0
+        started = time.perf_counter()
         logits_BV = self._forward(last_B1, self._mask_BL, pos_B1, self._cache)
+        if self.tuner:
+            self.tuner.record(threads, time.perf_counter() - started)
         self._record(seqs, logits_BV)
         self._evict_finished()
 

@@ -140,7 +140,13 @@ class ModelEngine:
 
     def stats(self) -> dict[str, Any]:
         b = self._batcher
-        return {"running": b.num_running, "waiting": b.num_waiting, "steps": b.steps, "version": b.version}
+        threads = b.tuner.current if b.tuner else None
+        return {
+            "running": b.num_running,
+            "waiting": b.num_waiting,
+            "steps": b.steps,
+            "version": b.version,
+        } | {"threads": threads}
 
     def models(self) -> dict[str, Any]:
         """The ``/v1/models`` body."""
@@ -213,6 +219,23 @@ class ModelEngine:
     def _sampling(
         self, req, prompt_len: int, max_tokens: int | None, top: int, logprobs: bool
     ) -> SamplingParams:
+        self._check_limits(req, prompt_len, max_tokens)
+        room = self.max_context - prompt_len
+        return SamplingParams(
+            max_tokens=max_tokens or min(room, self.config.default_max_tokens),
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            seed=req.seed,
+            stop=req.stop_list,
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            top_logprobs=top,
+            logprobs=logprobs,
+        )
+
+    def _check_limits(self, req, prompt_len: int, max_tokens: int | None) -> None:
         room = self.max_context - prompt_len
         if room < 1:
             raise EngineRequestError(
@@ -233,19 +256,6 @@ class ModelEngine:
             raise EngineRequestError(
                 "stop_token_ids holds ids outside the vocabulary", param="stop_token_ids"
             )
-        return SamplingParams(
-            max_tokens=max_tokens or min(room, self.config.default_max_tokens),
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            seed=req.seed,
-            stop=req.stop_list,
-            stop_token_ids=list(req.stop_token_ids or []),
-            ignore_eos=req.ignore_eos,
-            include_stop_str_in_output=req.include_stop_str_in_output,
-            top_logprobs=top,
-            logprobs=logprobs,
-        )
 
     def _completion_prompts(self, prompt: Any) -> list[tuple[str, list[int]]]:
         if isinstance(prompt, str):
