@@ -316,3 +316,46 @@ def test_export_and_merged_weights(tmp_path: Path) -> None:
 
     assert export_weights(merged, tmp_path / "full") == "full"
     assert (tmp_path / "full" / "model.safetensors").exists()
+
+
+def test_shared_prefix_pass_equals_the_plain_pass_in_values_and_gradients(tmp_path):
+    """The prefix computed once and expanded gives the same log-probs and LoRA gradients."""
+    from transformers import AutoModelForCausalLM
+
+    from agentbolt.algorithms.rl_core import (
+        PolicyLoss,
+        TrainConfig,
+        TrainRow,
+        make_trainable,
+        pad_batch,
+        shared_prefix_len,
+    )
+    from agentbolt.engine import tiny_model_dir
+
+    torch.manual_seed(0)
+    model = make_trainable(AutoModelForCausalLM.from_pretrained(tiny_model_dir(tmp_path / "m")),
+                           TrainConfig(lora_r=4))  # fmt: skip
+    with torch.no_grad():  # LoRA B starts at zero; give it values so its gradients are non-trivial
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    prefix = list(range(5, 25))
+    rows = [TrainRow(tuple(prefix + tail), tuple([0] * 21 + [1] * (len(tail) - 1)), None, adv)
+            for tail, adv in (([30, 31, 32, 33], 1.0), ([40, 41], -1.0), ([50, 51, 52], 0.5))]  # fmt: skip
+    batch = pad_batch(rows)
+    assert shared_prefix_len(batch) == 20
+
+    def run(share: bool):
+        model.zero_grad()
+        loss, metrics = PolicyLoss(share_prefix=share)(model, batch, float(batch.num_tokens))
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return loss.detach(), metrics, grads
+
+    loss_a, metrics_a, grads_a = run(False)
+    loss_b, metrics_b, grads_b = run(True)
+    assert torch.allclose(loss_a, loss_b, atol=1e-5)
+    assert abs(metrics_a["entropy"] - metrics_b["entropy"]) < 1e-4
+    assert grads_a.keys() == grads_b.keys() and grads_a
+    for name in grads_a:
+        assert torch.allclose(grads_a[name], grads_b[name], atol=1e-5), name
