@@ -4,13 +4,22 @@ Each :meth:`PostgresDatabase.transaction` borrows a pooled connection (psycopg 3
 ``psycopg_pool``) and runs one READ COMMITTED transaction on it. Dequeue picks its row with
 ``FOR UPDATE SKIP LOCKED``, so replicas claiming at the same time take different rollouts
 instead of waiting on each other. The store's SQL is written with ``?`` placeholders; they are
-rewritten to psycopg's ``%s`` once per statement text.
+rewritten to psycopg's ``%s`` once per statement text (psycopg prepares a statement on a
+connection after its fifth use, so the hot ones run as prepared statements).
+
+Tuning from the URL: ``pool_size=N`` (agentbolt's: connections per process, default 8), and
+any server setting through libpq's ``options``, e.g.
+``?options=-csynchronous_commit%3Doff``: commits return before the WAL reaches the disk, so an
+OS crash or power loss of the database host can lose the last few hundred milliseconds of
+acknowledged writes (a crash of PostgreSQL itself or of agentbolt loses nothing, and the
+database stays consistent). Off by default.
 """
 
 from __future__ import annotations
 
 import functools
 import re
+import urllib.parse
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -78,6 +87,25 @@ class _PgTx(Tx):
         return max(self.cur.rowcount, 0)
 
 
+def _pop_pool_size(dsn: str, default: int) -> tuple[str, int]:
+    """``pool_size=N`` in a URL's query sets the connections this process may open; it is
+    agentbolt's, not libpq's (which would refuse it), so it is taken out of the URL. Size it
+    so that replicas x pool_size stays under the server's ``max_connections``."""
+    parts = urllib.parse.urlsplit(dsn)
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True) if "://" in dsn else []
+    sizes = [v for k, v in query if k == "pool_size"]
+    if not sizes:
+        return dsn, default
+    try:
+        size = int(sizes[-1])
+    except ValueError:
+        raise ConfigError(f"pool_size must be an integer, got {sizes[-1]!r}") from None
+    rest = urllib.parse.urlencode(
+        [(k, v) for k, v in query if k != "pool_size"], quote_via=urllib.parse.quote
+    )
+    return urllib.parse.urlunsplit(parts._replace(query=rest)), size
+
+
 class PostgresDatabase(Database):
     name = "postgres"
     # lock only the rollout row: copies of one task (a GRPO group) must not block each other
@@ -86,6 +114,7 @@ class PostgresDatabase(Database):
     def __init__(self, dsn: str, schema: str | None = None, pool_size: int = 8) -> None:
         if schema is not None and not _SCHEMA_NAME.fullmatch(schema):
             raise ConfigError(f"schema must be a lower-case SQL identifier, got {schema!r}")
+        dsn, pool_size = _pop_pool_size(dsn, pool_size)
         if pool_size < 1:
             raise ConfigError(f"pool_size must be at least 1, got {pool_size}")
         self.schema = schema
