@@ -2,9 +2,10 @@
 killed in the middle of a call. Each test is bounded in time and checks the stored state
 straight from the database afterwards (:func:`scale_support.audit`).
 
-Sizes: ``AGENTBOLT_CHAOS_ROLLOUTS`` (runner kills; default 500, the issue asks for 2000:
-about 2 minutes of that test alone on two busy cores, so it is opt-in) and
-``AGENTBOLT_CHAOS_KILLS`` (default 6).
+Sizes: ``AGENTBOLT_CHAOS_ROLLOUTS`` (runner kills; default 2000, as the issue asks) and
+``AGENTBOLT_CHAOS_KILLS`` (default 6). Measured on two shared, busy cores: the whole file in
+1.5 min (load average 4) to 3 min (load 7-10); ``AGENTBOLT_CHAOS_ROLLOUTS=300`` cuts the
+SIGKILL test to about 20 s.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def test_runners_sigkilled_at_random(tmp_path):
     """Runner processes die by SIGKILL at random moments and are replaced. Every rollout ends
     succeeded with exactly one succeeded attempt holding all its events, except rollouts
     configured with max_attempts=1, which may instead end failed (their one attempt lost)."""
-    n, kills = scaled("AGENTBOLT_CHAOS_ROLLOUTS", 500), scaled("AGENTBOLT_CHAOS_KILLS", 6)
+    n, kills = scaled("AGENTBOLT_CHAOS_ROLLOUTS", 2000), scaled("AGENTBOLT_CHAOS_KILLS", 6)
     rng = random.Random(8)
     db = str(tmp_path / "chaos.db")
     config = ServerConfig(db=db, lease_seconds=30, sweep_interval=0.1)
