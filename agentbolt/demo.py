@@ -94,7 +94,7 @@ class CalculatorAgent(LitAgent):
 
     max_tokens = 24
 
-    async def execute_rollout(self, task: Task) -> float:
+    async def execute_rollout(self, task: Task) -> float:  # type: ignore[override]
         llm: LLM = self.get_resource("llm")
         prompt = self.get_resource("system_prompt")
         client = async_openai(llm, timeout=600)

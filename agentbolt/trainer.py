@@ -82,7 +82,9 @@ class Trainer:
         server: ServerThread | None = None
         url = self.server_url
         if url is None:
-            config = ServerConfig.with_token(self.token, db=str(self.run_dir / "agentbolt.db"), port=free_port())
+            config = ServerConfig.with_token(
+                self.token, db=str(self.run_dir / "agentbolt.db"), port=free_port()
+            )
             url = f"http://{config.host}:{config.port}"
         try:
             self._start_runners(agent, url)
@@ -105,7 +107,7 @@ class Trainer:
         methods = multiprocessing.get_all_start_methods()
         ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
         for _ in range(self.n_runners):
-            proc = ctx.Process(
+            proc = ctx.Process(  # type: ignore[attr-defined]
                 target=_runner_main, args=(agent, url, self.token, self.runner_concurrency, self.lease_seconds),
                 daemon=True,
             )  # fmt: skip

@@ -133,7 +133,8 @@ class GRPO(Algorithm):
         from transformers import AutoModelForCausalLM
 
         path = engine.base_model_path
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self._device())
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = model.to(self._device())  # type: ignore[arg-type]
         config = TrainConfig(lora=self.lora, lora_r=self.lora_r, lora_alpha=2 * self.lora_r, lr=self.lr)
         return make_train_state(model, config)
 

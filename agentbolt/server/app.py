@@ -105,8 +105,10 @@ class WakeUp:
 POLL_SECONDS = 0.5
 
 
-def _json(model: BaseModel | list[Any] | dict[str, Any], status: int = 200) -> Response:
-    if isinstance(model, BaseModel):
+def _json(model: BaseModel | list[Any] | dict[str, Any] | None, status: int = 200) -> Response:
+    if model is None:
+        body = "null"
+    elif isinstance(model, BaseModel):
         body = model.model_dump_json()
     else:
         body = to_json(model).decode()

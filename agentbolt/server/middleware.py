@@ -21,8 +21,8 @@ RUNNER_WRITES = ("/api/dequeue", "/api/attempts/", "/gateway/", "/v1/traces")
 
 
 async def _send_json(
-    send: Any, status: int, body: dict[str, Any], headers: list[tuple[bytes, bytes]] = ()
-) -> None:  # type: ignore[assignment]
+    send: Any, status: int, body: dict[str, Any], headers: tuple[tuple[bytes, bytes], ...] = ()
+) -> None:
     payload = orjson.dumps(body)
     await send(
         {
@@ -107,7 +107,7 @@ class AuthMiddleware:
         if role is None and not (method == "GET" and (path in OPEN_PATHS or path.startswith("/static/"))):
             return await _send_json(
                 send, 401, _error("missing or invalid bearer token", "unauthorized"),
-                [(b"www-authenticate", b"Bearer")],
+                ((b"www-authenticate", b"Bearer"),),
             )  # fmt: skip
         if role is not None and not role_allows(role, method, path):
             return await _send_json(

@@ -478,7 +478,8 @@ class SqlStore:
         cursor: str | None = None,
     ) -> Page[Event]:
         """Events ordered by (timestamp, id); ``cursor`` continues after the last page."""
-        where, params = [], []
+        where: list[str] = []
+        params: list[Any] = []
         if rollout_id is not None:
             where.append("rollout_id = ?")
             params.append(rollout_id)
@@ -579,7 +580,8 @@ class SqlStore:
         cursor: str | None = None,
         newest_first: bool = False,
     ) -> Page[Rollout]:
-        where, params = ["1 = 1"], []
+        where: list[str] = ["1 = 1"]
+        params: list[Any] = []
         if status:
             where.append(f"r.status IN ({', '.join('?' * len(status))})")
             params.extend(s.value for s in status)
