@@ -38,8 +38,10 @@ def _unavailable(message: str) -> None:
     pytest.skip(message)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
+    # Module scope, not session: Playwright's sync API keeps an event loop running in the main
+    # thread while started, which would break every later test that calls asyncio.run().
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
