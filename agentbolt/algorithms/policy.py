@@ -86,7 +86,7 @@ class RemotePolicy(PolicyServer):
 
 
 @contextlib.contextmanager
-def serve_policy(model: str, serve_url: str | None, serve_model: str | None, run_dir: Path, dtype: str,
+def serve_policy(model: str, serve_url: str | None, serve_model: str | None, run_dir: Path, dtype: str | None,
                  console: Any) -> Iterator[PolicyServer]:  # fmt: skip
     """A remote policy when ``serve_url`` is given, else the embedded engine started here."""
     from agentbolt.engine import EngineServer, ModelEngine, ensure_model
@@ -97,5 +97,8 @@ def serve_policy(model: str, serve_url: str | None, serve_model: str | None, run
         return
     console.print(f"loading the policy model ({model}) into the embedded engine ...")
     engine = ModelEngine.from_pretrained(path, dtype=dtype)
-    with EngineServer(engine) as server:
-        yield EnginePolicy(engine, server.base_url, path)
+    try:
+        with EngineServer(engine) as server:
+            yield EnginePolicy(engine, server.base_url, path)
+    finally:
+        engine.close()  # stops the batcher thread, which outlives the HTTP server otherwise

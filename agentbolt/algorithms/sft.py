@@ -169,18 +169,16 @@ class SFT(Algorithm):
         if "engine" in ctx.extras:
             yield ctx.extras["engine"]
             return
-        from agentbolt.engine import EngineServer, ModelEngine
+        from agentbolt.algorithms.policy import serve_policy
 
-        ctx.console.print(f"loading the policy model ({self.model}) ...")
-        engine = ModelEngine.from_pretrained(self.model)
-        with EngineServer(engine) as server:
-            engine.base_url = server.base_url  # type: ignore[attr-defined]
+        with serve_policy(self.model, None, None, ctx.run_dir, None, ctx.console) as policy:
+            engine = policy.engine  # type: ignore[attr-defined]
+            engine.base_url = policy.base_url
             ctx.extras["engine"] = engine
             try:
                 yield engine
             finally:
                 ctx.extras.pop("engine", None)
-                engine.close()
 
     def _load_policy(self, ctx: TrainContext, engine: Any) -> nn.Module:
         """A float32 training copy of the policy (never the module the engine serves)."""
