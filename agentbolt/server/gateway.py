@@ -41,11 +41,11 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from agentbolt.errors import NotFound
+from agentbolt.http1 import Http1Transport
 from agentbolt.schemas import LLM, AttemptStatus, EventCreate, EventType
 from agentbolt.server.app import StoreCaller
 from agentbolt.server.config import ServerConfig
 from agentbolt.server.gateway_access import UpstreamKeys, rewrite_claim
-from agentbolt.server.http1 import Http1Transport
 from agentbolt.server.openai_format import (
     CHAT,
     COMPLETIONS,

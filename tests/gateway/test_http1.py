@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import pytest
 
-from agentbolt.server.http1 import Http1Transport
+from agentbolt.http1 import Http1Transport
 from agentbolt.server.run import free_port
 
 

@@ -1,8 +1,10 @@
-"""A lean HTTP/1.1 keep-alive transport for httpx: the gateway's calls to plain-http upstreams.
+"""A lean HTTP/1.1 keep-alive transport for httpx, for plain-http loopback and cluster traffic:
+the runners' calls to the server and the gateway's calls to upstream model servers.
 
 Why not httpx's default transport: measured here with 32 calls in flight, httpcore's pool cost
 1.4-3.8 ms of CPU per request (it scans and polls every pooled connection on each one), which
-capped the whole gateway near 200 calls/s. This transport keeps idle connections on a LIFO
+capped the whole gateway near 200 calls/s (and a benchmark client's CPU, not the server's,
+was what limited store throughput). This transport keeps idle connections on a LIFO
 stack per origin and costs tens of microseconds. It is injected as an httpx transport (the
 client API, timeouts and errors stay httpx's) and only mounted for ``http://``; ``https://``
 upstreams keep httpx's default transport (TLS, HTTP/2, proxies).
