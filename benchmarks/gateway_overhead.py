@@ -15,6 +15,8 @@ throughput ratio, and checks that every gateway call was recorded.
 
 ``--upstream-delay-ms`` makes the upstream wait before answering, as a real model would; the
 throughput ratio then shows whether the gateway limits concurrency rather than its CPU cost.
+``--upstream engine`` puts the real thing upstream instead: the embedded engine serving the
+bundled SmolLM2-135M on this machine's CPU (start-up takes a minute; use fewer ``--calls``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import json
 import multiprocessing
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -131,8 +135,9 @@ async def _phase(urls: list[str], calls: int, concurrency: int) -> tuple[float, 
             if status != 200:
                 raise RuntimeError(f"HTTP {status} from {conn.base}")
 
-    for conn in conns:  # warm up every connection (and the gateway's upstream pool)
-        await conn.post("/chat/completions", body)
+    # warm up every connection (and the gateway's upstream pool) at once: one by one, a slow
+    # upstream would let the first connections idle past the server's keep-alive timeout
+    await asyncio.gather(*(conn.post("/chat/completions", body) for conn in conns))
     t0 = time.perf_counter()
     await asyncio.gather(*(loop(c) for c in conns))
     elapsed = time.perf_counter() - t0
@@ -171,6 +176,10 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--upstream-delay-ms", type=float, default=0.0)
     parser.add_argument(
+        "--upstream", choices=["stub", "engine"], default="stub",
+        help="stub: a minimal server that answers at once; engine: the embedded model engine",
+    )  # fmt: skip
+    parser.add_argument(
         "--rounds", type=int, default=2, help="direct/gateway pairs, alternating; best of each"
     )
     parser.add_argument("--db", default="file", choices=["file", "memory"], help="the server's SQLite store")
@@ -178,10 +187,17 @@ def main() -> None:
 
     port = free_port()
     upstream_url = f"http://127.0.0.1:{port}/v1"
-    up = multiprocessing.get_context("spawn").Process(target=_serve_upstream, args=(port, args.upstream_delay_ms / 1000),
-                                                     daemon=True)  # fmt: skip
-    up.start()
-    wait_healthy(f"http://127.0.0.1:{port}")
+    up: multiprocessing.process.BaseProcess | subprocess.Popen
+    if args.upstream == "engine":
+        up = subprocess.Popen([sys.executable, "-m", "agentbolt.engine.cli", "serve", "--port", str(port),
+                               "--name", "bench"], stdout=subprocess.DEVNULL)  # fmt: skip
+        wait_healthy(f"http://127.0.0.1:{port}", timeout=300)
+    else:
+        up = multiprocessing.get_context("spawn").Process(
+            target=_serve_upstream, args=(port, args.upstream_delay_ms / 1000), daemon=True
+        )
+        up.start()
+        wait_healthy(f"http://127.0.0.1:{port}")
     with (
         tempfile.TemporaryDirectory() as tmp,
         ServerProcess(
@@ -199,12 +215,12 @@ def main() -> None:
             cpu["upstream"] += cpu_seconds(up.pid) - before[1]
         recorded = _count_llm_calls(server.url)
     up.terminate()
-    up.join(5)
+    up.wait(30) if isinstance(up, subprocess.Popen) else up.join(5)
 
     summary = {}
-    print(
-        f"{args.calls} chat calls, {args.concurrency} in flight, upstream delay {args.upstream_delay_ms:g} ms"
-    )
+    upstream = "the embedded engine (SmolLM2-135M, CPU)" if args.upstream == "engine" else (
+        f"a stub answering after {args.upstream_delay_ms:g} ms")  # fmt: skip
+    print(f"{args.calls} chat calls, {args.concurrency} in flight, upstream: {upstream}")
     for name, runs in results.items():
         elapsed, lat = min(runs, key=lambda r: r[0])  # the best round: least disturbed by other load
         summary[name] = (args.calls / elapsed, pct(lat, 50), pct(lat, 99))

@@ -257,18 +257,15 @@ class SqlStore:
         with self._tx() as tx:
             self._expire_in(tx, ts)
             row = tx.one(
-                f"SELECT {_ROLLOUT_COLS}, r.last_attempt FROM {_ROLLOUT_FROM} "
-                f"WHERE r.status = ? ORDER BY r.qseq LIMIT 1 {self.db.claim_lock}",
+                f"SELECT {_ROLLOUT_COLS}, r.last_attempt, (SELECT MAX(version) FROM resources) "
+                f"FROM {_ROLLOUT_FROM} WHERE r.status = ? ORDER BY r.qseq LIMIT 1 {self.db.claim_lock}",
                 (RolloutStatus.QUEUED.value,),
             )
             if row is None:
                 self._touch_worker(tx, worker_id, ts, claimed=0)
                 return None
-            rollout, number = _rollout(row[:-1]), row[-1] + 1
-            version = rollout.resources_version
-            if version is None:
-                latest = tx.one("SELECT MAX(version) FROM resources")
-                version = latest[0] if latest else None
+            rollout, number, latest = _rollout(row[:-2]), row[-2] + 1, row[-1]
+            version = rollout.resources_version if rollout.resources_version is not None else latest
             deadline = ts + rollout.timeout_seconds if rollout.timeout_seconds else None
             attempt = Attempt(id=new_id("at"), rollout_id=rollout.id, number=number, worker_id=worker_id,
                               status=AttemptStatus.RUNNING, started_at=ts, heartbeat_at=ts,
