@@ -91,6 +91,9 @@ def run_trl(path: str, steps: int, group: int, prompts: int, max_tokens: int, lr
         num_generations=group, max_completion_length=max_tokens, max_steps=steps, learning_rate=lr,
         logging_steps=1, report_to=[], use_cpu=True, bf16=True, save_strategy="no", temperature=1.0,
         beta=0.0, gradient_accumulation_steps=1, dataloader_num_workers=0,
+        # TRL turns activation checkpointing on by default: it saves memory at the cost of a
+        # second forward pass. agentbolt does not checkpoint, so neither does TRL here.
+        gradient_checkpointing=False,
     )  # fmt: skip
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path)
