@@ -36,6 +36,7 @@ __all__ = ["PostgresDatabase"]
 
 # Any constant works: it only has to differ from advisory locks other applications take.
 _MIGRATE_LOCK = 0x61677462  # "agtb"
+_SECTION_LOCK = 0x61670000  # + n: Database.serialize(tx, n) sections
 # lower case only: search_path folds unquoted names to lower case, CREATE SCHEMA "X" would not
 _SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 
@@ -139,6 +140,10 @@ class PostgresDatabase(Database):
     def transaction(self) -> Iterator[Tx]:
         with self.pool.connection() as conn, conn.transaction():
             yield _PgTx(conn)
+
+    def serialize(self, tx: Tx, what: int) -> None:
+        # a transaction-scoped advisory lock, per schema (stores in other schemas do not wait)
+        tx.run("SELECT pg_advisory_xact_lock(?, hashtext(current_schema()))", (_SECTION_LOCK + what,))
 
     def migrate(self, migrations: Sequence[tuple[int, list[str]]]) -> None:
         """Apply the migrations not yet recorded, all in one transaction. The advisory lock

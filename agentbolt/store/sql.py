@@ -85,6 +85,11 @@ class Database(abc.ABC):
         """A context manager yielding a :class:`Tx`; commits on success, rolls back on error."""
 
     @abc.abstractmethod
+    def serialize(self, tx: Tx, what: int) -> None:
+        """Make transactions that call this with the same ``what`` run one after another (until
+        commit)."""
+
+    @abc.abstractmethod
     def migrate(self, migrations: Sequence[tuple[int, list[str]]]) -> None: ...
 
     @abc.abstractmethod
@@ -130,6 +135,9 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
         ],
     ),
 ]
+
+# serialize() key of publish_resources (any constant distinct from other serialized sections)
+_PUBLISH_LOCK = 1
 
 _ROLLOUT_COLS = (
     "r.id, r.task_id, t.data, t.metadata, r.mode, r.status, r.resources_version, r.timeout_seconds, "
@@ -256,9 +264,13 @@ class SqlStore:
         ts = now()
         with self._tx() as tx:
             self._expire_in(tx, ts)
+            # A rollout pinned to a version not published yet waits in the queue until it is
+            # (versions are numbered 1, 2, ... and never deleted: published <=> <= MAX).
             row = tx.one(
                 f"SELECT {_ROLLOUT_COLS}, r.last_attempt, (SELECT MAX(version) FROM resources) "
-                f"FROM {_ROLLOUT_FROM} WHERE r.status = ? ORDER BY r.qseq LIMIT 1 {self.db.claim_lock}",
+                f"FROM {_ROLLOUT_FROM} WHERE r.status = ? AND (r.resources_version IS NULL OR "
+                f"r.resources_version <= (SELECT MAX(version) FROM resources)) "
+                f"ORDER BY r.qseq LIMIT 1 {self.db.claim_lock}",
                 (RolloutStatus.QUEUED.value,),
             )
             if row is None:
@@ -509,6 +521,8 @@ class SqlStore:
     def publish_resources(self, create: ResourcesCreate) -> Resources:
         ts = now()
         with self._tx() as tx:
+            # two replicas publishing at once must not both read the same MAX(version)
+            self.db.serialize(tx, _PUBLISH_LOCK)
             row = tx.one("SELECT MAX(version) FROM resources")
             version = (row[0] if row and row[0] is not None else 0) + 1
             body = _dumps({k: v.model_dump(mode="json") for k, v in create.resources.items()})

@@ -551,6 +551,27 @@ def test_resources_version_resolved_at_dequeue(store: SqlStore) -> None:
     assert store.get_rollout(unversioned.id).resources_version is None
 
 
+def test_rollout_pinned_to_an_unpublished_version_waits_for_it(store: SqlStore) -> None:
+    publish(store, "v1")
+    [future] = store.enqueue(make(1, resources_version=2))
+    [now_] = store.enqueue(make(1))
+    got = claim(store)
+    assert got.rollout.id == now_.id  # the older, pinned rollout is passed over, not failed
+    assert store.dequeue("w1") is None
+    assert store.get_rollout(future.id).status == RolloutStatus.QUEUED
+    publish(store, "v2")
+    got = claim(store)
+    assert got.rollout.id == future.id
+    assert got.resources is not None and got.resources.version == 2
+
+
+def test_concurrent_publishes_get_distinct_versions(store_factory) -> None:
+    stores = [store_factory.open(pool_size=1) for _ in range(8)]  # 8 replicas publishing at once
+    versions = run_threads(8, lambda i: publish(stores[i], f"p{i}"))
+    assert sorted(versions) == list(range(1, 9))
+    assert sorted(r.version for r in stores[0].list_resources().items) == list(range(1, 9))
+
+
 def test_stats_and_workers(store: SqlStore) -> None:
     publish(store, "v1")
     store.enqueue(make(5, mode=Mode.TRAIN))
