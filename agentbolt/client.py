@@ -170,6 +170,14 @@ class _Api:
         return _Call("GET", f"/api/rollouts/{rollout_id}/events", _page_events, params=params)
 
     @staticmethod
+    def query_events(
+        rollout_ids: Sequence[str], types: Sequence[str] | None, cursor: str | None
+    ) -> _Call[Page[Event]]:
+        body = {"rollout_ids": list(rollout_ids), "type": list(types) if types else None, "limit": 1000,
+                "cursor": cursor}  # fmt: skip
+        return _Call("POST", "/api/events/query", _page_events, json=body)
+
+    @staticmethod
     def publish(resources: dict[str, Resource], metadata: dict[str, Any] | None) -> _Call[Resources]:
         body = {
             "resources": {k: v.model_dump(mode="json") for k, v in resources.items()},
@@ -297,6 +305,24 @@ class Client(_Base):
             if not page.next_cursor:
                 return out
             cursor = page.next_cursor
+
+    def events_of(
+        self, rollout_ids: Sequence[str], type: Sequence[str] | None = None
+    ) -> dict[str, list[Event]]:
+        """The events of many rollouts (optionally only some types), each rollout's in order:
+        one request per 1,000 events instead of one per rollout. Unknown ids map to ``[]``."""
+        out: dict[str, list[Event]] = {rid: [] for rid in rollout_ids}
+        ids = list(out)
+        for start in range(0, len(ids), 1000):
+            cursor = None
+            while True:
+                page = self._send(_Api.query_events(ids[start : start + 1000], type, cursor))
+                for event in page.items:
+                    out[event.rollout_id].append(event)
+                if not page.next_cursor:
+                    break
+                cursor = page.next_cursor
+        return out
 
     def wait(self, rollout_ids: Sequence[str], timeout: float = 10.0) -> WaitResult:
         return self._send(_Api.wait(rollout_ids, min(timeout, 60.0)))

@@ -28,7 +28,6 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -57,7 +56,6 @@ __all__ = [
 
 ExportFormat = Literal["openai", "hf", "tokens"]
 CARD_MARKER = "<!-- written by agentbolt export -->"
-_EVENTS_WORKERS = 8
 _PAGE = 1000
 
 
@@ -252,15 +250,11 @@ def fetch_rollouts(
 
 
 def _with_events(client: Client, rollouts: Sequence[Rollout]) -> Iterator[tuple[Rollout, list[Event]]]:
-    """Each rollout with its ``llm_call`` events, fetched a page of rollouts at a time in parallel."""
-
-    def fetch(rollout: Rollout) -> list[Event]:
-        return client.all_events(rollout.id, type=[EventType.LLM_CALL.value])
-
-    with ThreadPoolExecutor(_EVENTS_WORKERS) as pool:
-        for start in range(0, len(rollouts), _PAGE):
-            chunk = rollouts[start : start + _PAGE]
-            yield from zip(chunk, pool.map(fetch, chunk), strict=True)
+    """Each rollout with its ``llm_call`` events, read for a page of rollouts at a time."""
+    for start in range(0, len(rollouts), _PAGE):
+        chunk = rollouts[start : start + _PAGE]
+        events = client.events_of([r.id for r in chunk], type=[EventType.LLM_CALL.value])
+        yield from ((r, events[r.id]) for r in chunk)
 
 
 def _rows_of(

@@ -26,6 +26,8 @@ __all__ = [
     "ErrorInfo",
     "WaitResult",
     "WaitRequest",
+    "EventsQuery",
+    "EVENT_CURSOR",
     "FinishRequest",
     "EventsRequest",
     "HeartbeatRequest",
@@ -421,6 +423,19 @@ class FinishRequest(AttemptFinish):
 class WaitRequest(_Strict):
     rollout_ids: list[str] = Field(min_length=1, max_length=10_000)
     timeout: float = Field(default=10.0, ge=0, le=60)
+
+
+# An events page cursor as the store writes it: "<timestamp>:<event id>".
+EVENT_CURSOR = r"^-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?:[0-9]{1,18}$"
+
+
+class EventsQuery(_Strict):
+    """The events of many rollouts at once (training and export read whole batches)."""
+
+    rollout_ids: list[str] = Field(min_length=1, max_length=1000)
+    type: list[str] | None = Field(default=None, max_length=64)
+    limit: int = Field(default=1000, ge=1, le=1000)
+    cursor: str | None = Field(default=None, pattern=EVENT_CURSOR)
 
 
 class WaitResult(BaseModel):

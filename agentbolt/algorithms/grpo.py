@@ -250,10 +250,11 @@ class GRPO(Algorithm):
                 finished[r.group_id].append(r)
         kept = {g: rs for g, rs in finished.items() if len(rs) >= self.min_group_size}
         traj_rows, gen_tokens, mismatches = [], 0, 0
+        events = ctx.client.events_of([r.id for rs in kept.values() for r in rs], type=["llm_call", "reward"])
         for rollouts in kept.values():
             for r in rollouts:
-                rows, stats = to_trajectories(ctx.client.all_events(r.id, type=["llm_call", "reward"]), reward=r.reward,
-                                              group_id=r.group_id, task_id=r.task.id)  # fmt: skip
+                rows, stats = to_trajectories(events[r.id], reward=r.reward, group_id=r.group_id,
+                                              task_id=r.task.id)  # fmt: skip
                 traj_rows += rows
                 mismatches += stats.prefix_mismatches
                 gen_tokens += sum(row.num_model_tokens for row in rows)

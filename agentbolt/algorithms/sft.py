@@ -236,8 +236,9 @@ class SFT(Algorithm):
     def _rows(self, ctx: TrainContext, kept: Sequence[Rollout]) -> tuple[list[TrainRow], int, AdapterStats]:
         trajectories: list[TrajectoryRow] = []
         adapter = AdapterStats()
+        by_rollout = ctx.client.events_of([r.id for r in kept], type=[EventType.LLM_CALL.value])
         for r in kept:
-            events = latest_attempt(ctx.client.all_events(r.id, type=[EventType.LLM_CALL.value]))
+            events = latest_attempt(by_rollout[r.id])
             found, stats = to_trajectories(events, reward=r.reward, group_id=r.group_id, task_id=r.task.id)
             trajectories += found
             adapter += stats

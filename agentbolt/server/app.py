@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agentbolt.errors import AgentboltError
 from agentbolt.schemas import (
+    EVENT_CURSOR,
     LLM,
     MAX_INT32,
     Attempt,
@@ -32,6 +33,7 @@ from agentbolt.schemas import (
     DequeueRequest,
     EnqueueRequest,
     Event,
+    EventsQuery,
     EventsRequest,
     FinishRequest,
     HeartbeatRequest,
@@ -57,7 +59,6 @@ R = TypeVar("R")
 # Cursors as the store writes them (a queue position; "<timestamp>:<event id>" for events):
 # anything else is a 422 from validation, not a 400 from the store.
 INT_CURSOR = r"^[0-9]{1,18}$"
-EVENT_CURSOR = r"^-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?:[0-9]{1,18}$"
 REDACTED = "<redacted>"
 
 
@@ -223,6 +224,15 @@ def _store_router(call: StoreCaller, config: ServerConfig) -> APIRouter:
         page = await call(
             store.list_events, rollout_id, attempt_id=attempt_id, types=type, limit=limit, cursor=cursor
         )
+        return _json(page)
+
+    @api.post("/events/query", response_model=Page[Event], tags=["events"])
+    async def query_events(body: EventsQuery) -> Response:
+        """The events of many rollouts, ordered by (timestamp, id), a page at a time: what a
+        trainer or an export reads for a whole batch in one request instead of one per rollout.
+        Ids that match no rollout contribute nothing. A read: any token role may send it."""
+        page = await call(store.list_events, rollout_ids=body.rollout_ids, types=body.type, limit=body.limit,
+                          cursor=body.cursor)  # fmt: skip
         return _json(page)
 
     @api.post("/dequeue", response_model=Claim | None, tags=["runner"])

@@ -18,6 +18,8 @@ Scope = dict[str, Any]
 OPEN_PATHS = ("/health", "/", "/favicon.ico", "/dashboard", "/static/")
 # Paths a runner may write to (besides reading). Everything else that writes needs admin.
 RUNNER_WRITES = ("/api/dequeue", "/api/attempts/", "/gateway/", "/v1/traces")
+# POSTs that only read (their bodies are too big for a query string): any role may send them.
+READ_POSTS = ("/api/events/query", "/api/rollouts/wait")
 
 
 async def _send_json(
@@ -76,7 +78,7 @@ class _TooLarge(BaseException):  # not Exception: request parsing must not swall
 def role_allows(role: Role, method: str, path: str) -> bool:
     if role == Role.ADMIN:
         return True
-    if method in ("GET", "HEAD", "OPTIONS"):
+    if method in ("GET", "HEAD", "OPTIONS") or (method == "POST" and path in READ_POSTS):
         return True
     return role == Role.RUNNER and path.startswith(RUNNER_WRITES)
 

@@ -481,17 +481,23 @@ class SqlStore:
         self,
         rollout_id: str | None = None,
         *,
+        rollout_ids: Sequence[str] | None = None,
         attempt_id: str | None = None,
         types: Sequence[str] | None = None,
         limit: int = 100,
         cursor: str | None = None,
     ) -> Page[Event]:
-        """Events ordered by (timestamp, id); ``cursor`` continues after the last page."""
+        """Events ordered by (timestamp, id); ``cursor`` continues after the last page.
+        ``rollout_ids``: the events of any of these rollouts (ids not stored match nothing)."""
         where: list[str] = []
         params: list[Any] = []
         if rollout_id is not None:
             where.append("rollout_id = ?")
             params.append(rollout_id)
+        if rollout_ids is not None:
+            marks = ", ".join("?" * len(rollout_ids))
+            where.append(f"rollout_id IN ({marks})" if rollout_ids else "1 = 0")
+            params.extend(rollout_ids)
         if attempt_id is not None:
             where.append("attempt_id = ?")
             params.append(attempt_id)

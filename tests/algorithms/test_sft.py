@@ -108,8 +108,8 @@ class _FakeClient:
     def __init__(self, events: dict[str, list[Event]]) -> None:
         self.events = events
 
-    def all_events(self, rollout_id: str, **_: Any) -> list[Event]:
-        return self.events[rollout_id]
+    def events_of(self, rollout_ids: list[str], **_: Any) -> dict[str, list[Event]]:
+        return {rid: self.events[rid] for rid in rollout_ids}
 
 
 def test_rows_come_from_the_last_attempt_only(tmp_path: Path) -> None:

@@ -70,6 +70,21 @@ def test_an_admin_may_write_to_an_attempt_without_naming_a_worker(secure):
     assert r.status_code == 200
 
 
+def test_every_role_may_read_events_of_many_rollouts(secure):
+    aid = _claim(secure.url, "owner")["attempt"]["id"]
+    body = {"events": [{"sequence": 0, "type": "message", "data": {"x": 1}}], "worker_id": "owner"}
+    assert (
+        httpx.post(f"{secure.url}/api/attempts/{aid}/events", json=body, headers=_h(RUNNER)).status_code
+        == 200
+    )
+    rid = httpx.get(f"{secure.url}/api/attempts/{aid}", headers=_h(READER)).json()["rollout_id"]
+    for token in (ADMIN, RUNNER, READER):
+        with Client(secure.url, token) as client:
+            assert [e.data for e in client.events_of([rid, "ro-unknown"])[rid]] == [{"x": 1}]
+            assert client.events_of(["ro-unknown"]) == {"ro-unknown": []}
+    assert httpx.post(f"{secure.url}/api/events/query", json={"rollout_ids": [rid]}).status_code == 401
+
+
 def test_readers_and_runners_cannot_do_admin_writes(secure):
     url = secure.url
     body = {"resources": {"p": {"type": "prompt_template", "template": "x"}}}

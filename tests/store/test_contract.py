@@ -437,6 +437,30 @@ def test_list_events_order_filters_and_cursor(store: SqlStore) -> None:
         store.list_events(first.id, cursor="garbage")
 
 
+def test_list_events_of_many_rollouts(store: SqlStore) -> None:
+    rollouts = store.enqueue(make(3))
+    attempts = [claim(store).attempt for _ in rollouts]
+    for n, a in enumerate(attempts):
+        store.add_events(a.id, [ev(i, "reward" if i == 0 else "message", 100.0 + 10 * i + n, n=n)
+                                for i in range(3)])  # fmt: skip
+    wanted = [rollouts[2].id, rollouts[0].id, "ro-not-stored"]
+    both = store.list_events(rollout_ids=wanted, limit=1000).items
+    assert sorted({e.rollout_id for e in both}) == sorted(wanted[:2]) and len(both) == 6
+    assert [e.timestamp for e in both] == sorted(e.timestamp for e in both)
+    assert [e.data["n"] for e in both if e.rollout_id == rollouts[0].id] == [0, 0, 0]
+    pages, cursor = [], None
+    while True:
+        page = store.list_events(rollout_ids=wanted, limit=4, cursor=cursor)
+        pages.append([e.id for e in page.items])
+        if (cursor := page.next_cursor) is None:
+            break
+    assert pages[0] + pages[1] == [e.id for e in both] and len(pages) == 2
+    rewards = store.list_events(rollout_ids=wanted, types=["reward"]).items
+    assert [e.type for e in rewards] == ["reward", "reward"]
+    assert store.list_events(rollout_ids=["ro-not-stored"]).items == []
+    assert store.list_events(rollout_ids=[]).items == []
+
+
 # ---------------------------------------------------------------------------- queries
 
 
