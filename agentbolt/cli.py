@@ -11,17 +11,17 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from agentbolt.errors import AgentboltError
+from agentbolt.render import make_console
 from agentbolt.schemas import Mode, RolloutStatus, Task
 
 app = typer.Typer(help="Train any AI agent from its real runs.", no_args_is_help=True, add_completion=False)
 rollouts_app = typer.Typer(help="Inspect rollouts stored on a server.", no_args_is_help=True)
 app.add_typer(rollouts_app, name="rollouts")
-console = Console()
-err_console = Console(stderr=True)
+console = make_console()
+err_console = make_console(stderr=True)
 
 ServerOpt = Annotated[str, typer.Option("--server", "-s", envvar="AGENTBOLT_SERVER", help="Server URL.")]
 TokenOpt = Annotated[str | None, typer.Option("--token", envvar="AGENTBOLT_TOKEN", help="Bearer token.")]

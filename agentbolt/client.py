@@ -20,7 +20,7 @@ import httpx
 from pydantic import TypeAdapter
 
 from agentbolt.errors import AgentboltError, InvalidTransition, LeaseLost, NotFound, ServerUnavailable
-from agentbolt.http1 import Http1Transport
+from agentbolt.http1 import Http1Transport, lean_mounts
 from agentbolt.schemas import (
     Attempt,
     AttemptStatus,
@@ -356,10 +356,11 @@ class AsyncClient(_Base):
                  transport: httpx.AsyncBaseTransport | None = None, max_connections: int = 100) -> None:  # fmt: skip
         super().__init__(url, token, timeout, retry)
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        # Plain http (loopback, cluster network) goes through the lean keep-alive transport;
+        # Plain http (loopback, cluster network) goes through the lean keep-alive transport
+        # (which opens connections as calls need them; ``max_connections`` caps the idle ones);
         # https keeps httpx's own (TLS, proxies).
         mounts = (
-            {"http://": Http1Transport(max_idle_per_origin=max_connections)} if transport is None else None
+            lean_mounts(Http1Transport(max_idle_per_origin=max_connections)) if transport is None else None
         )
         self.http = httpx.AsyncClient(base_url=self.url, headers=self.headers, timeout=timeout, transport=transport,
                                       limits=limits, mounts=mounts)  # fmt: skip

@@ -144,13 +144,13 @@ def demo_command(
     concurrency: Annotated[int, typer.Option(help="Rollouts in flight (the engine batches them).")] = 32,
 ) -> None:
     """Train SmolLM2-135M with GRPO to use a calculator tool; prints before/after and a plot."""
-    from rich.console import Console
     from rich.table import Table
 
     from agentbolt.algorithms.grpo import GRPO
+    from agentbolt.render import make_console
     from agentbolt.trainer import Trainer
 
-    console = Console()
+    console = make_console()
     run_dir = run_dir or Path("runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     algo = GRPO(model=model, steps=steps, group_size=group_size, tasks_per_step=tasks_per_step, lr=lr,
                 resume=resume, val_every=0, checkpoint_every=max(1, steps // 2))  # fmt: skip

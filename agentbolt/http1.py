@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.request
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 
-__all__ = ["Http1Transport"]
+__all__ = ["Http1Transport", "lean_mounts"]
 
 _NO_BODY = {204, 304}
 
@@ -102,6 +103,12 @@ class _Body(httpx.AsyncByteStream):
             self.transport._release(self.origin, conn)
         else:
             conn.close()
+
+
+def lean_mounts(transport: Http1Transport) -> dict[str, httpx.AsyncBaseTransport] | None:
+    """httpx ``mounts`` sending plain-http requests through ``transport``; None (httpx's own
+    transport for everything) when the environment names an http proxy, which it would bypass."""
+    return None if urllib.request.getproxies().get("http") else {"http://": transport}
 
 
 class Http1Transport(httpx.AsyncBaseTransport):

@@ -26,6 +26,7 @@ from agentbolt.agent import LitAgent, as_agent
 from agentbolt.algorithms.base import Algorithm, TrainContext
 from agentbolt.client import Client
 from agentbolt.errors import ConfigError
+from agentbolt.render import make_console
 from agentbolt.schemas import Resource, Task
 from agentbolt.server.config import ServerConfig
 from agentbolt.server.run import ServerThread, free_port, wait_healthy
@@ -64,7 +65,7 @@ class Trainer:
         self.resources = resources
         self.run_dir = Path(run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
         self.lease_seconds = lease_seconds
-        self.console = console or Console()
+        self.console = console or make_console()
         self.extras: dict[str, Any] = {}
         self._procs: list[multiprocessing.process.BaseProcess] = []
 

@@ -198,24 +198,26 @@ def main() -> None:
         )
         up.start()
         wait_healthy(f"http://127.0.0.1:{port}")
-    with (
-        tempfile.TemporaryDirectory() as tmp,
-        ServerProcess(
-            ServerConfig(db=str(Path(tmp) / "bench.db") if args.db == "file" else ":memory:")
-        ) as server,
-    ):
-        gateway_urls = _gateway_urls(server.url, upstream_url, args.concurrency)
-        results: dict[str, list[tuple[float, list[float]]]] = {"direct": [], "gateway": []}
-        cpu = {"upstream": 0.0, "gateway": 0.0}
-        for _ in range(args.rounds):
-            results["direct"].append(asyncio.run(_phase([upstream_url], args.calls, args.concurrency)))
-            before = cpu_seconds(server.process.pid), cpu_seconds(up.pid)
-            results["gateway"].append(asyncio.run(_phase(gateway_urls, args.calls, args.concurrency)))
-            cpu["gateway"] += cpu_seconds(server.process.pid) - before[0]
-            cpu["upstream"] += cpu_seconds(up.pid) - before[1]
-        recorded = _count_llm_calls(server.url)
-    up.terminate()
-    up.wait(30) if isinstance(up, subprocess.Popen) else up.join(5)
+    try:
+        with (
+            tempfile.TemporaryDirectory() as tmp,
+            ServerProcess(
+                ServerConfig(db=str(Path(tmp) / "bench.db") if args.db == "file" else ":memory:")
+            ) as server,
+        ):
+            gateway_urls = _gateway_urls(server.url, upstream_url, args.concurrency)
+            results: dict[str, list[tuple[float, list[float]]]] = {"direct": [], "gateway": []}
+            cpu = {"upstream": 0.0, "gateway": 0.0}
+            for _ in range(args.rounds):
+                results["direct"].append(asyncio.run(_phase([upstream_url], args.calls, args.concurrency)))
+                before = cpu_seconds(server.process.pid), cpu_seconds(up.pid)
+                results["gateway"].append(asyncio.run(_phase(gateway_urls, args.calls, args.concurrency)))
+                cpu["gateway"] += cpu_seconds(server.process.pid) - before[0]
+                cpu["upstream"] += cpu_seconds(up.pid) - before[1]
+            recorded = _count_llm_calls(server.url)
+    finally:  # the engine is a separate process: never leave it running
+        up.terminate()
+        up.wait(30) if isinstance(up, subprocess.Popen) else up.join(5)
 
     summary = {}
     upstream = "the embedded engine (SmolLM2-135M, CPU)" if args.upstream == "engine" else (

@@ -63,3 +63,12 @@ def test_bad_input_gives_one_clear_message(tmp_path):
     assert spec.returncode != 0 and "module:object" in spec.stderr and "Traceback" not in spec.stderr
     down = cli("rollouts", "list", "--server", "http://127.0.0.1:9")
     assert down.returncode != 0 and "failed after" in down.stderr and "Traceback" not in down.stderr
+
+
+def test_consoles_writing_to_a_log_are_wide_enough_for_the_training_tables(monkeypatch):
+    from agentbolt.render import LOG_WIDTH, make_console
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert make_console().width == LOG_WIDTH  # pytest captures output: not a terminal
+    monkeypatch.setenv("COLUMNS", "100")
+    assert make_console().width == 100

@@ -41,7 +41,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from agentbolt.errors import NotFound
-from agentbolt.http1 import Http1Transport
+from agentbolt.http1 import Http1Transport, lean_mounts
 from agentbolt.schemas import LLM, AttemptStatus, EventCreate, EventType
 from agentbolt.server.app import StoreCaller
 from agentbolt.server.config import ServerConfig
@@ -134,6 +134,7 @@ class Gateway:
         self.keys = UpstreamKeys(call, config)
         self._urls: dict[tuple[str, str], httpx.URL] = {}
         self._h1 = Http1Transport()  # plain-http upstreams (model servers on the cluster network)
+        self._mounts = lean_mounts(self._h1)  # None when an http proxy is configured
         self._timeout = httpx.Timeout(config.upstream_timeout, connect=min(10.0, config.upstream_timeout))
 
     @property
@@ -141,7 +142,7 @@ class Gateway:
         """One client for every upstream call: pooled keep-alive connections."""
         if self._http is None:
             limits = httpx.Limits(max_connections=1000, max_keepalive_connections=256, keepalive_expiry=60)
-            self._http = httpx.AsyncClient(timeout=self._timeout, limits=limits, mounts={"http://": self._h1})
+            self._http = httpx.AsyncClient(timeout=self._timeout, limits=limits, mounts=self._mounts)
         return self._http
 
     async def aclose(self) -> None:
@@ -260,7 +261,7 @@ class Gateway:
     async def _dispatch(self, request: httpx.Request) -> httpx.Response:
         """Plain-http upstreams: straight to the lean transport (the client's cookie, auth and
         redirect handling cost a quarter of a call and the gateway needs none of it)."""
-        if request.url.scheme != "http":
+        if request.url.scheme != "http" or self._mounts is None:
             return await self.http.send(request, stream=True)
         response = await self._h1.handle_async_request(request)
         response.request = request

@@ -94,3 +94,21 @@ async def test_errors_are_httpx_errors():
     async with httpx.AsyncClient(transport=Http1Transport()) as client:
         with pytest.raises(httpx.ConnectError):
             await client.get(f"http://127.0.0.1:{free_port()}/")
+
+
+def test_lean_mounts_step_aside_for_an_http_proxy(monkeypatch):
+    from agentbolt.client import AsyncClient
+    from agentbolt.http1 import lean_mounts
+
+    for name in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    transport = Http1Transport()
+    assert lean_mounts(transport) == {"http://": transport}
+    client = AsyncClient("http://127.0.0.1:9")
+    assert isinstance(client.http._transport_for_url(httpx.URL("http://127.0.0.1:9/x")), Http1Transport)
+    monkeypatch.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
+    assert lean_mounts(transport) is None
+    proxied = AsyncClient("http://10.0.0.5:8000")
+    assert not isinstance(
+        proxied.http._transport_for_url(httpx.URL("http://10.0.0.5:8000/x")), Http1Transport
+    )
