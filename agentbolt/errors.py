@@ -10,6 +10,7 @@ __all__ = [
     "LeaseLost",
     "NotFound",
     "ServerUnavailable",
+    "StoreUnavailable",
 ]
 
 
@@ -51,6 +52,12 @@ class LeaseLost(AgentboltError, RuntimeError):
 
 class ConfigError(AgentboltError, ValueError):
     status_code = 400
+
+
+class StoreUnavailable(AgentboltError, ConnectionError):
+    """The store's database cannot be opened or reached (bad path, database down)."""
+
+    status_code = 503
 
 
 class ServerUnavailable(AgentboltError, ConnectionError):

@@ -65,6 +65,21 @@ def test_bad_input_gives_one_clear_message(tmp_path):
     assert down.returncode != 0 and "failed after" in down.stderr and "Traceback" not in down.stderr
 
 
+def test_a_store_that_cannot_be_opened_is_one_clear_message(tmp_path):
+    (tmp_path / "notdb.db").write_text("this is not a database")
+    for db, words in [
+        (
+            str(tmp_path / "no" / "such" / "folder" / "x.db").replace(str(tmp_path), "/proc/none"),
+            "cannot open",
+        ),
+        (str(tmp_path / "notdb.db"), "not a database"),
+        ("postgresql://postgres@127.0.0.1:9/test", "cannot connect to PostgreSQL"),
+    ]:
+        run = cli("server", "--db", db, "--port", "0", timeout=60)
+        assert run.returncode == 1 and words in run.stderr and "Traceback" not in run.stderr, run.stderr
+    assert (tmp_path / "notdb.db").read_text() == "this is not a database"  # left as it was
+
+
 def test_consoles_writing_to_a_log_are_wide_enough_for_the_training_tables(monkeypatch):
     from agentbolt.render import LOG_WIDTH, make_console
 

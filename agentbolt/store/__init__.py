@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sqlite3
+
+from agentbolt.errors import StoreUnavailable
 from agentbolt.store.sql import Database, SqlStore
 from agentbolt.store.sqlite import SqliteDatabase
 
@@ -16,5 +19,8 @@ def open_store(url: str = ":memory:", lease_seconds: float | None = None) -> Sql
         from agentbolt.store.postgres import PostgresDatabase  # type: ignore[import-not-found]
 
         return SqlStore(PostgresDatabase(url), **kwargs)
-    path = url.removeprefix("sqlite:///").removeprefix("sqlite://")
-    return SqlStore(SqliteDatabase(path or ":memory:"), **kwargs)
+    path = url.removeprefix("sqlite:///").removeprefix("sqlite://") or ":memory:"
+    try:
+        return SqlStore(SqliteDatabase(path), **kwargs)
+    except (OSError, sqlite3.Error) as exc:  # a missing or unwritable folder, not a database file
+        raise StoreUnavailable(f"cannot open the SQLite store {path!r}: {exc}") from None

@@ -29,7 +29,7 @@ from psycopg import sql as pgsql
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
 
-from agentbolt.errors import ConfigError
+from agentbolt.errors import ConfigError, StoreUnavailable
 from agentbolt.store.sql import Database, Tx
 
 __all__ = ["PostgresDatabase"]
@@ -119,6 +119,7 @@ class PostgresDatabase(Database):
         if pool_size < 1:
             raise ConfigError(f"pool_size must be at least 1, got {pool_size}")
         self.schema = schema
+        self._probe(dsn)
         kwargs: dict[str, Any] = {"autocommit": True}  # transactions are explicit: transaction()
         if schema is not None:
             self._create_schema(dsn, schema)
@@ -128,6 +129,16 @@ class PostgresDatabase(Database):
         self.pool = ConnectionPool(
             dsn, min_size=1, max_size=pool_size, kwargs=kwargs, open=True, name=f"agentbolt-{schema or 'db'}"
         )
+
+    @staticmethod
+    def _probe(dsn: str) -> None:
+        """Fail at once with libpq's own reason (refused, unknown host, no such database) rather
+        than after the pool's 30 s timeout with none."""
+        try:
+            psycopg.connect(dsn, connect_timeout=10).close()
+        except psycopg.Error as exc:
+            reason = " ".join(str(exc).split())
+            raise StoreUnavailable(f"cannot connect to PostgreSQL: {reason}") from None
 
     @staticmethod
     def _create_schema(dsn: str, schema: str) -> None:
