@@ -171,17 +171,28 @@ class ModelEngine:
 
     async def complete(self, request: Mapping[str, Any]) -> dict[str, Any]:
         """Answer an OpenAI ``/v1/completions`` body (``stream`` is ignored here)."""
+        req, prompts, params = self._prepare_completion(request)
+        runs = [self._generate(ids, p, req.n) for (_, ids), p in zip(prompts, params, strict=True)]
+        seqs = [s for group in await asyncio.gather(*runs) for s in group]
+        return completion_response(req, self.name, self.tokenizer, prompts, seqs)
+
+    async def complete_stream(self, request: Mapping[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """The same request as ``complete``, answered as ``text_completion`` chunks."""
+        from agentbolt.engine.streaming import stream_completion
+
+        req, prompts, params = self._prepare_completion(request)
+        async for chunk in stream_completion(self, req, prompts, params):
+            yield chunk
+
+    def _prepare_completion(
+        self, request: Mapping[str, Any]
+    ) -> tuple[CompletionRequest, list[tuple[str, list[int]]], list[SamplingParams]]:
         req = parse_request(CompletionRequest, request)
         self._check_model(req.model)
         prompts = self._completion_prompts(req.prompt)
-        runs = []
-        for _, ids in prompts:
-            params = self._sampling(
-                req, len(ids), req.max_tokens, top=req.logprobs or 0, logprobs=req.logprobs is not None
-            )
-            runs.append(self._generate(ids, params, req.n))
-        seqs = [s for group in await asyncio.gather(*runs) for s in group]
-        return completion_response(req, self.name, self.tokenizer, prompts, seqs)
+        params = [self._sampling(req, len(ids), req.max_tokens, top=req.logprobs or 0,
+                                 logprobs=req.logprobs is not None) for _, ids in prompts]  # fmt: skip
+        return req, prompts, params
 
     async def chat_stream(self, request: Mapping[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """The same request as ``chat``, answered as ``chat.completion.chunk`` dicts."""

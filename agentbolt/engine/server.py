@@ -105,7 +105,9 @@ def create_engine_app(engine: ModelEngine) -> FastAPI:
     async def completions(request: Request):
         body = await _json_body(request)
         if isinstance(body, dict) and body.get("stream"):
-            raise EngineRequestError("stream is supported for /v1/chat/completions only", param="stream")
+            gen = engine.complete_stream(body)
+            first = await anext(gen)  # validation errors surface here, before the 200 goes out
+            return _sse(_prepend(first, gen))
         return await engine.complete(body)
 
     @app.post("/v1/load_lora_adapter")

@@ -1,4 +1,5 @@
-"""``stream: true`` for chat: ``chat.completion.chunk`` dicts as tokens arrive.
+"""``stream: true``: ``chat.completion.chunk`` (chat) and ``text_completion`` (completions)
+dicts as tokens arrive.
 
 Text is released only when it is final: a suffix that could still grow into a stop string, and an
 incomplete UTF-8 character at the end, are held back. When the request carries tools, content is
@@ -15,20 +16,21 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from agentbolt.engine.protocol import ChatCompletionRequest
-from agentbolt.engine.responses import chat_logprobs, chat_message, usage
+from agentbolt.engine.protocol import ChatCompletionRequest, CompletionRequest
+from agentbolt.engine.responses import chat_logprobs, chat_message, completion_logprobs, usage
 from agentbolt.engine.sampling import SamplingParams
 from agentbolt.engine.sequence import Sequence
 
 if TYPE_CHECKING:
     from agentbolt.engine.engine import ModelEngine
 
-__all__ = ["stream_chat"]
+__all__ = ["stream_chat", "stream_completion"]
 
 
 class _Choice:
     def __init__(self, index: int, seq: Sequence) -> None:
         self.index, self.seq, self.sent_text, self.sent_tokens, self.done = index, seq, 0, 0, False
+        self.offset = 0  # completions: where the generated text starts (after an echoed prompt)
 
 
 async def stream_chat(
@@ -48,9 +50,16 @@ async def stream_chat(
     }
     head |= {"model": engine.name, "system_fingerprint": f"agentbolt-v{engine.version}"}
     engine.submit(seqs)
+    # the prompt's ids travel once, in the first chunk (as vLLM sends them)
+    prompt = {"prompt_token_ids": list(prompt_ids)} if req.return_token_ids is not False else {}
     try:
         for choice in choices.values():
-            yield head | {"choices": [{"index": choice.index, "delta": {"role": "assistant", "content": ""}}]}
+            yield (
+                head
+                | prompt
+                | {"choices": [{"index": choice.index, "delta": {"role": "assistant", "content": ""}}]}
+            )
+            prompt = {}
         while not all(c.done for c in choices.values()):
             final, seq = await events.get()
             chunk = _chunk(engine, req, choices[id(seq)], final)
@@ -61,6 +70,73 @@ async def stream_chat(
             seq.cancelled.set()
     if (req.stream_options or {}).get("include_usage"):
         yield head | {"choices": [], "usage": usage(len(prompt_ids), seqs)}
+
+
+async def stream_completion(
+    engine: ModelEngine, req: CompletionRequest, prompts: list[tuple[str, list[int]]],
+    params: list[SamplingParams],
+) -> AsyncIterator[dict[str, Any]]:  # fmt: skip
+    """Choice ``i`` is sample ``i % n`` of prompt ``i // n``, as in the non-streamed answer.
+    A choice's first chunk carries its ``prompt_token_ids`` (and the prompt text with ``echo``)."""
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue[tuple[bool, Sequence]] = asyncio.Queue()
+    groups = [engine.make_sequences(ids, p, req.n) for (_, ids), p in zip(prompts, params, strict=True)]
+    seqs = [s for group in groups for s in group]
+    choices = {id(s): _Choice(i, s) for i, s in enumerate(seqs)}
+    for seq in seqs:
+        seq.on_token = lambda s: loop.call_soon_threadsafe(events.put_nowait, (False, s))
+        seq.on_done = lambda s: loop.call_soon_threadsafe(events.put_nowait, (True, s))
+    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": engine.name, "system_fingerprint": f"agentbolt-v{engine.version}"}  # fmt: skip
+    with_ids = req.return_token_ids is not False
+    for group in groups:  # one submission per prompt: the batcher prefills a submission's prompt once
+        engine.submit(group)
+    try:
+        for choice in choices.values():
+            prompt_text, prompt_ids = prompts[choice.index // req.n]
+            first: dict[str, Any] = {"index": choice.index, "text": prompt_text if req.echo else "",
+                                     "logprobs": None, "finish_reason": None}  # fmt: skip
+            if with_ids:
+                first |= {"prompt_token_ids": list(prompt_ids), "token_ids": []}
+            choice.offset = len(first["text"])
+            yield head | {"choices": [first]}
+        while not all(c.done for c in choices.values()):
+            final, seq = await events.get()
+            chunk = _text_chunk(engine, req, choices[id(seq)], final, with_ids)
+            if chunk is not None:
+                yield head | {"model_version": seq.versions[0] if seq.versions else None, "choices": [chunk]}
+    finally:
+        for seq in seqs:
+            seq.cancelled.set()
+    if (req.stream_options or {}).get("include_usage"):
+        yield head | {"choices": [], "usage": usage(sum(len(ids) for _, ids in prompts), seqs)}
+
+
+def _text_chunk(
+    engine: ModelEngine, req: CompletionRequest, choice: _Choice, final: bool, with_ids: bool
+) -> dict[str, Any] | None:
+    seq = choice.seq
+    if seq.error is not None:
+        raise RuntimeError(f"generation failed: {seq.error}") from seq.error
+    if choice.done:
+        return None
+    text = seq.text() if final else _stable_text(seq)
+    delta = text[choice.sent_text :]
+    if not final and not delta:
+        return None  # nothing final yet; the ids go out with the next text
+    new_ids = seq.output_ids[choice.sent_tokens :]
+    out: dict[str, Any] = {"index": choice.index, "text": delta, "logprobs": None, "finish_reason": None}
+    if req.logprobs is not None and new_ids:
+        whole = completion_logprobs(engine.tokenizer, seq, req.logprobs, choice.offset)
+        out["logprobs"] = {k: v[choice.sent_tokens :] for k, v in whole.items()}
+    if with_ids:
+        out["token_ids"] = new_ids
+    choice.sent_text = max(choice.sent_text, len(text))
+    choice.sent_tokens += len(new_ids)
+    if final:
+        choice.done = True
+        out["finish_reason"] = seq.finish_reason
+    return out
 
 
 def _chunk(

@@ -77,6 +77,56 @@ def test_streaming_matches_the_plain_response(server: EngineServer) -> None:
     assert chunks[-1]["choices"][0]["finish_reason"] == plain["choices"][0]["finish_reason"]
 
 
+def test_streamed_completions_match_the_plain_response(server: EngineServer, http: httpx.Client) -> None:
+    """Two prompts x n=2, greedy with logprobs: each streamed choice joins up to the plain
+    choice (text, token ids, logprobs, offsets, finish reason); the openai client parses it."""
+    body = {"model": "tiny", "prompt": ["Hello", "The sky"], "n": 2, "max_tokens": 10, "temperature": 0,
+            "logprobs": 2, "ignore_eos": True}  # fmt: skip
+    plain = http.post("/completions", json=body).json()
+    stream = openai.OpenAI(base_url=server.base_url, api_key="unused").completions.create(
+        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        **{k: v for k, v in body.items() if k != "ignore_eos"},
+    )  # fmt: skip
+    chunks = [c.model_dump() for c in stream]
+    assert all(c["object"] == "text_completion" for c in chunks) and all(
+        chunks[-1]["usage"][k] == v for k, v in plain["usage"].items()
+    )
+    for want in plain["choices"]:
+        got = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == want["index"]]
+        assert "".join(g["text"] for g in got) == want["text"]
+        assert [i for g in got for i in (g.get("token_ids") or [])] == want["token_ids"]
+        assert got[0]["prompt_token_ids"] == want["prompt_token_ids"]
+
+        def joined(key: str, got: list = got) -> list:
+            return [v for g in got if g["logprobs"] for v in g["logprobs"][key]]
+
+        assert joined("tokens") == want["logprobs"]["tokens"]
+        assert joined("text_offset") == want["logprobs"]["text_offset"]
+        # batch companions differ between the two runs: float noise, not different tokens
+        assert joined("token_logprobs") == pytest.approx(want["logprobs"]["token_logprobs"], abs=1e-3)
+        assert len(joined("top_logprobs")) == len(want["token_ids"])
+        assert got[-1]["finish_reason"] == want["finish_reason"] == "length"
+
+
+def test_streamed_completion_with_echo_starts_with_the_prompt(http: httpx.Client) -> None:
+    body = {
+        "model": "tiny",
+        "prompt": "Once",
+        "max_tokens": 3,
+        "temperature": 0,
+        "echo": True,
+        "stream": True,
+    }
+    with http.stream("POST", "/completions", json=body) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    plain = http.post("/completions", json={**body, "stream": False}).json()["choices"][0]
+    assert chunks[0]["choices"][0]["text"] == "Once"
+    assert "".join(c["choices"][0]["text"] for c in chunks) == plain["text"]
+    _error(http.post("/completions", json={"model": "tiny", "prompt": "", "stream": True}), 400)
+
+
 def _error(response: httpx.Response, status: int) -> dict:
     assert response.status_code == status, response.text
     error = response.json()["error"]

@@ -87,8 +87,6 @@ def test_stream_completion_ids_recorded_exactly(rig, engine_server, engine_claim
         [t["logprob"] for t in truth["choices"][0]["logprobs"]["content"]], abs=1e-4)  # fmt: skip
 
 
-@pytest.mark.xfail(strict=True, reason="the engine sends no prompt_token_ids in chat streams (vLLM sends them "
-                                       "in the first chunk); streamed calls are recorded without them")  # fmt: skip
 def test_stream_prompt_ids_recorded(rig, engine_server, engine_claim):
     claim, client = engine_claim()
     list(client.chat.completions.create(model="tiny", messages=MESSAGES, stream=True, **GREEDY))
@@ -97,6 +95,15 @@ def test_stream_prompt_ids_recorded(rig, engine_server, engine_claim):
         call["prompt_token_ids"]
         == _replay(engine_server, "chat.completions", call["request"])["prompt_token_ids"]
     )
+
+
+def test_streamed_completion_recorded_like_the_plain_one(rig, engine_server, engine_claim):
+    claim, client = engine_claim()
+    text = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt="Once upon a time", stream=True, **GREEDY) if c.choices)  # fmt: skip
+    [call] = (e.data for e in rig.llm_calls(claim.rollout.id))
+    assert call["stream"] is True and call["choices"][0]["text"] == text
+    _assert_exact(call, _replay(engine_server, "completions", call["request"]))
 
 
 @pytest.mark.parametrize(
