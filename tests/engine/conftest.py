@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from engine_helpers import make_engine
 
 from agentbolt.engine import ModelEngine, tiny_model_dir
 
@@ -13,10 +14,6 @@ from agentbolt.engine import ModelEngine, tiny_model_dir
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
-
-
-def make_engine(path: Path, **config) -> ModelEngine:
-    return ModelEngine.from_pretrained(path, device="cpu", dtype="float32", name="tiny", **config).start()
 
 
 @pytest.fixture(scope="module")

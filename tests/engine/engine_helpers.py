@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+
+from agentbolt.engine import ModelEngine
+
+
+def make_engine(path: Path, **config) -> ModelEngine:
+    """A float32 engine named "tiny" over the model at ``path``, started."""
+    return ModelEngine.from_pretrained(path, device="cpu", dtype="float32", name="tiny", **config).start()
 
 
 def teacher_forced_logprobs(model, prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:

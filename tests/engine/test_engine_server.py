@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import make_engine  # noqa: I001
+from engine_helpers import make_engine
 from safetensors.torch import save_file
 
 from agentbolt.engine import EngineServer, ModelEngine
