@@ -87,6 +87,11 @@ def main() -> None:
     ap.add_argument("--backend", choices=["sqlite", "postgres"], default="sqlite")
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--pg", default="postgresql://postgres@127.0.0.1:5432/test")
+    ap.add_argument(
+        "--synchronous-commit", choices=["on", "off"], default="on",
+        help="PostgreSQL's synchronous_commit: 'off' gives SQLite's durability here (WAL, synchronous=NORMAL): "
+        "a crash of the database host may lose the last commits, a crash of the database never does",
+    )  # fmt: skip
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="agentbolt-bench-"))
@@ -96,7 +101,8 @@ def main() -> None:
         db = str(tmp / "bench.db")
     else:
         schema = f"bench_{uuid.uuid4().hex[:8]}"
-        db = f"{args.pg}?options=-csearch_path%3D{schema}"
+        options = f"-csearch_path%3D{schema}%20-csynchronous_commit%3D{args.synchronous_commit}"
+        db = f"{args.pg}{'&' if '?' in args.pg else '?'}options={options}"
     servers = [ServerProcess(ServerConfig(db=db, lease_seconds=60)) for _ in range(args.replicas)]
     if args.backend == "postgres":
         import psycopg
@@ -114,7 +120,8 @@ def main() -> None:
                 ids += [r.id for r in client.enqueue([RolloutCreate(task=Task(data={"i": start + i}))
                                                       for i in range(n)])]  # fmt: skip
         elapsed, lat = asyncio.run(drive(urls, args.rollouts, args.workers, args.events))
-        print(f"backend={args.backend} replicas={args.replicas} rollouts={args.rollouts} "
+        durability = f" synchronous_commit={args.synchronous_commit}" if args.backend == "postgres" else ""
+        print(f"backend={args.backend}{durability} replicas={args.replicas} rollouts={args.rollouts} "
               f"workers={args.workers} events/rollout={args.events}")  # fmt: skip
         print(f"  {args.rollouts / elapsed:8.1f} rollouts/s   {args.rollouts * args.events / elapsed:9.1f} events/s"
               f"   ({elapsed:.2f} s)")  # fmt: skip
