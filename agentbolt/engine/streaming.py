@@ -89,9 +89,9 @@ async def stream_completion(
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": engine.name, "system_fingerprint": f"agentbolt-v{engine.version}"}  # fmt: skip
     with_ids = req.return_token_ids is not False
-    for group in groups:  # one submission per prompt: the batcher prefills a submission's prompt once
-        engine.submit(group)
     try:
+        for group in groups:  # one submission per prompt: the batcher prefills a submission's prompt once
+            engine.submit(group)
         for choice in choices.values():
             prompt_text, prompt_ids = prompts[choice.index // req.n]
             first: dict[str, Any] = {"index": choice.index, "text": prompt_text if req.echo else "",
