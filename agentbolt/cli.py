@@ -84,8 +84,8 @@ def server(
         )
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = ServerConfig(db=db, host=host, port=port, tokens=tokens, lease_seconds=lease_seconds)
-    console.print(f"agentbolt server on http://{host}:{port}  (store: {_without_password(db)})")
-    serve(config, log_level)
+    banner = f"agentbolt server on http://{host}:{port}  (store: {_without_password(db)})"
+    serve(config, log_level, on_ready=lambda: console.print(banner))
 
 
 @app.command()

@@ -77,6 +77,7 @@ def test_a_store_that_cannot_be_opened_is_one_clear_message(tmp_path):
     ]:
         run = cli("server", "--db", db, "--port", "0", timeout=60)
         assert run.returncode == 1 and words in run.stderr and "Traceback" not in run.stderr, run.stderr
+        assert "agentbolt server on" not in run.stdout  # no banner for a server that never started
     assert (tmp_path / "notdb.db").read_text() == "this is not a database"  # left as it was
 
 

@@ -8,6 +8,7 @@ import multiprocessing
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -34,9 +35,13 @@ def _uvicorn_config(app: Any, config: ServerConfig, log_level: str) -> uvicorn.C
     )  # fmt: skip
 
 
-def serve(config: ServerConfig, log_level: str = "info") -> None:
-    """Run the server in the foreground until SIGINT/SIGTERM."""
-    uvicorn.Server(_uvicorn_config(create_app(config), config, log_level)).run()
+def serve(config: ServerConfig, log_level: str = "info", on_ready: Callable[[], None] | None = None) -> None:
+    """Run the server in the foreground until SIGINT/SIGTERM. ``on_ready`` runs once the store
+    is open, just before the server starts listening."""
+    app = create_app(config)
+    if on_ready is not None:
+        on_ready()
+    uvicorn.Server(_uvicorn_config(app, config, log_level)).run()
 
 
 def wait_healthy(url: str, timeout: float = 30.0, token: str | None = None) -> None:
