@@ -134,7 +134,7 @@ def demo_command(
     steps: Annotated[int, typer.Option(help="GRPO steps.")] = 8,
     group_size: Annotated[int, typer.Option(help="Rollouts per task per step.")] = 8,
     tasks_per_step: Annotated[int, typer.Option(help="Tasks per step.")] = 4,
-    val_tasks: Annotated[int, typer.Option(help="Held-out tasks for the before/after evaluation.")] = 48,
+    val_tasks: Annotated[int, typer.Option(help="Held-out tasks for the before/after evaluation.")] = 96,
     model: Annotated[
         str, typer.Option(help="'smollm2' or a local Hugging Face model directory.")
     ] = "smollm2",
@@ -164,6 +164,7 @@ def demo_command(
     before, after = result.val_before or 0.0, result.val_after or 0.0
     table.add_row("untrained SmolLM2-135M-Instruct", f"{before:.0%}")
     table.add_row(f"after {steps} GRPO steps", f"{after:.0%}")
+    console.print()  # the live training display ends without a line break
     console.print(table)
     console.print(
         f"change: {100 * (after - before):+.0f} percentage points in {time.perf_counter() - t0:.0f} s"
