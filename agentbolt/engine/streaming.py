@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from agentbolt.engine.protocol import ChatCompletionRequest, CompletionRequest
@@ -36,40 +36,19 @@ class _Choice:
 async def stream_chat(
     engine: ModelEngine, req: ChatCompletionRequest, prompt_ids: list[int], params: SamplingParams
 ) -> AsyncIterator[dict[str, Any]]:
-    loop = asyncio.get_running_loop()
-    events: asyncio.Queue[tuple[bool, Sequence]] = asyncio.Queue()
-    seqs = engine.make_sequences(prompt_ids, params, req.n)
-    choices = {id(s): _Choice(i, s) for i, s in enumerate(seqs)}
-    for seq in seqs:
-        seq.on_token = lambda s: loop.call_soon_threadsafe(events.put_nowait, (False, s))
-        seq.on_done = lambda s: loop.call_soon_threadsafe(events.put_nowait, (True, s))
-    head = {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-    }
-    head |= {"model": engine.name, "system_fingerprint": f"agentbolt-v{engine.version}"}
-    engine.submit(seqs)
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": engine.name, "system_fingerprint": f"agentbolt-v{engine.version}"}  # fmt: skip
     # the prompt's ids travel once, in the first chunk (as vLLM sends them)
-    prompt = {"prompt_token_ids": list(prompt_ids)} if req.return_token_ids is not False else {}
-    try:
-        for choice in choices.values():
-            yield (
-                head
-                | prompt
-                | {"choices": [{"index": choice.index, "delta": {"role": "assistant", "content": ""}}]}
-            )
-            prompt = {}
-        while not all(c.done for c in choices.values()):
-            final, seq = await events.get()
-            chunk = _chunk(engine, req, choices[id(seq)], final)
-            if chunk is not None:
-                yield head | {"model_version": seq.versions[0] if seq.versions else None, "choices": [chunk]}
-    finally:
-        for seq in seqs:
-            seq.cancelled.set()
-    if (req.stream_options or {}).get("include_usage"):
-        yield head | {"choices": [], "usage": usage(len(prompt_ids), seqs)}
+    prompt = [{"prompt_token_ids": list(prompt_ids)}] if req.return_token_ids is not False else []
+
+    def opening(choice: _Choice) -> dict[str, Any]:
+        top = prompt.pop() if prompt else {}
+        return top | {"choices": [{"index": choice.index, "delta": {"role": "assistant", "content": ""}}]}
+
+    async for chunk in _stream(engine, head, [engine.make_sequences(prompt_ids, params, req.n)], opening,
+                               lambda choice, final: _chunk(engine, req, choice, final),
+                               len(prompt_ids) if (req.stream_options or {}).get("include_usage") else None):  # fmt: skip
+        yield chunk
 
 
 async def stream_completion(
@@ -78,38 +57,57 @@ async def stream_completion(
 ) -> AsyncIterator[dict[str, Any]]:  # fmt: skip
     """Choice ``i`` is sample ``i % n`` of prompt ``i // n``, as in the non-streamed answer.
     A choice's first chunk carries its ``prompt_token_ids`` (and the prompt text with ``echo``)."""
+    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": engine.name, "system_fingerprint": f"agentbolt-v{engine.version}"}  # fmt: skip
+    with_ids = req.return_token_ids is not False
+
+    def opening(choice: _Choice) -> dict[str, Any]:
+        prompt_text, prompt_ids = prompts[choice.index // req.n]
+        first: dict[str, Any] = {"index": choice.index, "text": prompt_text if req.echo else "",
+                                 "logprobs": None, "finish_reason": None}  # fmt: skip
+        if with_ids:
+            first |= {"prompt_token_ids": list(prompt_ids), "token_ids": []}
+        choice.offset = len(first["text"])
+        return {"choices": [first]}
+
+    groups = [engine.make_sequences(ids, p, req.n) for (_, ids), p in zip(prompts, params, strict=True)]
+    include_usage = (req.stream_options or {}).get("include_usage")
+    async for chunk in _stream(engine, head, groups, opening,
+                               lambda choice, final: _text_chunk(engine, req, choice, final, with_ids),
+                               sum(len(ids) for _, ids in prompts) if include_usage else None):  # fmt: skip
+        yield chunk
+
+
+async def _stream(
+    engine: ModelEngine, head: dict[str, Any], groups: list[list[Sequence]],
+    opening: Callable[[_Choice], dict[str, Any]], make_chunk: Callable[[_Choice, bool], dict[str, Any] | None],
+    usage_prompt_tokens: int | None,
+) -> AsyncIterator[dict[str, Any]]:  # fmt: skip
+    """Submit ``groups`` (one per prompt: the batcher prefills a submission's prompt once), send
+    each choice's opening chunk, then a chunk per token event as ``make_chunk`` builds it, and
+    the usage last when asked for. Cancels generation if the client goes away."""
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[tuple[bool, Sequence]] = asyncio.Queue()
-    groups = [engine.make_sequences(ids, p, req.n) for (_, ids), p in zip(prompts, params, strict=True)]
     seqs = [s for group in groups for s in group]
     choices = {id(s): _Choice(i, s) for i, s in enumerate(seqs)}
     for seq in seqs:
         seq.on_token = lambda s: loop.call_soon_threadsafe(events.put_nowait, (False, s))
         seq.on_done = lambda s: loop.call_soon_threadsafe(events.put_nowait, (True, s))
-    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": engine.name, "system_fingerprint": f"agentbolt-v{engine.version}"}  # fmt: skip
-    with_ids = req.return_token_ids is not False
     try:
-        for group in groups:  # one submission per prompt: the batcher prefills a submission's prompt once
+        for group in groups:
             engine.submit(group)
         for choice in choices.values():
-            prompt_text, prompt_ids = prompts[choice.index // req.n]
-            first: dict[str, Any] = {"index": choice.index, "text": prompt_text if req.echo else "",
-                                     "logprobs": None, "finish_reason": None}  # fmt: skip
-            if with_ids:
-                first |= {"prompt_token_ids": list(prompt_ids), "token_ids": []}
-            choice.offset = len(first["text"])
-            yield head | {"choices": [first]}
+            yield head | opening(choice)
         while not all(c.done for c in choices.values()):
             final, seq = await events.get()
-            chunk = _text_chunk(engine, req, choices[id(seq)], final, with_ids)
+            chunk = make_chunk(choices[id(seq)], final)
             if chunk is not None:
                 yield head | {"model_version": seq.versions[0] if seq.versions else None, "choices": [chunk]}
     finally:
         for seq in seqs:
             seq.cancelled.set()
-    if (req.stream_options or {}).get("include_usage"):
-        yield head | {"choices": [], "usage": usage(sum(len(ids) for _, ids in prompts), seqs)}
+    if usage_prompt_tokens is not None:
+        yield head | {"choices": [], "usage": usage(usage_prompt_tokens, seqs)}
 
 
 def _text_chunk(
