@@ -191,14 +191,13 @@ def main() -> None:
     if args.upstream == "engine":
         up = subprocess.Popen([sys.executable, "-m", "agentbolt.engine.cli", "serve", "--port", str(port),
                                "--name", "bench"], stdout=subprocess.DEVNULL)  # fmt: skip
-        wait_healthy(f"http://127.0.0.1:{port}", timeout=300)
     else:
         up = multiprocessing.get_context("spawn").Process(
             target=_serve_upstream, args=(port, args.upstream_delay_ms / 1000), daemon=True
         )
         up.start()
-        wait_healthy(f"http://127.0.0.1:{port}")
     try:
+        wait_healthy(f"http://127.0.0.1:{port}", timeout=300 if args.upstream == "engine" else 30)
         with (
             tempfile.TemporaryDirectory() as tmp,
             ServerProcess(
