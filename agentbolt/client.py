@@ -41,6 +41,8 @@ from agentbolt.schemas import (
 __all__ = ["AsyncClient", "Client", "RequestError", "RetryPolicy"]
 
 T = TypeVar("T")
+# Rollout ids per events query, and events per page: the most the server takes (EventsQuery).
+_EVENTS_BATCH = 1000
 
 
 class RequestError(AgentboltError, ValueError):
@@ -173,7 +175,7 @@ class _Api:
     def query_events(
         rollout_ids: Sequence[str], types: Sequence[str] | None, cursor: str | None
     ) -> _Call[Page[Event]]:
-        body = {"rollout_ids": list(rollout_ids), "type": list(types) if types else None, "limit": 1000,
+        body = {"rollout_ids": list(rollout_ids), "type": list(types) if types else None, "limit": _EVENTS_BATCH,
                 "cursor": cursor}  # fmt: skip
         return _Call("POST", "/api/events/query", _page_events, json=body)
 
@@ -313,10 +315,10 @@ class Client(_Base):
         one request per 1,000 events instead of one per rollout. Unknown ids map to ``[]``."""
         out: dict[str, list[Event]] = {rid: [] for rid in rollout_ids}
         ids = list(out)
-        for start in range(0, len(ids), 1000):
+        for start in range(0, len(ids), _EVENTS_BATCH):
             cursor = None
             while True:
-                page = self._send(_Api.query_events(ids[start : start + 1000], type, cursor))
+                page = self._send(_Api.query_events(ids[start : start + _EVENTS_BATCH], type, cursor))
                 for event in page.items:
                     out[event.rollout_id].append(event)
                 if not page.next_cursor:

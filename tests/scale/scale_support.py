@@ -156,6 +156,15 @@ class RunnerThread:
         self.thread.start()
         return self
 
+    def __enter__(self) -> RunnerThread:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        if exc_type is None:
+            self.stop()
+        else:  # the test already failed: stop the runner without masking that error
+            self.runner.stop()
+
     def stop(self, timeout: float = 30.0) -> None:
         wait_until(lambda: getattr(self.runner, "_stopping", None) is not None or not self.thread.is_alive(),
                    10, "the runner loop to start")  # fmt: skip

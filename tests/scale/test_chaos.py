@@ -224,33 +224,28 @@ def test_upstream_killed_mid_call(tmp_path):
     server down and fails too); after the model server comes back, calls work again."""
     upstream = Upstream(free_port())
     config = ServerConfig(db=str(tmp_path / "up.db"), upstream_timeout=60, sweep_interval=0.1)
-    runner = None
     try:
         with ServerThread(config) as srv, Client(srv.url) as client:
             client.publish_resources({"llm": LLM(base_url=upstream.base_url, model="double")})
             [ro] = client.enqueue([RolloutCreate(task=Task(data={"say": ["hang", "hello"]}), max_attempts=2)])
-            runner = RunnerThread(llm_caller, srv.url, lease_seconds=30).start()
-            wait_until(lambda: "HANG" in upstream.lines, 60, "the hanging call to reach the model server")
-            killed_at = time.monotonic()
-            upstream.kill()
-            wait_until(lambda: client.get_rollout(ro.id).status.is_final, 30, "the rollout to end")
-            assert time.monotonic() - killed_at < 20
-            rollout, attempts = client.get_rollout(ro.id), client.list_attempts(ro.id)
-            assert rollout.status == "failed" and [a.status for a in attempts] == ["failed", "failed"]
-            errors = _attempt_errors(client, ro.id)
-            assert len(errors) == 2 and all("502" in e for e in errors), errors
-            assert _llm_errors(client, ro.id) == ["upstream_unavailable", "upstream_unavailable"]
+            with RunnerThread(llm_caller, srv.url, lease_seconds=30):
+                wait_until(lambda: "HANG" in upstream.lines, 60, "the hanging call to reach the model server")
+                killed_at = time.monotonic()
+                upstream.kill()
+                wait_until(lambda: client.get_rollout(ro.id).status.is_final, 30, "the rollout to end")
+                assert time.monotonic() - killed_at < 20
+                rollout, attempts = client.get_rollout(ro.id), client.list_attempts(ro.id)
+                assert rollout.status == "failed" and [a.status for a in attempts] == ["failed", "failed"]
+                errors = _attempt_errors(client, ro.id)
+                assert len(errors) == 2 and all("502" in e for e in errors), errors
+                assert _llm_errors(client, ro.id) == ["upstream_unavailable", "upstream_unavailable"]
 
-            upstream = Upstream(upstream.port)  # back on the same port: the gateway recovers
-            [ok] = client.enqueue([RolloutCreate(task=Task(data={"say": ["hello"]}), max_attempts=1)])
-            wait_until(lambda: client.get_rollout(ok.id).status.is_final, 30, "the second rollout to end")
-            assert client.get_rollout(ok.id).status == "succeeded", _attempt_errors(client, ok.id)
-            assert _llm_errors(client, ok.id) == [None]
-            runner.stop()
-            runner = None
+                upstream = Upstream(upstream.port)  # back on the same port: the gateway recovers
+                [ok] = client.enqueue([RolloutCreate(task=Task(data={"say": ["hello"]}), max_attempts=1)])
+                wait_until(lambda: client.get_rollout(ok.id).status.is_final, 30, "the second rollout to end")
+                assert client.get_rollout(ok.id).status == "succeeded", _attempt_errors(client, ok.id)
+                assert _llm_errors(client, ok.id) == [None]
     finally:
-        if runner is not None:
-            runner.runner.stop()
         upstream.kill()
 
 
@@ -259,23 +254,18 @@ def test_upstream_that_never_answers_times_out(tmp_path):
     ``upstream_timeout`` (504), the attempt fails; nothing waits forever."""
     upstream = Upstream(free_port())
     config = ServerConfig(db=str(tmp_path / "hang.db"), upstream_timeout=2.0, sweep_interval=0.1)
-    runner = None
     try:
         with ServerThread(config) as srv, Client(srv.url) as client:
             client.publish_resources({"llm": LLM(base_url=upstream.base_url, model="double")})
             [ro] = client.enqueue([RolloutCreate(task=Task(data={"say": ["hang"]}), max_attempts=1)])
             started = time.monotonic()
-            runner = RunnerThread(llm_caller, srv.url, lease_seconds=30).start()
-            wait_until(lambda: client.get_rollout(ro.id).status.is_final, 30, "the rollout to end")
-            assert time.monotonic() - started < 20
-            assert client.get_rollout(ro.id).status == "failed"
-            assert _llm_errors(client, ro.id) == ["upstream_timeout"]
-            assert "504" in _attempt_errors(client, ro.id)[0]
-            runner.stop()
-            runner = None
+            with RunnerThread(llm_caller, srv.url, lease_seconds=30):
+                wait_until(lambda: client.get_rollout(ro.id).status.is_final, 30, "the rollout to end")
+                assert time.monotonic() - started < 20
+                assert client.get_rollout(ro.id).status == "failed"
+                assert _llm_errors(client, ro.id) == ["upstream_timeout"]
+                assert "504" in _attempt_errors(client, ro.id)[0]
     finally:
-        if runner is not None:
-            runner.runner.stop()
         upstream.kill()
 
 
