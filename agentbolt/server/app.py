@@ -12,9 +12,9 @@ import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, TypeVar
 
-import anyio.to_thread
 from fastapi import APIRouter, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -79,11 +79,20 @@ class StoreCaller:
         self.store = store
         self.inline = store.backend == "sqlite"
         self.wake: WakeUp | None = None
+        # as many threads as the store has connections: more would only queue on the pool
+        # (and a plain executor costs half of anyio's worker threads per call)
+        self.threads = None if self.inline else ThreadPoolExecutor(store.db.connections, "agentbolt-store")
 
     async def __call__(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
-        if self.inline:
+        if self.threads is None:
             return fn(*args, **kwargs)
-        return await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
+        return await asyncio.get_running_loop().run_in_executor(
+            self.threads, functools.partial(fn, *args, **kwargs)
+        )
+
+    def close(self) -> None:
+        if self.threads is not None:
+            self.threads.shutdown(wait=True)
 
 
 class WakeUp:
@@ -326,6 +335,7 @@ def create_app(config: ServerConfig | None = None, store: SqlStore | None = None
             sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await sweeper
+            call.close()
 
     app = FastAPI(
         title="agentbolt",

@@ -10,6 +10,7 @@ SQLite, from a thread for PostgreSQL).
 from __future__ import annotations
 
 import abc
+import itertools
 import math
 import threading
 from collections.abc import Iterator, Sequence
@@ -43,7 +44,11 @@ from agentbolt.schemas import (
 __all__ = ["Database", "SqlStore", "Tx"]
 
 DEFAULT_LEASE_SECONDS = 30.0
+# dequeue ends lapsed attempts itself at most this often (seconds); the server's sweep runs too
+EXPIRE_EVERY = 0.05
 MAX_PAGE = 1000
+# events per INSERT statement (4 parameters each; SQLite allows 32,766 per statement)
+_EVENTS_PER_INSERT = 500
 
 
 def _dumps(value: Any) -> str:
@@ -77,12 +82,25 @@ class Database(abc.ABC):
     """What a backend provides to :class:`SqlStore`."""
 
     name: str
+    #: how many transactions can run at once (the connection pool's size)
+    connections: int = 1
     #: appended to the SELECT that picks the rollout to claim (``FOR UPDATE SKIP LOCKED`` on PostgreSQL)
     claim_lock: str = ""
 
     @abc.abstractmethod
     def transaction(self) -> Any:
         """A context manager yielding a :class:`Tx`; commits on success, rolls back on error."""
+
+    @abc.abstractmethod
+    def autocommit(self) -> Any:
+        """A context manager yielding a :class:`Tx` whose statements each commit on their own:
+        for reads, and for writes that are one statement (on PostgreSQL it saves the BEGIN and
+        COMMIT round trips; at READ COMMITTED a transaction of several reads would not read
+        one snapshot anyway)."""
+
+    @abc.abstractmethod
+    def inserted(self, tables: Sequence[str], rows: int) -> None:
+        """``rows`` were just added to ``tables``: the backend may refresh its planner's statistics."""
 
     @abc.abstractmethod
     def serialize(self, tx: Tx, what: int) -> None:
@@ -136,6 +154,14 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
     ),
 ]
 
+# The rollout dequeue claims: the oldest queued one (a rollout pinned to a version not published
+# yet waits in the queue until it is; versions are numbered 1, 2, ... and never deleted, so
+# published <=> <= MAX). The parameter is the queued status.
+NEXT_QUEUED = (
+    "SELECT q.qseq FROM rollouts q WHERE q.status = ? AND (q.resources_version IS NULL OR "
+    "q.resources_version <= (SELECT MAX(version) FROM resources)) ORDER BY q.qseq LIMIT 1"
+)
+
 # serialize() key of publish_resources (any constant distinct from other serialized sections)
 _PUBLISH_LOCK = 1
 
@@ -145,6 +171,16 @@ _ROLLOUT_COLS = (
     "r.updated_at, r.started_at, r.ended_at"
 )
 _ROLLOUT_FROM = "rollouts r JOIN tasks t ON t.id = r.task_id"
+# the same columns in the RETURNING clause of an UPDATE of rollouts (no join there: the task's
+# columns come from subqueries). The CAST is for SQLite, which otherwise scans all tasks for
+# each subquery in a RETURNING clause instead of using the key.
+_TASK_OF_ROW = "FROM tasks t WHERE t.id = CAST(rollouts.task_id AS TEXT)"
+_RETURNED_ROLLOUT = (
+    f"id, task_id, (SELECT t.data {_TASK_OF_ROW}), (SELECT t.metadata {_TASK_OF_ROW}), "
+    "mode, status, resources_version, "
+    "timeout_seconds, max_attempts, attempts, group_id, reward, error, metadata, created_at, "
+    "updated_at, started_at, ended_at"
+)
 _ATTEMPT_COLS = (
     "id, rollout_id, number, worker_id, status, started_at, heartbeat_at, lease_expires_at, "
     "ended_at, reward, error"
@@ -181,6 +217,18 @@ def _attempt(row: tuple[Any, ...]) -> Attempt:
     return Attempt(**values)
 
 
+def _event_rows(events: Sequence[EventCreate]) -> list[tuple[Any, ...]]:
+    """(sequence, type, timestamp, data) of each event, a sequence repeated in the batch once."""
+    rows, seen = [], set()
+    for e in events:
+        if e.sequence is not None:
+            if e.sequence in seen:
+                continue
+            seen.add(e.sequence)
+        rows.append((e.sequence, e.type, e.timestamp, _dumps(e.data)))
+    return rows
+
+
 def _event(row: tuple[Any, ...]) -> Event:
     rollout_id, attempt_id, seq, kind, ts, data, event_id = row
     return Event(
@@ -202,6 +250,7 @@ class SqlStore:
         self.lease_seconds = lease_seconds
         self._resources_cache: dict[int, Resources] = {}
         self._cache_lock = threading.Lock()
+        self._expired_at = -math.inf  # when dequeue last ended lapsed attempts
         db.migrate(MIGRATIONS)
 
     @property
@@ -216,6 +265,12 @@ class SqlStore:
         with self.db.transaction() as tx:
             yield tx
 
+    @contextmanager
+    def _read(self) -> Iterator[Tx]:
+        """Reads (and single-statement writes): no BEGIN/COMMIT round trips on PostgreSQL."""
+        with self.db.autocommit() as tx:
+            yield tx
+
     # ------------------------------------------------------------------ enqueue
 
     def enqueue(self, items: Sequence[RolloutCreate]) -> list[Rollout]:
@@ -225,7 +280,9 @@ class SqlStore:
         with self._tx() as tx:
             for rid, item in zip(ids, items, strict=True):
                 self._insert_rollout(tx, rid, item, ts)
-            return self._rollouts_by_id(tx, ids)
+            created = self._rollouts_by_id(tx, ids)
+        self.db.inserted(("tasks", "rollouts"), len(items))
+        return created
 
     def _insert_rollout(self, tx: Tx, rid: str, item: RolloutCreate, ts: float) -> None:
         if item.id is not None and tx.one("SELECT 1 FROM rollouts WHERE id = ?", (rid,)):
@@ -258,26 +315,28 @@ class SqlStore:
     def dequeue(self, worker_id: str, lease_seconds: float | None = None) -> Claim | None:
         """Claim one new attempt for the oldest queued rollout, or return None.
 
-        One transaction: end lapsed attempts first (so their rollouts can be claimed now),
-        then claim. The objects returned are built from the row read, not read back."""
+        One transaction: end lapsed attempts first (so their rollouts can be claimed now; at
+        most every ``EXPIRE_EVERY`` seconds per store, the server's sweep does the rest), then
+        claim: one UPDATE picks, marks and returns the rollout (its task read in the same
+        statement), one INSERT records the attempt."""
         lease = lease_seconds or self.lease_seconds
         ts = now()
         with self._tx() as tx:
-            self._expire_in(tx, ts)
-            # A rollout pinned to a version not published yet waits in the queue until it is
-            # (versions are numbered 1, 2, ... and never deleted: published <=> <= MAX).
+            if ts - self._expired_at >= EXPIRE_EVERY or ts < self._expired_at:
+                self._expire_in(tx, ts)
+                self._expired_at = ts
             row = tx.one(
-                f"SELECT {_ROLLOUT_COLS}, r.last_attempt, (SELECT MAX(version) FROM resources) "
-                f"FROM {_ROLLOUT_FROM} WHERE r.status = ? AND (r.resources_version IS NULL OR "
-                f"r.resources_version <= (SELECT MAX(version) FROM resources)) "
-                f"ORDER BY r.qseq LIMIT 1 {self.db.claim_lock}",
-                (RolloutStatus.QUEUED.value,),
+                f"UPDATE rollouts SET status = ?, attempts = attempts + 1, last_attempt = last_attempt + 1, "
+                f"resources_version = COALESCE(resources_version, (SELECT MAX(version) FROM resources)), "
+                f"started_at = COALESCE(started_at, ?), updated_at = ? "
+                f"WHERE qseq = ({NEXT_QUEUED} {self.db.claim_lock}) "
+                f"RETURNING {_RETURNED_ROLLOUT}, last_attempt",
+                (RolloutStatus.RUNNING.value, ts, ts, RolloutStatus.QUEUED.value),
             )
             if row is None:
                 self._touch_worker(tx, worker_id, ts, claimed=0)
                 return None
-            rollout, number, latest = _rollout(row[:-2]), row[-2] + 1, row[-1]
-            version = rollout.resources_version if rollout.resources_version is not None else latest
+            rollout, number = _rollout(row[:-1]), row[-1]
             deadline = ts + rollout.timeout_seconds if rollout.timeout_seconds else None
             attempt = Attempt(id=new_id("at"), rollout_id=rollout.id, number=number, worker_id=worker_id,
                               status=AttemptStatus.RUNNING, started_at=ts, heartbeat_at=ts,
@@ -286,26 +345,8 @@ class SqlStore:
                 f"INSERT INTO attempts ({_ATTEMPT_COLS}, deadline) VALUES (?, ?, ?, ?, ?, ?, ?, ?, NULL, NULL, NULL, ?)",
                 (attempt.id, rollout.id, number, worker_id, AttemptStatus.RUNNING.value, ts, ts, ts + lease, deadline),
             )  # fmt: skip
-            changed = tx.run(
-                "UPDATE rollouts SET status = ?, attempts = attempts + 1, last_attempt = ?, resources_version = ?, "
-                "started_at = COALESCE(started_at, ?), updated_at = ? WHERE id = ? AND status = ?",
-                (
-                    RolloutStatus.RUNNING.value,
-                    number,
-                    version,
-                    ts,
-                    ts,
-                    rollout.id,
-                    RolloutStatus.QUEUED.value,
-                ),
-            )
-            if changed != 1:  # lost a race on a backend without row locks: give up this round
-                raise RuntimeError(f"rollout {rollout.id} was claimed concurrently")
             self._touch_worker(tx, worker_id, ts, claimed=1)
-        rollout = rollout.model_copy(update={
-            "status": RolloutStatus.RUNNING, "attempts": rollout.attempts + 1, "resources_version": version,
-            "started_at": rollout.started_at or ts, "updated_at": ts,
-        })  # fmt: skip
+        version = rollout.resources_version
         resources = self.get_resources(version) if version is not None else None
         return Claim(rollout=rollout, attempt=attempt, resources=resources)
 
@@ -357,17 +398,17 @@ class SqlStore:
 
     def _expire_in(self, tx: Tx, ts: float) -> int:
         rows = tx.all(
-            "SELECT id, rollout_id, lease_expires_at, deadline FROM attempts "
+            "SELECT id, lease_expires_at, deadline FROM attempts "
             "WHERE status = ? AND (lease_expires_at < ? OR deadline < ?) ORDER BY id",
             (AttemptStatus.RUNNING.value, ts, ts),
         )
         ended = 0
-        for attempt_id, rollout_id, lease_end, deadline in rows:
+        for attempt_id, lease_end, deadline in rows:
             timed_out = deadline is not None and deadline < ts
             status = AttemptStatus.TIMED_OUT if timed_out else AttemptStatus.LEASE_EXPIRED
             why = "timed out" if timed_out else f"lease expired at {lease_end:.3f}"
             finish = AttemptFinish(status=AttemptStatus.FAILED, error=why)
-            ended += self._end_attempt(tx, attempt_id, rollout_id, finish, status, ts)
+            ended += self._end_attempt(tx, attempt_id, finish, status, ts) is not None
         return ended
 
     # ------------------------------------------------------------------ finishing
@@ -377,52 +418,60 @@ class SqlStore:
         remain; ``released`` (a runner stopping) requeues it without using up an attempt."""
         ts = now()
         with self._tx() as tx:
-            attempt = self._held(tx, attempt_id, worker_id)
-            if not self._end_attempt(
-                tx, attempt_id, attempt.rollout_id, finish, AttemptStatus(finish.status), ts
-            ):
+            rollout = self._end_attempt(tx, attempt_id, finish, AttemptStatus(finish.status), ts, worker_id)
+            if rollout is None:
+                self._held(tx, attempt_id, worker_id)  # NotFound or LeaseLost, with the reason
                 raise LeaseLost(f"attempt {attempt_id!r} ended meanwhile")
-            return self._rollouts_by_id(tx, [attempt.rollout_id])[0]
+            return rollout
 
     def _end_attempt(
         self,
         tx: Tx,
         attempt_id: str,
-        rollout_id: str,
         finish: AttemptFinish,
         status: AttemptStatus,
         ts: float,
-    ) -> bool:
-        """End the attempt and move its rollout on. False (and nothing changed) when the attempt
-        was no longer running: another replica ended it first, so it must not be requeued twice."""
+        worker_id: str | None = None,
+    ) -> Rollout | None:
+        """End the attempt (if ``worker_id`` holds it) and move its rollout on; return the
+        rollout. None (and nothing changed) when the attempt was not running: another replica
+        ended it first, so it must not be requeued twice."""
         check_transition("attempt", attempt_id, AttemptStatus.RUNNING, status)
-        changed = tx.run(
-            "UPDATE attempts SET status = ?, ended_at = ?, reward = ?, error = ? WHERE id = ? AND status = ?",
-            (status.value, ts, finish.reward, finish.error, attempt_id, AttemptStatus.RUNNING.value),
+        held = "" if worker_id is None else " AND worker_id = ?"
+        row = tx.one(
+            "UPDATE attempts SET status = ?, ended_at = ?, reward = ?, error = ? WHERE id = ? AND status = ?"
+            + held
+            + " RETURNING rollout_id, (SELECT r.status FROM rollouts r WHERE r.id = attempts.rollout_id), "
+            "(SELECT r.attempts FROM rollouts r WHERE r.id = attempts.rollout_id), "
+            "(SELECT r.max_attempts FROM rollouts r WHERE r.id = attempts.rollout_id)",
+            (status.value, ts, finish.reward, finish.error, attempt_id, AttemptStatus.RUNNING.value)
+            + ((worker_id,) if worker_id is not None else ()),
         )
-        if changed != 1:
-            return False
-        row = tx.one("SELECT status, attempts, max_attempts FROM rollouts WHERE id = ?", (rollout_id,))
         if row is None:
+            return None
+        rollout_id, old, attempts, max_attempts = row
+        if old is None:
             raise NotFound("rollout", rollout_id)
-        old, attempts, max_attempts = RolloutStatus(row[0]), row[1], row[2]
+        old = RolloutStatus(old)
         if status == AttemptStatus.SUCCEEDED:
             new, used = RolloutStatus.SUCCEEDED, attempts
         elif status == AttemptStatus.RELEASED:
             new, used = RolloutStatus.QUEUED, attempts - 1
         else:
             new, used = (RolloutStatus.QUEUED if attempts < max_attempts else RolloutStatus.FAILED), attempts
-        if old != RolloutStatus.RUNNING:
-            return True  # e.g. cancelled meanwhile: the attempt ends, the rollout stays as it is
-        check_transition("rollout", rollout_id, old, new)
-        # "AND status": a cancel committed since the SELECT above wins (READ COMMITTED on PostgreSQL)
-        tx.run(
-            "UPDATE rollouts SET status = ?, attempts = ?, reward = ?, error = ?, updated_at = ?, ended_at = ? "
-            "WHERE id = ? AND status = ?",
-            (new.value, used, finish.reward, finish.error if new != RolloutStatus.SUCCEEDED else None, ts,
-             ts if new.is_final else None, rollout_id, RolloutStatus.RUNNING.value),
-        )  # fmt: skip
-        return True
+        if old == RolloutStatus.RUNNING:
+            check_transition("rollout", rollout_id, old, new)
+            # "AND status": a cancel committed since the read above wins (READ COMMITTED on PostgreSQL)
+            moved = tx.one(
+                "UPDATE rollouts SET status = ?, attempts = ?, reward = ?, error = ?, updated_at = ?, ended_at = ? "
+                f"WHERE id = ? AND status = ? RETURNING {_RETURNED_ROLLOUT}",
+                (new.value, used, finish.reward, finish.error if new != RolloutStatus.SUCCEEDED else None, ts,
+                 ts if new.is_final else None, rollout_id, RolloutStatus.RUNNING.value),
+            )  # fmt: skip
+            if moved is not None:
+                return _rollout(moved)
+        # e.g. cancelled meanwhile: the attempt ends, the rollout stays as it is
+        return self._rollouts_by_id(tx, [rollout_id])[0]
 
     def cancel(self, rollout_id: str) -> Rollout:
         ts = now()
@@ -446,36 +495,48 @@ class SqlStore:
     def add_events(self, attempt_id: str, events: Sequence[EventCreate], worker_id: str | None = None) -> int:
         """Append events to a running attempt; a (attempt, sequence) already stored is skipped.
         Returns how many were new."""
-        with self._tx() as tx:
-            attempt = self._held(tx, attempt_id, worker_id)
-            return self._insert_events(tx, attempt.rollout_id, attempt_id, events)
+        rows = _event_rows(events)
+        with self._tx() if len(rows) > _EVENTS_PER_INSERT else self._read() as tx:
+            new = self._insert_events(tx, attempt_id, rows, running=True, worker_id=worker_id)
+            if new == 0:  # nothing stored: not held (say why), or every event a repeat
+                self._held(tx, attempt_id, worker_id)
+            return new
 
     def record_events(self, attempt_id: str, events: Sequence[EventCreate]) -> int:
         """Append events the server observed itself (gateway calls, OTLP spans). Unlike
         :meth:`add_events` the attempt may have ended: a span can arrive after the finish."""
-        with self._tx() as tx:
-            row = tx.one("SELECT rollout_id FROM attempts WHERE id = ?", (attempt_id,))
-            if row is None:
-                raise NotFound("attempt", attempt_id)
-            return self._insert_events(tx, row[0], attempt_id, events)
+        rows = _event_rows(events)
+        with self._tx() if len(rows) > _EVENTS_PER_INSERT else self._read() as tx:
+            new = self._insert_events(tx, attempt_id, rows, running=False, worker_id=None)
+            if new == 0:
+                self._attempt_row(tx, attempt_id)  # NotFound when there is no such attempt
+            return new
 
-    def _insert_events(self, tx: Tx, rollout_id: str, attempt_id: str, events: Sequence[EventCreate]) -> int:
-        fresh, seen = [], set()
-        for e in events:
-            if e.sequence is not None:
-                if e.sequence in seen:
-                    continue
-                seen.add(e.sequence)
-            fresh.append((rollout_id, attempt_id, e.sequence, e.type, e.timestamp, _dumps(e.data)))
-        if not fresh:
-            return 0
-        # (attempt, sequence) is unique: a re-sent batch, even one racing on another replica,
-        # inserts nothing twice; the row count tells how many were new.
-        return tx.many(
-            "INSERT INTO events (rollout_id, attempt_id, sequence, type, timestamp, data) VALUES (?, ?, ?, ?, ?, ?) "
-            "ON CONFLICT (attempt_id, sequence) DO NOTHING",
-            fresh,
+    def _insert_events(
+        self, tx: Tx, attempt_id: str, rows: list[tuple[Any, ...]], running: bool, worker_id: str | None
+    ) -> int:
+        """Insert ``rows`` for the attempt, in statements that each check the attempt exists
+        (and, with ``running``, that it is running and held by ``worker_id`` if given): an
+        attempt ended meanwhile gets none of them. (attempt, sequence) is unique: a re-sent
+        batch, even one racing on another replica, inserts nothing twice; the row counts tell
+        how many were new."""
+        where = " AND a.status = ?" if running else ""
+        where += " AND a.worker_id = ?" if worker_id is not None else ""
+        extra = ((AttemptStatus.RUNNING.value,) if running else ()) + (
+            (worker_id,) if worker_id is not None else ()
         )
+        new = 0
+        for start in range(0, len(rows), _EVENTS_PER_INSERT):
+            chunk = rows[start : start + _EVENTS_PER_INSERT]
+            marks = ", ".join(["(?, ?, ?, ?)"] * len(chunk))
+            new += tx.run(
+                "INSERT INTO events (rollout_id, attempt_id, sequence, type, timestamp, data) "
+                "SELECT a.rollout_id, a.id, CAST(v.column1 AS BIGINT), v.column2, v.column3, v.column4 "
+                f"FROM attempts a, (VALUES {marks}) v WHERE a.id = ?{where} "
+                "ON CONFLICT (attempt_id, sequence) DO NOTHING",
+                [*itertools.chain.from_iterable(chunk), attempt_id, *extra],
+            )
+        return new
 
     def list_events(
         self,
@@ -513,7 +574,7 @@ class SqlStore:
         if where:
             sql += " WHERE " + " AND ".join(where)
         sql += " ORDER BY timestamp, id LIMIT ?"
-        with self._tx() as tx:
+        with self._read() as tx:
             if rollout_id is not None and not tx.one("SELECT 1 FROM rollouts WHERE id = ?", (rollout_id,)):
                 raise NotFound("rollout", rollout_id)
             items = [_event(r) for r in tx.all(sql, [*params, limit + 1])]
@@ -543,7 +604,7 @@ class SqlStore:
             cached = self._resources_cache.get(version)
         if cached is not None:
             return cached
-        with self._tx() as tx:
+        with self._read() as tx:
             row = tx.one(
                 "SELECT version, resources, metadata, created_at FROM resources WHERE version = ?", (version,)
             )
@@ -555,7 +616,7 @@ class SqlStore:
         return res
 
     def latest_resources(self) -> Resources | None:
-        with self._tx() as tx:
+        with self._read() as tx:
             row = tx.one("SELECT MAX(version) FROM resources")
         return self.get_resources(row[0]) if row and row[0] is not None else None
 
@@ -563,7 +624,7 @@ class SqlStore:
         before = int(cursor) if cursor else None
         limit = _clamp(limit)
         where, params = ("WHERE version < ?", [before]) if before is not None else ("", [])
-        with self._tx() as tx:
+        with self._read() as tx:
             rows = tx.all(
                 f"SELECT version FROM resources {where} ORDER BY version DESC LIMIT ?", [*params, limit + 1]
             )
@@ -575,7 +636,7 @@ class SqlStore:
     # ------------------------------------------------------------------ queries
 
     def get_rollout(self, rollout_id: str) -> Rollout:
-        with self._tx() as tx:
+        with self._read() as tx:
             found = self._rollouts_by_id(tx, [rollout_id])
         if not found:
             raise NotFound("rollout", rollout_id)
@@ -583,7 +644,7 @@ class SqlStore:
 
     def get_rollouts(self, rollout_ids: Sequence[str]) -> list[Rollout]:
         """The rollouts that exist among ``rollout_ids``, in that order."""
-        with self._tx() as tx:
+        with self._read() as tx:
             return self._rollouts_by_id(tx, rollout_ids)
 
     def list_rollouts(
@@ -619,14 +680,14 @@ class SqlStore:
             f"SELECT {_ROLLOUT_COLS}, r.qseq FROM {_ROLLOUT_FROM} WHERE {' AND '.join(where)} "
             f"ORDER BY r.qseq {order} LIMIT ?"
         )
-        with self._tx() as tx:
+        with self._read() as tx:
             rows = tx.all(sql, [*params, limit + 1])
         items = [_rollout(r[:-1]) for r in rows[:limit]]
         nxt = str(rows[limit - 1][-1]) if len(rows) > limit else None
         return Page[Rollout](items=items, next_cursor=nxt)
 
     def list_attempts(self, rollout_id: str) -> list[Attempt]:
-        with self._tx() as tx:
+        with self._read() as tx:
             if not tx.one("SELECT 1 FROM rollouts WHERE id = ?", (rollout_id,)):
                 raise NotFound("rollout", rollout_id)
             rows = tx.all(
@@ -635,11 +696,11 @@ class SqlStore:
         return [_attempt(r) for r in rows]
 
     def get_attempt(self, attempt_id: str) -> Attempt:
-        with self._tx() as tx:
+        with self._read() as tx:
             return _attempt(self._attempt_row(tx, attempt_id))
 
     def list_workers(self, limit: int = 100) -> list[Worker]:
-        with self._tx() as tx:
+        with self._read() as tx:
             rows = tx.all(
                 "SELECT w.id, w.last_seen, w.claims, "
                 "(SELECT COUNT(*) FROM attempts a WHERE a.worker_id = w.id AND a.status = ?) "
@@ -650,7 +711,7 @@ class SqlStore:
 
     def stats(self) -> dict[str, Any]:
         """Counts by status and mode, plus reward means per resources version and mode."""
-        with self._tx() as tx:
+        with self._read() as tx:
             by_status = dict(tx.all("SELECT status, COUNT(*) FROM rollouts GROUP BY status"))
             rewards = tx.all(
                 "SELECT resources_version, mode, COUNT(*), AVG(reward), "

@@ -59,6 +59,14 @@ class SqliteDatabase(Database):
                 raise
             self.conn.execute("COMMIT")
 
+    @contextmanager
+    def autocommit(self) -> Iterator[Tx]:
+        with self._lock:
+            yield _SqliteTx(self.conn)
+
+    def inserted(self, tables: Sequence[str], rows: int) -> None:
+        pass  # without statistics SQLite's planner already reads the queue index in order
+
     def serialize(self, tx: Tx, what: int) -> None:
         pass  # BEGIN IMMEDIATE: write transactions run one after another already
 

@@ -208,12 +208,12 @@ _SQL = re.compile(
 # clauses assembled from fixed strings, the backend's row-lock clause. Reviewed by hand; a new
 # entry needs the same review (docs/threat-model.md).
 SQL_FRAGMENTS = {
-    "_ROLLOUT_COLS", "_ROLLOUT_FROM", "_ATTEMPT_COLS",  # constants
+    "_ROLLOUT_COLS", "_ROLLOUT_FROM", "_ATTEMPT_COLS", "_RETURNED_ROLLOUT", "_TASK_OF_ROW", "NEXT_QUEUED",  # constants
     "marks", "', '.join('?' * len(types))", "', '.join('?' * len(status))",  # placeholders only
     "' AND '.join(where)", "where",  # conditions built from fixed strings with ? placeholders
     "order",  # "ASC" or "DESC"
     "column",  # from a fixed tuple of column names
-    "self.db.claim_lock",  # a backend constant: "FOR UPDATE OF r SKIP LOCKED" or ""
+    "self.db.claim_lock",  # a backend constant: "FOR UPDATE SKIP LOCKED" or ""
 }  # fmt: skip
 
 
