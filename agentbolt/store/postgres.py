@@ -18,6 +18,7 @@ database stays consistent). Off by default.
 from __future__ import annotations
 
 import functools
+import logging
 import re
 import threading
 import urllib.parse
@@ -34,6 +35,8 @@ from agentbolt.errors import ConfigError, StoreUnavailable
 from agentbolt.store.sql import Database, Tx
 
 __all__ = ["PostgresDatabase"]
+
+log = logging.getLogger("agentbolt.store")
 
 # Any constant works: it only has to differ from advisory locks other applications take.
 _MIGRATE_LOCK = 0x61677462  # "agtb"
@@ -126,6 +129,7 @@ class PostgresDatabase(Database):
         self.connections = pool_size
         self._stats_lock = threading.Lock()
         self._unanalyzed = 0  # rows inserted by this process since its last ANALYZE
+        self._analyzing = False
         self._probe(dsn)
         kwargs: dict[str, Any] = {"autocommit": True}  # transactions are explicit: transaction()
         if schema is not None:
@@ -173,19 +177,34 @@ class PostgresDatabase(Database):
         claim (3 ms per dequeue with 2,000 queued, growing with the queue) instead of reading
         the queue index in order. Autovacuum's own ANALYZE comes only up to a minute later, so
         a bulk enqueue refreshes the statistics itself, as PostgreSQL's documentation advises
-        after bulk loads."""
+        after bulk loads. The enqueue is committed before: nothing here can undo it."""
         with self._stats_lock:
             self._unanalyzed += rows
-            if self._unanalyzed < _ANALYZE_MIN_ROWS:
+            if self._unanalyzed < _ANALYZE_MIN_ROWS or self._analyzing:
                 return
-            with self.autocommit() as tx:
-                row = tx.one("SELECT reltuples FROM pg_class WHERE oid = to_regclass(?)", (tables[0],))
-                known = row[0] if row and row[0] is not None else -1
-                if known >= 0 and self._unanalyzed < 0.1 * known:
-                    return
-                for table in tables:
-                    tx.run(pgsql.SQL("ANALYZE {}").format(pgsql.Identifier(table)).as_string(None))
-            self._unanalyzed = 0
+            self._analyzing, pending = True, self._unanalyzed
+        try:
+            if self._analyze(tables, pending):
+                with self._stats_lock:
+                    self._unanalyzed -= pending
+        except psycopg.errors.LockNotAvailable:
+            pass  # another session is analyzing or vacuuming the table: try again next time
+        except psycopg.Error as exc:
+            log.warning("ANALYZE after a bulk enqueue failed (the enqueue is stored): %s", exc)
+        finally:
+            self._analyzing = False
+
+    def _analyze(self, tables: Sequence[str], pending: int) -> bool:
+        with self.transaction() as tx:
+            row = tx.one("SELECT reltuples FROM pg_class WHERE oid = to_regclass(?)", (tables[0],))
+            known = row[0] if row and row[0] is not None else -1
+            if known >= 0 and pending < 0.1 * known:
+                return False
+            # never queue behind a long VACUUM: the enqueue's answer waits for this
+            tx.run("SET LOCAL lock_timeout = '200ms'")
+            for table in tables:
+                tx.run(pgsql.SQL("ANALYZE {}").format(pgsql.Identifier(table)).as_string(None))
+        return True
 
     def serialize(self, tx: Tx, what: int) -> None:
         # a transaction-scoped advisory lock, per schema (stores in other schemas do not wait)

@@ -281,7 +281,7 @@ class SqlStore:
             for rid, item in zip(ids, items, strict=True):
                 self._insert_rollout(tx, rid, item, ts)
             created = self._rollouts_by_id(tx, ids)
-        self.db.inserted(("tasks", "rollouts"), len(items))
+        self.db.inserted(("rollouts", "tasks"), len(items))
         return created
 
     def _insert_rollout(self, tx: Tx, rid: str, item: RolloutCreate, ts: float) -> None:

@@ -8,6 +8,7 @@ statistics itself; small ones leave that to autovacuum.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -67,4 +68,25 @@ def test_small_enqueues_leave_statistics_to_autovacuum_until_they_add_up(pg_stor
     assert _analyzed(pg_store) == {"rollouts": False, "tasks": False}
     for _ in range(3):  # 200 rows in all since the last ANALYZE: now it is worth one
         _enqueue(pg_store, 50)
+    assert _analyzed(pg_store) == {"rollouts": True, "tasks": True}
+
+
+def test_a_table_busy_with_vacuum_or_analyze_never_holds_up_an_enqueue(
+    pg_store: SqlStore, pg_dsn: str
+) -> None:
+    import psycopg
+
+    _enqueue(pg_store, 1)  # the tables exist
+    with psycopg.connect(pg_dsn, options=f"-csearch_path={pg_store.db.schema}") as other:
+        # the lock VACUUM and ANALYZE take: inserts pass, another ANALYZE would wait for it
+        other.execute("LOCK TABLE rollouts IN SHARE UPDATE EXCLUSIVE MODE")
+        done = threading.Event()
+        worker = threading.Thread(target=lambda: (_enqueue(pg_store, 500), done.set()), daemon=True)
+        worker.start()
+        worker.join(timeout=30)
+        assert done.is_set(), "the enqueue waited for the table's lock"
+        other.rollback()
+    assert pg_store.stats()["rollouts"]["queued"] == 501
+    assert _analyzed(pg_store) == {"rollouts": False, "tasks": False}  # skipped, not lost:
+    _enqueue(pg_store, 1)  # the next enqueue analyzes
     assert _analyzed(pg_store) == {"rollouts": True, "tasks": True}
