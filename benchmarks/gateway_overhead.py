@@ -25,14 +25,14 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
+
+from bench_util import cpu_seconds, pct
 
 from agentbolt.client import Client
 from agentbolt.schemas import LLM, RolloutCreate, Task
@@ -144,16 +144,6 @@ async def _phase(urls: list[str], calls: int, concurrency: int) -> tuple[float, 
     for conn in conns:
         conn.close()
     return elapsed, latencies
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux /proc), immune to other load."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def pct(values: list[float], q: int) -> float:
-    return statistics.quantiles(values, n=100)[q - 1] * 1000
 
 
 def _gateway_urls(server_url: str, upstream: str, n: int) -> list[str]:

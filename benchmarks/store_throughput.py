@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import tempfile
 import time
 import uuid
 from collections import defaultdict
 from pathlib import Path
+
+from bench_util import cpu_seconds, pct, pids_named
 
 from agentbolt.client import AsyncClient, Client
 from agentbolt.schemas import AttemptStatus, EventCreate, RolloutCreate, RolloutStatus, Task
@@ -58,10 +59,6 @@ async def drive(urls: list[str], rollouts: int, workers: int, events_per: int) -
     await asyncio.gather(*(worker(urls[i % len(urls)], f"w{i}", rollouts, done, events_per, lat)
                            for i in range(workers)))  # fmt: skip
     return time.perf_counter() - t0, lat
-
-
-def pct(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100)[int(q) - 1] * 1000 if len(values) > 1 else float("nan")
 
 
 def verify(url: str, ids: list[str], events_per: int) -> tuple[bool, str]:
@@ -119,7 +116,19 @@ def main() -> None:
                 n = min(1000, args.rollouts - start)
                 ids += [r.id for r in client.enqueue([RolloutCreate(task=Task(data={"i": start + i}))
                                                       for i in range(n)])]  # fmt: skip
+        # CPU of every process in the run, drive phase only: this one (the workers), the server
+        # processes, and for PostgreSQL all its processes (backends, WAL writer, ...)
+        procs = {"servers": [s.process.pid for s in servers if s.process and s.process.pid]}
+        if args.backend == "postgres":
+            procs["PostgreSQL"] = pids_named("postgres")
+        before = {k: sum(map(cpu_seconds, v)) for k, v in procs.items()}
+        client_before = time.process_time()
         elapsed, lat = asyncio.run(drive(urls, args.rollouts, args.workers, args.events))
+        client_cpu = time.process_time() - client_before
+        procs["PostgreSQL"] = pids_named("postgres") if args.backend == "postgres" else []
+        cpu = {"client": client_cpu} | {
+            k: sum(map(cpu_seconds, v)) - before.get(k, 0.0) for k, v in procs.items() if v
+        }
         durability = f" synchronous_commit={args.synchronous_commit}" if args.backend == "postgres" else ""
         print(f"backend={args.backend}{durability} replicas={args.replicas} rollouts={args.rollouts} "
               f"workers={args.workers} events/rollout={args.events}")  # fmt: skip
@@ -129,6 +138,8 @@ def main() -> None:
             print(
                 f"  {call:8s} p50 {pct(lat[call], 50):7.2f} ms   p99 {pct(lat[call], 99):7.2f} ms   n={len(lat[call])}"
             )
+        per = ", ".join(f"{k} {v / args.rollouts * 1000:.2f} ms" for k, v in cpu.items())
+        print(f"  CPU per rollout: {per}; {sum(cpu.values()) / elapsed:.2f} cores busy in all")
         good, detail = verify(urls[0], ids, args.events)
         print(f"  check: {'OK' if good else 'FAILED'} - {detail}")
         if not good:
