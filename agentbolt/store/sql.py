@@ -2,9 +2,15 @@
 
 All queue logic lives in :class:`SqlStore`, written once in portable SQL with ``?`` placeholders.
 A backend (:mod:`.sqlite`, :mod:`.postgres`) supplies only a :class:`Database` — connections,
-transactions, placeholder style — and the one statement that differs: how dequeue locks the
-row it claims. The store is synchronous; the server decides how to call it (directly for
-SQLite, from a thread for PostgreSQL).
+transactions (and statements that commit on their own), placeholder style, the planner's
+statistics — and the one clause that differs: how dequeue locks the row it claims. The store is
+synchronous; the server decides how to call it (directly for SQLite, from a thread for
+PostgreSQL).
+
+The hot operations are few statements each, since on PostgreSQL every statement is a round
+trip: a claim is one ``UPDATE ... RETURNING``, the attempt's ``INSERT`` and the worker's row; a
+batch of events one ``INSERT ... SELECT`` that checks the attempt in the same statement; a
+finish two ``UPDATE`` statements.
 """
 
 from __future__ import annotations
