@@ -1,0 +1,86 @@
+"""The store's hot operations called directly, one at a time: no HTTP, no concurrency.
+
+What one rollout costs the store itself - dequeue, one batch of S events, finish - on the SQLite
+file store or on PostgreSQL. Prints wall time and this process's CPU per operation (for
+PostgreSQL the wall time includes the database's round trips and its own work).
+
+    python benchmarks/store_ops.py [--backend sqlite|postgres] [--rollouts 2000 --events 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from agentbolt.schemas import AttemptFinish, AttemptStatus, EventCreate, RolloutCreate, Task
+from agentbolt.store import open_store
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", choices=["sqlite", "postgres"], default="sqlite")
+    ap.add_argument("--rollouts", "-R", type=int, default=2000)
+    ap.add_argument("--events", "-S", type=int, default=6)
+    ap.add_argument("--pg", default="postgresql://postgres@127.0.0.1:5432/test")
+    args = ap.parse_args()
+
+    schema = f"bench_{uuid.uuid4().hex[:8]}"
+    if args.backend == "postgres":
+        import psycopg
+
+        with psycopg.connect(args.pg, autocommit=True) as conn:
+            conn.execute(f"CREATE SCHEMA {schema}")
+        url = f"{args.pg}{'&' if '?' in args.pg else '?'}options=-csearch_path%3D{schema}"
+    else:
+        url = str(Path(tempfile.mkdtemp(prefix="agentbolt-bench-")) / "ops.db")
+    store = open_store(url)
+    try:
+        store.enqueue([RolloutCreate(task=Task(data={"i": i})) for i in range(args.rollouts)])
+        events = [
+            EventCreate(sequence=i, type="message", data={"i": i, "text": "x" * 64})
+            for i in range(args.events)
+        ]
+        wall: dict[str, float] = defaultdict(float)
+        cpu: dict[str, float] = defaultdict(float)
+
+        def timed(name: str, fn: Callable[..., Any], *a: Any) -> Any:
+            w, c = time.perf_counter(), time.process_time()
+            out = fn(*a)
+            wall[name] += time.perf_counter() - w
+            cpu[name] += time.process_time() - c
+            return out
+
+        for _ in range(args.rollouts):
+            claim = timed("dequeue", store.dequeue, "w1")
+            timed("events", store.add_events, claim.attempt.id, events, "w1")
+            finish = AttemptFinish(status=AttemptStatus.SUCCEEDED, reward=1.0)
+            timed("finish", store.finish_attempt, claim.attempt.id, finish, "w1")
+        total = sum(wall.values())
+        print(
+            f"backend={args.backend} rollouts={args.rollouts} events/rollout={args.events} (one thread, no HTTP)"
+        )
+        print(
+            f"  {args.rollouts / total:8.1f} rollouts/s   {total / args.rollouts * 1000:.3f} ms per rollout"
+        )
+        for name in ("dequeue", "events", "finish"):
+            print(f"  {name:8s} {wall[name] / args.rollouts * 1000:6.3f} ms wall   "
+                  f"{cpu[name] / args.rollouts * 1000:6.3f} ms CPU here")  # fmt: skip
+        done = store.stats()["rollouts"]["succeeded"]
+        print(f"  check: {'OK' if done == args.rollouts else 'FAILED'} - {done}/{args.rollouts} succeeded")
+        if done != args.rollouts:
+            raise SystemExit(1)
+    finally:
+        store.close()
+        if args.backend == "postgres":
+            with psycopg.connect(args.pg, autocommit=True) as conn:
+                conn.execute(f"DROP SCHEMA {schema} CASCADE")
+
+
+if __name__ == "__main__":
+    main()
