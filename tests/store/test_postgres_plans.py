@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from agentbolt.schemas import RolloutCreate, Task
-from agentbolt.store.sql import NEXT_QUEUED, SqlStore
+from agentbolt.store.sql import LAPSED, NEXT_QUEUED, SqlStore
 
 pytestmark = pytest.mark.postgres
 
@@ -37,16 +37,20 @@ def _analyzed(store: SqlStore) -> dict[str, bool]:
     return dict(rows)
 
 
-def _plan(store: SqlStore) -> str:
-    """The plan of the claim's pick as the server runs it: a prepared statement (psycopg
-    prepares a statement on its fifth use) with a generic plan."""
+def _generic_plan(store: SqlStore, sql: str, args: tuple[float, ...] = ()) -> str:
+    """The plan of ``sql`` as the server runs it: a prepared statement (psycopg prepares a
+    statement on its fifth use) with a generic plan; ``?`` parameters are numbers here."""
+    for n in range(1, len(args) + 1):
+        sql = sql.replace("?", f"${n}", 1)
+    types = f"({', '.join(['float8'] * len(args))})" if args else ""
+    values = f"({', '.join(map(repr, args))})" if args else ""
     with store.db.autocommit() as tx:
         tx.run("SET plan_cache_mode = force_generic_plan")
-        tx.run("PREPARE next_queued(text) AS " + NEXT_QUEUED.replace("?", "$1"))
+        tx.run(f"PREPARE plan_check{types} AS {sql}")
         try:
-            return "\n".join(r[0] for r in tx.all("EXPLAIN EXECUTE next_queued('queued')"))
+            return "\n".join(r[0] for r in tx.all(f"EXPLAIN EXECUTE plan_check{values}"))
         finally:
-            tx.run("DEALLOCATE next_queued")
+            tx.run("DEALLOCATE plan_check")
             tx.run("RESET plan_cache_mode")
 
 
@@ -57,7 +61,7 @@ def _enqueue(store: SqlStore, n: int) -> None:
 def test_a_bulk_enqueue_analyzes_so_the_claim_reads_the_queue_in_index_order(pg_store: SqlStore) -> None:
     _enqueue(pg_store, 2000)
     assert _analyzed(pg_store) == {"rollouts": True, "tasks": True}
-    plan = _plan(pg_store)
+    plan = _generic_plan(pg_store, NEXT_QUEUED)
     assert "Sort" not in plan and "Index" in plan, plan
     claim = pg_store.dequeue("w1")
     assert claim is not None and claim.rollout.task.data == {"i": 0}  # the oldest, its task read back
@@ -90,3 +94,23 @@ def test_a_table_busy_with_vacuum_or_analyze_never_holds_up_an_enqueue(
     assert _analyzed(pg_store) == {"rollouts": False, "tasks": False}  # skipped, not lost:
     _enqueue(pg_store, 1)  # the next enqueue analyzes
     assert _analyzed(pg_store) == {"rollouts": True, "tasks": True}
+
+
+def test_a_long_history_does_not_slow_the_claim_or_the_lease_sweep(pg_store: SqlStore) -> None:
+    """3,000 rollouts, all but 10 finished, each with its attempt, statistics fresh (as
+    autovacuum leaves them): the claim reads only queued rows and the sweep only running
+    attempts, instead of walking every finished one in key order."""
+    _enqueue(pg_store, 3000)
+    with pg_store.db.autocommit() as tx:
+        tx.run("UPDATE rollouts SET status = 'succeeded' WHERE qseq <= 2990")
+        tx.run(
+            "INSERT INTO attempts (id, rollout_id, number, worker_id, status, started_at, heartbeat_at, "
+            "lease_expires_at) SELECT 'at' || qseq, id, 1, 'w', 'succeeded', 0, 0, 0 FROM rollouts "
+            "WHERE status = 'succeeded'"
+        )
+        tx.run("ANALYZE")
+    claim = _generic_plan(pg_store, NEXT_QUEUED)
+    assert "status = 'queued'" in claim and "Index" in claim and "rollouts_pkey" not in claim, claim
+    sweep = _generic_plan(pg_store, LAPSED, (1e12, 1e12))
+    assert "status = 'running'" in sweep and "Index" in sweep and "Seq Scan" not in sweep, sweep
+    assert "attempts_pkey" not in sweep, sweep
