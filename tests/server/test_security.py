@@ -209,7 +209,7 @@ _SQL = re.compile(
 # entry needs the same review (docs/threat-model.md).
 SQL_FRAGMENTS = {
     "_ROLLOUT_COLS", "_ROLLOUT_FROM", "_ATTEMPT_COLS", "_RETURNED_ROLLOUT", "_TASK_OF_ROW", "NEXT_QUEUED",  # constants
-    "marks", "', '.join('?' * len(types))", "', '.join('?' * len(status))",  # placeholders only
+    "marks", "', '.join('?' * len(types))",  # placeholders only
     "' AND '.join(where)", "where",  # conditions built from fixed strings with ? placeholders
     "order",  # "ASC" or "DESC"
     "column",  # from a fixed tuple of column names
