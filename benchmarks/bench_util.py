@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import os
 import statistics
+import tempfile
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -34,3 +38,24 @@ def pids_named(name: str) -> list[int]:
 def pct(values: list[float], q: int) -> float:
     """The q-th percentile of ``values`` (seconds) in milliseconds; NaN with fewer than two."""
     return statistics.quantiles(values, n=100)[q - 1] * 1000 if len(values) > 1 else float("nan")
+
+
+@contextmanager
+def store_url(backend: str, pg: str, settings: dict[str, str] | None = None) -> Iterator[str]:
+    """A store URL for one run: a new SQLite file, or a new schema in the PostgreSQL database
+    ``pg`` (server ``settings`` such as synchronous_commit applied to its sessions), dropped
+    afterwards."""
+    if backend == "sqlite":
+        yield str(Path(tempfile.mkdtemp(prefix="agentbolt-bench-")) / "bench.db")
+        return
+    import psycopg
+
+    schema = f"bench_{uuid.uuid4().hex[:8]}"
+    options = "%20".join(f"-c{k}%3D{v}" for k, v in {"search_path": schema, **(settings or {})}.items())
+    with psycopg.connect(pg, autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {schema}")
+    try:
+        yield f"{pg}{'&' if '?' in pg else '?'}options={options}"
+    finally:
+        with psycopg.connect(pg, autocommit=True) as conn:
+            conn.execute(f"DROP SCHEMA {schema} CASCADE")

@@ -10,16 +10,15 @@ PostgreSQL the wall time includes the database's round trips and its own work).
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
-import uuid
 from collections import defaultdict
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
+from bench_util import store_url
+
 from agentbolt.schemas import AttemptFinish, AttemptStatus, EventCreate, RolloutCreate, Task
-from agentbolt.store import open_store
+from agentbolt.store import SqlStore, open_store
 
 
 def main() -> None:
@@ -30,21 +29,16 @@ def main() -> None:
     ap.add_argument("--pg", default="postgresql://postgres@127.0.0.1:5432/test")
     args = ap.parse_args()
 
-    schema = f"bench_{uuid.uuid4().hex[:8]}"
-    if args.backend == "postgres":
-        import psycopg
+    with store_url(args.backend, args.pg) as url:
+        run(open_store(url), args.rollouts, args.events, args.backend)
 
-        with psycopg.connect(args.pg, autocommit=True) as conn:
-            conn.execute(f"CREATE SCHEMA {schema}")
-        url = f"{args.pg}{'&' if '?' in args.pg else '?'}options=-csearch_path%3D{schema}"
-    else:
-        url = str(Path(tempfile.mkdtemp(prefix="agentbolt-bench-")) / "ops.db")
-    store = open_store(url)
+
+def run(store: SqlStore, rollouts: int, events_per: int, backend: str) -> None:
     try:
-        store.enqueue([RolloutCreate(task=Task(data={"i": i})) for i in range(args.rollouts)])
+        store.enqueue([RolloutCreate(task=Task(data={"i": i})) for i in range(rollouts)])
         events = [
             EventCreate(sequence=i, type="message", data={"i": i, "text": "x" * 64})
-            for i in range(args.events)
+            for i in range(events_per)
         ]
         wall: dict[str, float] = defaultdict(float)
         cpu: dict[str, float] = defaultdict(float)
@@ -56,30 +50,23 @@ def main() -> None:
             cpu[name] += time.process_time() - c
             return out
 
-        for _ in range(args.rollouts):
+        for _ in range(rollouts):
             claim = timed("dequeue", store.dequeue, "w1")
             timed("events", store.add_events, claim.attempt.id, events, "w1")
             finish = AttemptFinish(status=AttemptStatus.SUCCEEDED, reward=1.0)
             timed("finish", store.finish_attempt, claim.attempt.id, finish, "w1")
         total = sum(wall.values())
-        print(
-            f"backend={args.backend} rollouts={args.rollouts} events/rollout={args.events} (one thread, no HTTP)"
-        )
-        print(
-            f"  {args.rollouts / total:8.1f} rollouts/s   {total / args.rollouts * 1000:.3f} ms per rollout"
-        )
+        print(f"backend={backend} rollouts={rollouts} events/rollout={events_per} (one thread, no HTTP)")
+        print(f"  {rollouts / total:8.1f} rollouts/s   {total / rollouts * 1000:.3f} ms per rollout")
         for name in ("dequeue", "events", "finish"):
-            print(f"  {name:8s} {wall[name] / args.rollouts * 1000:6.3f} ms wall   "
-                  f"{cpu[name] / args.rollouts * 1000:6.3f} ms CPU here")  # fmt: skip
+            print(f"  {name:8s} {wall[name] / rollouts * 1000:6.3f} ms wall   "
+                  f"{cpu[name] / rollouts * 1000:6.3f} ms CPU here")  # fmt: skip
         done = store.stats()["rollouts"]["succeeded"]
-        print(f"  check: {'OK' if done == args.rollouts else 'FAILED'} - {done}/{args.rollouts} succeeded")
-        if done != args.rollouts:
+        print(f"  check: {'OK' if done == rollouts else 'FAILED'} - {done}/{rollouts} succeeded")
+        if done != rollouts:
             raise SystemExit(1)
     finally:
         store.close()
-        if args.backend == "postgres":
-            with psycopg.connect(args.pg, autocommit=True) as conn:
-                conn.execute(f"DROP SCHEMA {schema} CASCADE")
 
 
 if __name__ == "__main__":

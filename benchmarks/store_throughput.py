@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import tempfile
 import time
-import uuid
 from collections import defaultdict
-from pathlib import Path
 
-from bench_util import cpu_seconds, pct, pids_named
+from bench_util import cpu_seconds, pct, pids_named, store_url
 
 from agentbolt.client import AsyncClient, Client
 from agentbolt.schemas import AttemptStatus, EventCreate, RolloutCreate, RolloutStatus, Task
@@ -91,21 +88,14 @@ def main() -> None:
     )  # fmt: skip
     args = ap.parse_args()
 
-    tmp = Path(tempfile.mkdtemp(prefix="agentbolt-bench-"))
-    if args.backend == "sqlite":
-        if args.replicas != 1:
-            raise SystemExit("SQLite serves one server process; use --backend postgres for replicas")
-        db = str(tmp / "bench.db")
-    else:
-        schema = f"bench_{uuid.uuid4().hex[:8]}"
-        options = f"-csearch_path%3D{schema}%20-csynchronous_commit%3D{args.synchronous_commit}"
-        db = f"{args.pg}{'&' if '?' in args.pg else '?'}options={options}"
-    servers = [ServerProcess(ServerConfig(db=db, lease_seconds=60)) for _ in range(args.replicas)]
-    if args.backend == "postgres":
-        import psycopg
+    if args.backend == "sqlite" and args.replicas != 1:
+        raise SystemExit("SQLite serves one server process; use --backend postgres for replicas")
+    with store_url(args.backend, args.pg, {"synchronous_commit": args.synchronous_commit}) as db:
+        run(args, db)
 
-        with psycopg.connect(args.pg, autocommit=True) as conn:
-            conn.execute(f"CREATE SCHEMA {schema}")
+
+def run(args: argparse.Namespace, db: str) -> None:
+    servers = [ServerProcess(ServerConfig(db=db, lease_seconds=60)) for _ in range(args.replicas)]
     for s in servers:
         s.start()
     try:
@@ -147,9 +137,6 @@ def main() -> None:
     finally:
         for s in servers:
             s.stop()
-        if args.backend == "postgres":
-            with psycopg.connect(args.pg, autocommit=True) as conn:
-                conn.execute(f"DROP SCHEMA {schema} CASCADE")
 
 
 if __name__ == "__main__":
