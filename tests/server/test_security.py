@@ -214,9 +214,9 @@ SQL_FRAGMENTS = {
     "order",  # "ASC" or "DESC"
     "column",  # from a fixed tuple of column names
     "self.db.claim_lock",  # a backend constant: "FOR UPDATE SKIP LOCKED" or ""
-    # statuses written as literals so the planner sees them: enum values, checked to be
+    # statuses and modes written as literals so the planner sees them: enum values, checked to be
     # lower-case words by _sql_literal
-    "_QUEUED", "_RUNNING", "statuses",
+    "_QUEUED", "_RUNNING", "statuses", "_sql_literal(Mode(mode))",
 }  # fmt: skip
 
 
