@@ -77,11 +77,11 @@ class StoreCaller:
 
     def __init__(self, store: SqlStore) -> None:
         self.store = store
-        self.inline = store.backend == "sqlite"
         self.wake: WakeUp | None = None
         # as many threads as the store has connections: more would only queue on the pool
         # (and a plain executor costs half of anyio's worker threads per call)
-        self.threads = None if self.inline else ThreadPoolExecutor(store.db.connections, "agentbolt-store")
+        inline = store.backend == "sqlite"
+        self.threads = None if inline else ThreadPoolExecutor(store.db.connections, "agentbolt-store")
 
     async def __call__(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
         if self.threads is None:

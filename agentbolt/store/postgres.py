@@ -88,11 +88,6 @@ class _PgTx(Tx):
         with _no_nul():
             return self.cur.execute(to_pyformat(sql), params).rowcount
 
-    def many(self, sql: str, rows: Sequence[Sequence[Any]]) -> int:
-        with _no_nul():
-            self.cur.executemany(to_pyformat(sql), rows)
-        return max(self.cur.rowcount, 0)
-
 
 def _pop_pool_size(dsn: str, default: int) -> tuple[str, int]:
     """``pool_size=N`` in a URL's query sets the connections this process may open; it is

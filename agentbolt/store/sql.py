@@ -75,10 +75,6 @@ class Tx(abc.ABC):
     def run(self, sql: str, params: Sequence[Any] = ()) -> int:
         """Execute; return the number of rows changed."""
 
-    @abc.abstractmethod
-    def many(self, sql: str, rows: Sequence[Sequence[Any]]) -> int:
-        """Execute once per row; return the number of rows changed in all."""
-
     def one(self, sql: str, params: Sequence[Any] = ()) -> tuple[Any, ...] | None:
         rows = self.all(sql, params)
         return rows[0] if rows else None
@@ -518,7 +514,7 @@ class SqlStore:
         """Append events to a running attempt; a (attempt, sequence) already stored is skipped.
         Returns how many were new."""
         rows = _event_rows(events)
-        with self._tx() if len(rows) > _EVENTS_PER_INSERT else self._read() as tx:
+        with self._events_tx(rows) as tx:
             new = self._insert_events(tx, attempt_id, rows, running=True, worker_id=worker_id)
             if new == 0:  # nothing stored: not held (say why), or every event a repeat
                 self._held(tx, attempt_id, worker_id)
@@ -528,11 +524,16 @@ class SqlStore:
         """Append events the server observed itself (gateway calls, OTLP spans). Unlike
         :meth:`add_events` the attempt may have ended: a span can arrive after the finish."""
         rows = _event_rows(events)
-        with self._tx() if len(rows) > _EVENTS_PER_INSERT else self._read() as tx:
+        with self._events_tx(rows) as tx:
             new = self._insert_events(tx, attempt_id, rows, running=False, worker_id=None)
             if new == 0:
                 self._attempt_row(tx, attempt_id)  # NotFound when there is no such attempt
             return new
+
+    def _events_tx(self, rows: list[tuple[Any, ...]]) -> Any:
+        """One INSERT commits on its own; several (a batch over ``_EVENTS_PER_INSERT``) need a
+        transaction, so that an attempt ending meanwhile gets all of them or none."""
+        return self._tx() if len(rows) > _EVENTS_PER_INSERT else self._read()
 
     def _insert_events(
         self, tx: Tx, attempt_id: str, rows: list[tuple[Any, ...]], running: bool, worker_id: str | None
@@ -542,11 +543,9 @@ class SqlStore:
         attempt ended meanwhile gets none of them. (attempt, sequence) is unique: a re-sent
         batch, even one racing on another replica, inserts nothing twice; the row counts tell
         how many were new."""
-        where = " AND a.status = ?" if running else ""
+        where = f" AND a.status = {_RUNNING}" if running else ""
         where += " AND a.worker_id = ?" if worker_id is not None else ""
-        extra = ((AttemptStatus.RUNNING.value,) if running else ()) + (
-            (worker_id,) if worker_id is not None else ()
-        )
+        extra = (worker_id,) if worker_id is not None else ()
         new = 0
         for start in range(0, len(rows), _EVENTS_PER_INSERT):
             chunk = rows[start : start + _EVENTS_PER_INSERT]

@@ -28,9 +28,6 @@ class _SqliteTx(Tx):
     def run(self, sql: str, params: Sequence[Any] = ()) -> int:
         return self.conn.execute(sql, params).rowcount
 
-    def many(self, sql: str, rows: Sequence[Sequence[Any]]) -> int:
-        return self.conn.executemany(sql, rows).rowcount
-
 
 class SqliteDatabase(Database):
     name = "sqlite"
