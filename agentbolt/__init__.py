@@ -1,7 +1,10 @@
 """agentbolt: train any AI agent from its real runs — prompt optimization, fine-tuning and RL —
 without changing the agent's code."""
 
-from agentbolt.agent import (
+from agentbolt.algorithms import Algorithm, Evaluate, TrainContext
+from agentbolt.client import AsyncClient, Client
+from agentbolt.errors import AgentboltError, ConfigError, InvalidTransition, LeaseLost, NotFound
+from agentbolt.runner.agent import (
     LitAgent,
     RolloutContext,
     current_rollout,
@@ -11,11 +14,9 @@ from agentbolt.agent import (
     emit_tool_call,
     rollout,
 )
-from agentbolt.algorithms import Algorithm, Evaluate, TrainContext
-from agentbolt.client import AsyncClient, Client
-from agentbolt.errors import AgentboltError, ConfigError, InvalidTransition, LeaseLost, NotFound
-from agentbolt.llm import async_openai, sync_openai
-from agentbolt.runner import Runner
+from agentbolt.runner.llm import async_openai, sync_openai
+from agentbolt.runner.tracing import span
+from agentbolt.runner.worker import Runner
 from agentbolt.schemas import (
     LLM,
     Attempt,
@@ -29,7 +30,6 @@ from agentbolt.schemas import (
     Trajectory,
 )
 from agentbolt.server import ServerConfig, create_app
-from agentbolt.tracing import span
 from agentbolt.trainer import Trainer
 
 __all__ = [

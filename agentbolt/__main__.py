@@ -1,3 +1,3 @@
-from agentbolt.cli import main
+from agentbolt.cli.main import main
 
 main()

@@ -22,11 +22,11 @@ from typing import Any
 
 from rich.console import Console
 
-from agentbolt.agent import LitAgent, as_agent
 from agentbolt.algorithms.base import Algorithm, TrainContext
 from agentbolt.client import Client
+from agentbolt.console import make_console
 from agentbolt.errors import ConfigError
-from agentbolt.render import make_console
+from agentbolt.runner.agent import LitAgent, as_agent
 from agentbolt.schemas import Resource, Task
 from agentbolt.server.config import ServerConfig
 from agentbolt.server.run import ServerThread, free_port, wait_healthy
@@ -37,7 +37,7 @@ log = logging.getLogger("agentbolt.trainer")
 
 
 def _runner_main(agent: LitAgent, url: str, token: str | None, concurrency: int, lease: float | None) -> None:
-    from agentbolt.runner import Runner
+    from agentbolt.runner.worker import Runner
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s runner %(levelname)s %(message)s")
     Runner(agent, url, token=token, concurrency=concurrency, lease_seconds=lease).run_sync()

@@ -28,7 +28,7 @@ def reward_text(text: str) -> float:
 
 def _agent(max_tokens: int):
     from agentbolt import LitAgent, Task
-    from agentbolt.llm import async_openai
+    from agentbolt.runner.llm import async_openai
     from agentbolt.schemas import LLM
 
     class SingleTurn(LitAgent):

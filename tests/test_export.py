@@ -251,7 +251,7 @@ def test_dedupe_keeps_the_first_of_equal_keys() -> None:
 
 
 def test_cli_exports_with_a_progress_bar(runs: Client, tmp_path: Path) -> None:
-    from agentbolt.export_cli import export_app
+    from agentbolt.cli.export import export_app
 
     out = tmp_path / "cli.jsonl"
     args = ["sft", "--server", runs.url, "--format", "tokens", "--min-reward", "0.85", "--out", str(out)]
@@ -321,7 +321,7 @@ def test_merged_export_is_a_plain_transformers_model(adapter: tuple[Path, Path, 
 
 def test_cli_exports_the_weights_of_a_resources_version(client: Client, adapter: tuple[Path, Path, torch.nn.Module],
                                                         tmp_path: Path) -> None:  # fmt: skip
-    from agentbolt.export_cli import export_app
+    from agentbolt.cli.export import export_app
 
     base, path, trained = adapter
     version = client.publish_resources(

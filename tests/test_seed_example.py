@@ -44,7 +44,7 @@ def test_seed_trajectory_is_recorded(server):
     module = _load()
     import asyncio
 
-    from agentbolt.runner import Runner
+    from agentbolt.runner.worker import Runner
 
     with Client(server.url) as client:
         client.publish_resources({"system_prompt": PromptTemplate(template="Be exact.")})

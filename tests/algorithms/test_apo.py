@@ -24,8 +24,8 @@ from typer.testing import CliRunner
 from agentbolt import LLM, LitAgent, PromptTemplate, Task, Trainer
 from agentbolt.algorithms.apo import APO, APOResult, Candidate, pareto_front, select_beam
 from agentbolt.algorithms.apo_optimizer import extract_prompt
-from agentbolt.export_cli import export_app
-from agentbolt.runner import Runner
+from agentbolt.cli.export import export_app
+from agentbolt.runner.worker import Runner
 from agentbolt.schemas import Mode
 from agentbolt.server import ServerConfig, ServerThread
 from agentbolt.server.run import free_port

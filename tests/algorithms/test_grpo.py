@@ -9,7 +9,7 @@ import pytest
 from agentbolt import LitAgent, Task, Trainer
 from agentbolt.algorithms.grpo import GRPO
 from agentbolt.engine import tiny_model_dir
-from agentbolt.llm import async_openai
+from agentbolt.runner.llm import async_openai
 from agentbolt.schemas import LLM
 
 

@@ -17,7 +17,7 @@ from agentbolt.algorithms.base import TrainContext
 from agentbolt.algorithms.rl_core import TrainConfig, TrainRow, make_train_state
 from agentbolt.algorithms.sft import SFT, eval_loss, select_rollouts, sft_rows, train_rows
 from agentbolt.client import Client
-from agentbolt.runner import Runner
+from agentbolt.runner.worker import Runner
 from agentbolt.schemas import LLM, Event, Mode, ModelWeights, Rollout, RolloutStatus
 from agentbolt.trainer import Trainer
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 
-from agentbolt.runner import Runner
+from agentbolt.runner.worker import Runner
 
 HERE = Path(__file__).parent
 AGENTS = str(HERE / "scale_agents.py")

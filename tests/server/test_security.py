@@ -18,7 +18,7 @@ from agentbolt.client import Client
 from agentbolt.schemas import LLM, PromptTemplate, RolloutCreate, Task
 from agentbolt.server import Role, ServerConfig, ServerThread
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "gateway"))
+sys.path.insert(0, str(Path(__file__).parent))
 from upstream_double import UpstreamDouble  # noqa: E402
 
 ADMIN, RUNNER, READER = "adm-token-7f3a", "run-token-91bc", "read-token-4d20"
@@ -252,7 +252,7 @@ def test_sql_text_interpolates_no_values():
 
 
 def test_the_server_command_prints_store_urls_without_passwords():
-    from agentbolt.cli import _without_password
+    from agentbolt.cli.main import _without_password
 
     assert _without_password("postgresql://ab:s3cret@db:5432/ab?sslmode=require") == (
         "postgresql://ab:***@db:5432/ab?sslmode=require"

@@ -9,31 +9,16 @@ their traceback) each get one line or a small block. Long text is cut to keep th
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
-from rich.console import Console
 from rich.text import Text
 from rich.tree import Tree
 
 from agentbolt.schemas import Attempt, Event, EventType, Rollout
 
-__all__ = ["make_console", "render_rollout"]
-
-# Width when writing to a file or a CI log: rich would fall back to 80 columns, which cuts
-# the training tables' headers and numbers to "…".
-LOG_WIDTH = 140
-
-
-def make_console(stderr: bool = False) -> Console:
-    """A rich console; when output is not a terminal (and COLUMNS is unset), LOG_WIDTH wide."""
-    console = Console(stderr=stderr)
-    if not console.is_terminal and "COLUMNS" not in os.environ:
-        console = Console(stderr=stderr, width=LOG_WIDTH)
-    return console
-
+__all__ = ["render_rollout"]
 
 MAX_TEXT = 240
 MAX_TRACEBACK_LINES = 20

@@ -13,30 +13,25 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
+from agentbolt.cli.common import DEFAULT_SERVER, ServerOpt, TokenOpt, console, err_console, fail
+from agentbolt.cli.demo import demo_command
+from agentbolt.cli.export import export_app
+from agentbolt.engine.cli import model_app
 from agentbolt.errors import AgentboltError
-from agentbolt.render import make_console
 from agentbolt.schemas import Mode, RolloutStatus, Task
 
 app = typer.Typer(help="Train any AI agent from its real runs.", no_args_is_help=True, add_completion=False)
 rollouts_app = typer.Typer(help="Inspect rollouts stored on a server.", no_args_is_help=True)
 app.add_typer(rollouts_app, name="rollouts")
-console = make_console()
-err_console = make_console(stderr=True)
-
-ServerOpt = Annotated[str, typer.Option("--server", "-s", envvar="AGENTBOLT_SERVER", help="Server URL.")]
-TokenOpt = Annotated[str | None, typer.Option("--token", envvar="AGENTBOLT_TOKEN", help="Bearer token.")]
-DEFAULT_SERVER = "http://127.0.0.1:8765"
-
-
-def _fail(message: str, code: int = 2) -> typer.Exit:
-    err_console.print(f"[bold red]error:[/] {message}")
-    return typer.Exit(code)
+app.add_typer(model_app, name="model")
+app.add_typer(export_app, name="export")
+app.command("demo")(demo_command)
 
 
 def _load_tasks(path: Path) -> list[Task]:
     """Tasks from a JSON list or JSON-lines file; each item is task data (``id`` optional)."""
     if not path.exists():
-        raise _fail(f"task file {path} does not exist")
+        raise fail(f"task file {path} does not exist")
     text = path.read_text()
     try:
         items = (
@@ -45,9 +40,9 @@ def _load_tasks(path: Path) -> list[Task]:
             else [json.loads(x) for x in text.splitlines() if x.strip()]
         )
     except json.JSONDecodeError as exc:
-        raise _fail(f"{path}: not JSON or JSON lines ({exc})") from None
+        raise fail(f"{path}: not JSON or JSON lines ({exc})") from None
     if not all(isinstance(i, dict) for i in items):
-        raise _fail(f"{path}: every task must be a JSON object")
+        raise fail(f"{path}: every task must be a JSON object")
     return [Task.of(i) for i in items]
 
 
@@ -101,7 +96,7 @@ def runner(
     ] = False,
 ) -> None:
     """Run an agent on queued rollouts until stopped (Ctrl-C finishes or releases running ones)."""
-    from agentbolt.runner import Runner, load_agent
+    from agentbolt.runner.worker import Runner, load_agent
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     sys.path.insert(0, os.getcwd())
@@ -131,7 +126,7 @@ def eval_(
 ) -> None:
     """Evaluate an agent on a task file (embedded server and local runners unless --server)."""
     from agentbolt.algorithms import Evaluate
-    from agentbolt.runner import load_agent
+    from agentbolt.runner.worker import load_agent
     from agentbolt.schemas import PromptTemplate
     from agentbolt.trainer import Trainer
 
@@ -174,8 +169,8 @@ def rollouts_show(
     token: TokenOpt = None,
 ) -> None:
     """Show a rollout with its attempts and events (LLM calls, rewards, exceptions) as a tree."""
+    from agentbolt.cli.render import render_rollout
     from agentbolt.client import Client
-    from agentbolt.render import render_rollout
 
     with Client(server, token) as client:
         rollout = client.get_rollout(rollout_id)
@@ -184,29 +179,7 @@ def rollouts_show(
     console.print(render_rollout(rollout, attempts, events))
 
 
-def _mount_optional() -> None:
-    """Sub-commands whose modules may not be present in every build."""
-    import importlib
-
-    for module, attr, name in (
-        ("agentbolt.engine.cli", "model_app", "model"),
-        ("agentbolt.export_cli", "export_app", "export"),
-    ):
-        try:
-            sub = getattr(importlib.import_module(module), attr)
-        except (ModuleNotFoundError, AttributeError):
-            continue
-        app.add_typer(sub, name=name)
-    try:
-        from agentbolt.demo import demo_command
-
-        app.command("demo")(demo_command)
-    except ModuleNotFoundError:
-        pass
-
-
 def main() -> None:
-    _mount_optional()
     try:
         app()
     except AgentboltError as exc:

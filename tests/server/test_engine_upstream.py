@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from agentbolt.engine import EngineServer, ModelEngine, tiny_model_dir
-from agentbolt.runner import Runner, load_agent
+from agentbolt.runner.worker import Runner, load_agent
 from agentbolt.schemas import LLM, PromptTemplate, RolloutCreate, RolloutStatus, Task
 
 EXAMPLES = Path(__file__).parents[2] / "examples"

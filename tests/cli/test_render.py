@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from agentbolt.render import render_rollout
+from agentbolt.cli.render import render_rollout
 from agentbolt.schemas import Attempt, AttemptStatus, Event, Mode, Rollout, RolloutStatus, Task
 
 T0 = 1_700_000_000.0

@@ -1,6 +1,6 @@
 """``agentbolt export``: write what training produced to files.
 
-One command per artifact, all on :data:`export_app` (mounted by :mod:`agentbolt.cli`). Each
+One command per artifact, all on :data:`export_app` (added by :mod:`agentbolt.cli.main`). Each
 command reads the server through :class:`~agentbolt.client.Client` with the shared ``--server`` /
 ``--token`` options and writes ``--out``; add a command with ``@export_app.command("name")``.
 """
@@ -16,7 +16,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from agentbolt.algorithms.apo import prompt_of
-from agentbolt.cli import DEFAULT_SERVER, ServerOpt, TokenOpt, console
+from agentbolt.cli.common import DEFAULT_SERVER, ServerOpt, TokenOpt, console
 from agentbolt.client import Client
 from agentbolt.errors import ConfigError
 from agentbolt.schemas import Mode, Resources

@@ -82,7 +82,7 @@ def test_a_store_that_cannot_be_opened_is_one_clear_message(tmp_path):
 
 
 def test_consoles_writing_to_a_log_are_wide_enough_for_the_training_tables(monkeypatch):
-    from agentbolt.render import LOG_WIDTH, make_console
+    from agentbolt.console import LOG_WIDTH, make_console
 
     monkeypatch.delenv("COLUMNS", raising=False)
     assert make_console().width == LOG_WIDTH  # pytest captures output: not a terminal

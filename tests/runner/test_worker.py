@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from agentbolt.client import Client
-from agentbolt.runner import Runner, load_agent
+from agentbolt.runner.worker import Runner, load_agent
 from agentbolt.schemas import AttemptStatus, PromptTemplate, RolloutCreate, RolloutStatus, Task
 from agentbolt.server import ServerConfig, ServerProcess
 

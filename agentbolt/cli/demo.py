@@ -23,8 +23,8 @@ from typing import Annotated, Any
 
 import typer
 
-from agentbolt.agent import LitAgent, emit_tool_call
-from agentbolt.llm import async_openai
+from agentbolt.runner.agent import LitAgent, emit_tool_call
+from agentbolt.runner.llm import async_openai
 from agentbolt.schemas import LLM, PromptTemplate, Task
 
 __all__ = ["CalculatorAgent", "calculator", "demo_command", "make_tasks", "score"]
@@ -147,7 +147,7 @@ def demo_command(
     from rich.table import Table
 
     from agentbolt.algorithms.grpo import GRPO
-    from agentbolt.render import make_console
+    from agentbolt.console import make_console
     from agentbolt.trainer import Trainer
 
     console = make_console()

@@ -15,7 +15,7 @@ except ImportError:  # the browser fixture then skips each test (fails them unde
 
 __all__ = ["ARTIFACTS", "assert_contrast", "expect", "shoot"]
 
-ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts" / "dashboard"
+ARTIFACTS = Path(__file__).resolve().parents[3] / "artifacts" / "dashboard"
 
 
 def shoot(page: Any, name: str) -> Path:

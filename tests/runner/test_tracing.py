@@ -7,10 +7,10 @@ import asyncio
 
 from opentelemetry import trace
 
-from agentbolt.agent import emit_message, emit_reward, rollout
-from agentbolt.runner import Runner
+from agentbolt.runner.agent import emit_message, emit_reward, rollout
+from agentbolt.runner.tracing import span
+from agentbolt.runner.worker import Runner
 from agentbolt.schemas import RolloutCreate, Task
-from agentbolt.tracing import span
 
 
 @rollout

@@ -41,6 +41,7 @@ from agentbolt.schemas import (
 __all__ = [
     "LitAgent",
     "RolloutContext",
+    "active_rollout",
     "current_rollout",
     "emit_event",
     "emit_exception",
@@ -106,6 +107,11 @@ class RolloutContext:
 
     def activate(self) -> contextvars.Token[RolloutContext | None]:
         return _current.set(self)
+
+
+def active_rollout() -> RolloutContext | None:
+    """The rollout being run in this context, or None outside one (tracing asks this)."""
+    return _current.get()
 
 
 def current_rollout() -> RolloutContext:

@@ -33,7 +33,7 @@ from typing import Any
 
 import orjson
 
-from agentbolt.agent import RolloutContext, _current
+from agentbolt.runner.agent import RolloutContext, active_rollout
 from agentbolt.schemas import EventCreate, EventType
 
 __all__ = ["ATTEMPT_ATTR", "ROLLOUT_ATTR", "SpanHandle", "Tracer", "span", "tracing_enabled"]
@@ -97,7 +97,7 @@ class SpanHandle:
 @contextlib.contextmanager
 def span(name: str, **attributes: Any) -> Iterator[SpanHandle]:
     """Mark a step of the agent (see the module docstring); a no-op outside a rollout."""
-    ctx = _current.get()
+    ctx = active_rollout()
     tracer = _route(ctx.attempt.id) if ctx is not None else None
     if tracer is not None:
         otel = tracer.otel_tracer.start_as_current_span(
@@ -167,7 +167,7 @@ def _make_processor() -> Any:
         """Stamps spans started inside a rollout and hands finished ones to its runner."""
 
         def on_start(self, span: Any, parent_context: Any = None) -> None:
-            ctx = _current.get()
+            ctx = active_rollout()
             if ctx is not None:
                 span.set_attribute(ROLLOUT_ATTR, ctx.rollout.id)
                 span.set_attribute(ATTEMPT_ATTR, ctx.attempt.id)

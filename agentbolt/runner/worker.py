@@ -26,11 +26,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from agentbolt.agent import LitAgent, RolloutContext, as_agent, emit_exception
 from agentbolt.client import AsyncClient, RetryPolicy
 from agentbolt.errors import AgentboltError, ConfigError, LeaseLost, NotFound
+from agentbolt.runner.agent import LitAgent, RolloutContext, as_agent, emit_exception
+from agentbolt.runner.tracing import Tracer, tracing_enabled
 from agentbolt.schemas import AttemptStatus, Claim, EventType, Trajectory
-from agentbolt.tracing import Tracer, tracing_enabled
 
 __all__ = ["Runner", "load_agent", "reward_of"]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from agentbolt.agent import RolloutContext, as_agent, current_rollout, emit_reward, rollout
 from agentbolt.errors import ConfigError
+from agentbolt.runner.agent import RolloutContext, as_agent, current_rollout, emit_reward, rollout
 from agentbolt.schemas import (
     LLM,
     Attempt,

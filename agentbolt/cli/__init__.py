@@ -1,0 +1,1 @@
+"""The ``agentbolt`` command line: ``main`` holds the commands, ``export`` and ``demo`` theirs."""

@@ -1,0 +1,21 @@
+"""The rich console every live table and message of agentbolt prints to."""
+
+from __future__ import annotations
+
+import os
+
+from rich.console import Console
+
+__all__ = ["make_console"]
+
+# Width when writing to a file or a CI log: rich would fall back to 80 columns, which cuts
+# the training tables' headers and numbers to "…".
+LOG_WIDTH = 140
+
+
+def make_console(stderr: bool = False) -> Console:
+    """A rich console; when output is not a terminal (and COLUMNS is unset), LOG_WIDTH wide."""
+    console = Console(stderr=stderr)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(stderr=stderr, width=LOG_WIDTH)
+    return console

@@ -1,0 +1,32 @@
+"""The runner process: the worker loop (``worker``), the agent API (``agent``), OpenTelemetry
+tracing of rollouts (``tracing``) and the OpenAI client helpers agents use (``llm``)."""
+
+from agentbolt.runner.agent import (
+    LitAgent,
+    RolloutContext,
+    current_rollout,
+    emit_event,
+    emit_message,
+    emit_reward,
+    emit_tool_call,
+    rollout,
+)
+from agentbolt.runner.llm import async_openai, sync_openai
+from agentbolt.runner.tracing import span
+from agentbolt.runner.worker import Runner, load_agent
+
+__all__ = [
+    "LitAgent",
+    "RolloutContext",
+    "Runner",
+    "async_openai",
+    "current_rollout",
+    "emit_event",
+    "emit_message",
+    "emit_reward",
+    "emit_tool_call",
+    "load_agent",
+    "rollout",
+    "span",
+    "sync_openai",
+]
