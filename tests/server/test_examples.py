@@ -13,7 +13,7 @@ import pytest
 from agentbolt.runner.worker import Runner, load_agent
 from agentbolt.schemas import LLM, PromptTemplate, RolloutCreate, RolloutStatus, Task
 
-EXAMPLES = Path(__file__).parents[1] / "examples"
+EXAMPLES = Path(__file__).parents[2] / "examples"
 NAMES = ["openai_agent", "langchain_agent", "openai_agents_sdk_agent", "autogen_agent"]
 SECRET = "sk-example-upstream-secret"
 
