@@ -10,7 +10,7 @@ from pathlib import Path
 
 from agentbolt.schemas import AttemptStatus, EventCreate, RolloutCreate, Task
 
-AGENTS = str(Path(__file__).with_name("sample_agents.py"))
+AGENTS = str(Path(__file__).parents[1] / "sample_agents.py")
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -18,7 +18,7 @@ from agentbolt.runner.worker import Runner, load_agent
 from agentbolt.schemas import AttemptStatus, PromptTemplate, RolloutCreate, RolloutStatus, Task
 from agentbolt.server import ServerConfig, ServerProcess
 
-AGENTS = str(Path(__file__).with_name("sample_agents.py"))
+AGENTS = str(Path(__file__).parents[1] / "sample_agents.py")
 
 
 def _agent(name: str):
