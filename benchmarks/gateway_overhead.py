@@ -39,8 +39,11 @@ from agentbolt.schemas import LLM, RolloutCreate, Task
 from agentbolt.server import ServerConfig, ServerProcess
 from agentbolt.server.run import free_port, wait_healthy
 
-REQUEST = {"model": "bench", "messages": [{"role": "system", "content": "You are terse."},
-                                          {"role": "user", "content": "Say OK."}], "max_tokens": 4}  # fmt: skip
+REQUEST = {
+    "model": "bench",
+    "messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say OK."}],
+    "max_tokens": 4,
+}
 
 
 # ---------------------------------------------------------------------------- the upstream
@@ -48,14 +51,29 @@ REQUEST = {"model": "bench", "messages": [{"role": "system", "content": "You are
 
 def _answer(body: dict, delay: float) -> bytes:
     extras = body.get("return_token_ids")
-    choice = {"index": 0, "message": {"role": "assistant", "content": "OK."}, "finish_reason": "stop",
-              "logprobs": {"content": [{"token": "OK", "logprob": -0.01, "bytes": [79, 75], "top_logprobs": []},
-                                       {"token": ".", "logprob": -0.2, "bytes": [46], "top_logprobs": []}]}
-              if body.get("logprobs") else None}  # fmt: skip
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": "OK."},
+        "finish_reason": "stop",
+        "logprobs": {
+            "content": [
+                {"token": "OK", "logprob": -0.01, "bytes": [79, 75], "top_logprobs": []},
+                {"token": ".", "logprob": -0.2, "bytes": [46], "top_logprobs": []},
+            ]
+        }
+        if body.get("logprobs")
+        else None,
+    }
     if extras:
         choice["token_ids"] = [9906, 13]
-    out = {"id": "chatcmpl-bench", "object": "chat.completion", "created": 1_700_000_000, "model": body.get("model"),
-           "choices": [choice], "usage": {"prompt_tokens": 12, "completion_tokens": 2, "total_tokens": 14}}  # fmt: skip
+    out = {
+        "id": "chatcmpl-bench",
+        "object": "chat.completion",
+        "created": 1_700_000_000,
+        "model": body.get("model"),
+        "choices": [choice],
+        "usage": {"prompt_tokens": 12, "completion_tokens": 2, "total_tokens": 14},
+    }
     if extras:
         out["prompt_token_ids"] = list(range(1, 13))
     return json.dumps(out).encode()
@@ -104,8 +122,10 @@ class Connection:
         return self
 
     async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
-        head = (f"POST {self.base}{path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\n"
-                f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n")  # fmt: skip
+        head = (
+            f"POST {self.base}{path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+        )
         self.writer.write(head.encode() + body)
         status = int((await self.reader.readline()).split()[1])
         length = 0
@@ -166,9 +186,11 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--upstream-delay-ms", type=float, default=0.0)
     parser.add_argument(
-        "--upstream", choices=["stub", "engine"], default="stub",
+        "--upstream",
+        choices=["stub", "engine"],
+        default="stub",
         help="stub: a minimal server that answers at once; engine: the embedded model engine",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--rounds", type=int, default=2, help="direct/gateway pairs, alternating; best of each"
     )
@@ -179,8 +201,10 @@ def main() -> None:
     upstream_url = f"http://127.0.0.1:{port}/v1"
     up: multiprocessing.process.BaseProcess | subprocess.Popen
     if args.upstream == "engine":
-        up = subprocess.Popen([sys.executable, "-m", "agentbolt.engine.cli", "serve", "--port", str(port),
-                               "--name", "bench"], stdout=subprocess.DEVNULL)  # fmt: skip
+        up = subprocess.Popen(
+            [sys.executable, "-m", "agentbolt.engine.cli", "serve", "--port", str(port), "--name", "bench"],
+            stdout=subprocess.DEVNULL,
+        )
     else:
         up = multiprocessing.get_context("spawn").Process(
             target=_serve_upstream, args=(port, args.upstream_delay_ms / 1000), daemon=True
@@ -209,8 +233,11 @@ def main() -> None:
         up.wait(30) if isinstance(up, subprocess.Popen) else up.join(5)
 
     summary = {}
-    upstream = "the embedded engine (SmolLM2-135M, CPU)" if args.upstream == "engine" else (
-        f"a stub answering after {args.upstream_delay_ms:g} ms")  # fmt: skip
+    upstream = (
+        "the embedded engine (SmolLM2-135M, CPU)"
+        if args.upstream == "engine"
+        else (f"a stub answering after {args.upstream_delay_ms:g} ms")
+    )
     print(f"{args.calls} chat calls, {args.concurrency} in flight, upstream: {upstream}")
     for name, runs in results.items():
         elapsed, lat = min(runs, key=lambda r: r[0])  # the best round: least disturbed by other load
@@ -224,8 +251,10 @@ def main() -> None:
     print(f"  added latency per call: p50 {added50:.2f} ms, p99 {added99:.2f} ms")
     print(f"  throughput ratio gateway/direct: {ratio:.2f}x")
     n = (args.calls + args.concurrency) * args.rounds
-    print(f"  CPU per call through the gateway: gateway process {cpu['gateway'] / n * 1000:.2f} ms, "
-          f"upstream process {cpu['upstream'] / n * 1000:.2f} ms")  # fmt: skip
+    print(
+        f"  CPU per call through the gateway: gateway process {cpu['gateway'] / n * 1000:.2f} ms, "
+        f"upstream process {cpu['upstream'] / n * 1000:.2f} ms"
+    )
     expected = (args.calls + args.concurrency) * args.rounds
     print(
         f"  llm_call events recorded: {recorded} (expected {expected}) {'ok' if recorded == expected else 'MISMATCH'}"

@@ -36,9 +36,11 @@ def _agent(max_tokens: int):
             llm: LLM = self.get_resource("llm")
             client = async_openai(llm, timeout=600)
             r = await client.chat.completions.create(
-                model=llm.model, messages=[{"role": "user", "content": task.data["prompt"]}],
-                max_tokens=max_tokens, temperature=1.0,
-            )  # fmt: skip
+                model=llm.model,
+                messages=[{"role": "user", "content": task.data["prompt"]}],
+                max_tokens=max_tokens,
+                temperature=1.0,
+            )
             return reward_text(r.choices[0].message.content or "")
 
     return SingleTurn()
@@ -50,8 +52,17 @@ def run_agentbolt(
     from agentbolt import Trainer
     from agentbolt.algorithms.grpo import GRPO
 
-    algo = GRPO(model=model, steps=steps, tasks_per_step=prompts, group_size=group, lr=lr, val_every=0,
-                checkpoint_every=0, plot=False, success_threshold=0.5)  # fmt: skip
+    algo = GRPO(
+        model=model,
+        steps=steps,
+        tasks_per_step=prompts,
+        group_size=group,
+        lr=lr,
+        val_every=0,
+        checkpoint_every=0,
+        plot=False,
+        success_threshold=0.5,
+    )
     tasks = [{"id": f"p{i}", "prompt": p} for i, p in enumerate(PROMPTS)]
     run_dir = Path(tempfile.mkdtemp(prefix="bench-grpo-"))
     result = Trainer(algo, n_runners=1, runner_concurrency=group * prompts, run_dir=run_dir).fit(
@@ -87,19 +98,37 @@ def run_trl(path: str, steps: int, group: int, prompts: int, max_tokens: int, lr
 
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": p}]} for p in PROMPTS])
     config = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="bench-trl-"), per_device_train_batch_size=group * prompts,
-        num_generations=group, max_completion_length=max_tokens, max_steps=steps, learning_rate=lr,
-        logging_steps=1, report_to=[], use_cpu=True, bf16=True, save_strategy="no", temperature=1.0,
-        beta=0.0, gradient_accumulation_steps=1, dataloader_num_workers=0,
+        output_dir=tempfile.mkdtemp(prefix="bench-trl-"),
+        per_device_train_batch_size=group * prompts,
+        num_generations=group,
+        max_completion_length=max_tokens,
+        max_steps=steps,
+        learning_rate=lr,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        bf16=True,
+        save_strategy="no",
+        temperature=1.0,
+        beta=0.0,
+        gradient_accumulation_steps=1,
+        dataloader_num_workers=0,
         # TRL turns activation checkpointing on by default: it saves memory at the cost of a
         # second forward pass. agentbolt does not checkpoint, so neither does TRL here.
         gradient_checkpointing=False,
-    )  # fmt: skip
+    )
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path)
     lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data,
-                          processing_class=tok, peft_config=lora, callbacks=[Timer()])  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=data,
+        processing_class=tok,
+        peft_config=lora,
+        callbacks=[Timer()],
+    )
     trainer.train()
     return times
 

@@ -177,7 +177,7 @@ def bench_sequential(texts: list[str], args) -> Result:
             add_generation_prompt=True,
             return_tensors="pt",
             return_dict=True,
-        )  # fmt: skip
+        )
         for t in ["Hi", *texts]
     ]
     counts = thread_counts()
@@ -220,7 +220,7 @@ def bench_llama_cpp(texts: list[str], args) -> Result | str:
 
 def llama_cpp_run(texts: list[str], args, gguf: Path, threads: int) -> Result:
     port = free_port()
-    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1"]  # fmt: skip
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1"]
     cmd += ["--port", str(port), "--n_threads", str(threads), "--n_threads_batch", str(threads)]
     cmd += ["--n_ctx", "2048", "--verbose", "false"]
     with server_process(cmd, port):
@@ -231,8 +231,10 @@ def llama_cpp_run(texts: list[str], args, gguf: Path, threads: int) -> Result:
 
 def report(results: list[Result], skipped: list[str], rss: int, args) -> None:
     engine = results[0]
-    print(f"\n{args.requests} concurrent chat requests, max_tokens {args.max_tokens}, greedy; "
-          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}\n")  # fmt: skip
+    print(
+        f"\n{args.requests} concurrent chat requests, max_tokens {args.max_tokens}, greedy; "
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}\n"
+    )
     print(
         f"{'system':28} {'requests':>8} {'tokens':>7} {'seconds':>8} {'tokens/s':>9} {'engine is':>10}  notes"
     )

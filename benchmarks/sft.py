@@ -47,20 +47,41 @@ TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {
 
 def llm_call(rng: random.Random, i: int) -> dict[str, Any]:
     a, b = rng.randint(10, 99), rng.randint(10, 99)
-    call = {"id": f"call_{i}", "type": "function",
-            "function": {"name": "calculator", "arguments": f'{{"expression": "{a}+{b}"}}'}}  # fmt: skip
-    messages = [{"role": "system", "content": "You are a helpful assistant. Use the calculator."},
-                {"role": "user", "content": f"What is {a} plus {b}?"},
-                {"role": "assistant", "content": None, "tool_calls": [call]},
-                {"role": "tool", "tool_call_id": f"call_{i}", "content": str(a + b)}]  # fmt: skip
+    call = {
+        "id": f"call_{i}",
+        "type": "function",
+        "function": {"name": "calculator", "arguments": f'{{"expression": "{a}+{b}"}}'},
+    }
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant. Use the calculator."},
+        {"role": "user", "content": f"What is {a} plus {b}?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": f"call_{i}", "content": str(a + b)},
+    ]
     prompt = [rng.randrange(49152) for _ in range(150)]
     completion = [rng.randrange(49152) for _ in range(30)]
-    choice = {"index": 0, "message": {"role": "assistant", "content": f"The answer is {a + b}."},
-              "finish_reason": "stop", "token_ids": completion, "logprobs": [-0.3] * 30}  # fmt: skip
-    return {"endpoint": "chat.completions", "request": {"model": "smollm2", "messages": messages, "tools": TOOLS},
-            "response": {"id": f"r{i}"}, "stream": False, "prompt_token_ids": prompt, "choices": [choice],
-            "usage": {"prompt_tokens": 150, "completion_tokens": 30}, "latency_ms": 50.0, "upstream_status": 200,
-            "model": "smollm2", "model_version": "0", "resources_version": None, "error": None}  # fmt: skip
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": f"The answer is {a + b}."},
+        "finish_reason": "stop",
+        "token_ids": completion,
+        "logprobs": [-0.3] * 30,
+    }
+    return {
+        "endpoint": "chat.completions",
+        "request": {"model": "smollm2", "messages": messages, "tools": TOOLS},
+        "response": {"id": f"r{i}"},
+        "stream": False,
+        "prompt_token_ids": prompt,
+        "choices": [choice],
+        "usage": {"prompt_tokens": 150, "completion_tokens": 30},
+        "latency_ms": 50.0,
+        "upstream_status": 200,
+        "model": "smollm2",
+        "model_version": "0",
+        "resources_version": None,
+        "error": None,
+    }
 
 
 def build_store(db: str, rollouts: int, seed: int = 0) -> float:
@@ -94,9 +115,11 @@ def bench_export(rollouts: int, min_reward: float) -> None:
     with ServerProcess(ServerConfig(db=db)) as server, Client(server.url, timeout=120) as client:
         for fmt, out in (("openai", "sft.jsonl"), ("tokens", "tokens.jsonl"), ("hf", "hf")):
             s = export_dataset(client, tmp / out, fmt, min_reward=min_reward)  # type: ignore[arg-type]
-            print(f"  export {fmt:6s}: {s.rows:5d} rows ({s.duplicates} duplicates dropped) from {s.rollouts} "
-                  f"rollouts with reward >= {min_reward} in {s.seconds:5.2f} s = {s.rows_per_s:6.0f} rows/s, "
-                  f"{s.rollouts / s.seconds:6.0f} rollouts/s")  # fmt: skip
+            print(
+                f"  export {fmt:6s}: {s.rows:5d} rows ({s.duplicates} duplicates dropped) from {s.rollouts} "
+                f"rollouts with reward >= {min_reward} in {s.seconds:5.2f} s = {s.rows_per_s:6.0f} rows/s, "
+                f"{s.rollouts / s.seconds:6.0f} rollouts/s"
+            )
 
 
 # ---------------------------------------------------------------------------- training
@@ -118,8 +141,10 @@ def load_model(tmp: Path) -> tuple[str, Path]:
 def make_rows(n: int, length: int, vocab: int, seed: int = 0) -> list[TrainRow]:
     rng = random.Random(seed)
     prompt = length - length // 4
-    return [TrainRow(tuple(rng.randrange(vocab) for _ in range(length)), (0,) * prompt + (1,) * (length - prompt))
-            for _ in range(n)]  # fmt: skip
+    return [
+        TrainRow(tuple(rng.randrange(vocab) for _ in range(length)), (0,) * prompt + (1,) * (length - prompt))
+        for _ in range(n)
+    ]
 
 
 Stamps = list[tuple[float, float]]
@@ -144,8 +169,15 @@ def bench_agentbolt(path: Path, rows: list[TrainRow], batch: int, bf16: bool) ->
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     state = make_train_state(model, TrainConfig(lora_r=16, lora_alpha=32, lr=2e-4))
     stamps: Stamps = []
-    train_rows(state, rows, epochs=1, batch_size=batch, max_tokens=batch * len(rows[0].input_ids), bf16=bf16,
-               on_step=lambda _: _stamp(stamps))  # fmt: skip
+    train_rows(
+        state,
+        rows,
+        epochs=1,
+        batch_size=batch,
+        max_tokens=batch * len(rows[0].input_ids),
+        bf16=bf16,
+        on_step=lambda _: _stamp(stamps),
+    )
     return _rates(stamps, batch * len(rows[0].input_ids))
 
 
@@ -164,14 +196,35 @@ def bench_trl(path: Path, rows: list[TrainRow], batch: int, bf16: bool, out: Pat
     data = Dataset.from_list(
         [{"input_ids": list(r.input_ids), "completion_mask": list(r.loss_mask)} for r in rows]
     )
-    config = SFTConfig(output_dir=str(out), per_device_train_batch_size=batch, num_train_epochs=1, learning_rate=2e-4,
-                       lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, gradient_checkpointing=False,
-                       bf16=bf16, use_cpu=True, report_to="none", save_strategy="no", logging_steps=10_000,
-                       completion_only_loss=True, max_length=None, dataloader_num_workers=0, seed=0)  # fmt: skip
+    config = SFTConfig(
+        output_dir=str(out),
+        per_device_train_batch_size=batch,
+        num_train_epochs=1,
+        learning_rate=2e-4,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_grad_norm=1.0,
+        gradient_checkpointing=False,
+        bf16=bf16,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=10_000,
+        completion_only_loss=True,
+        max_length=None,
+        dataloader_num_workers=0,
+        seed=0,
+    )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
-    trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=AutoTokenizer.from_pretrained(path),
-                         peft_config=lora, callbacks=[Stamp()])  # fmt: skip
+    trainer = SFTTrainer(
+        model=model,
+        args=config,
+        train_dataset=data,
+        processing_class=AutoTokenizer.from_pretrained(path),
+        peft_config=lora,
+        callbacks=[Stamp()],
+    )
     trainer.train()
     return _rates(stamps, batch * len(rows[0].input_ids))
 
@@ -182,8 +235,10 @@ def bench_training(n: int, length: int, batch: int, bf16: bool) -> None:
     from transformers import AutoConfig
 
     rows = make_rows(n, length, AutoConfig.from_pretrained(path).vocab_size)
-    print(f"training: {name}; {n} rows x {length} tokens, batch {batch}, LoRA r16 all-linear, "
-          f"{'bf16 autocast' if bf16 else 'fp32'}, {torch.get_num_threads()} threads")  # fmt: skip
+    print(
+        f"training: {name}; {n} rows x {length} tokens, batch {batch}, LoRA r16 all-linear, "
+        f"{'bf16 autocast' if bf16 else 'fp32'}, {torch.get_num_threads()} threads"
+    )
     ours = bench_agentbolt(path, rows, batch, bf16)
     print(f"  agentbolt train_rows  : {ours[0]:7.1f} tokens/s {ours[1]:7.1f} tokens/CPU-s")
     try:
@@ -194,8 +249,10 @@ def bench_training(n: int, length: int, batch: int, bf16: bool) -> None:
         )
         return
     theirs = bench_trl(path, rows, batch, bf16, tmp / "trl")
-    print(f"  trl {trl.__version__} SFTTrainer: {theirs[0]:7.1f} tokens/s {theirs[1]:7.1f} tokens/CPU-s"
-          f"   (agentbolt / trl per CPU-s: {ours[1] / theirs[1]:.2f}x)")  # fmt: skip
+    print(
+        f"  trl {trl.__version__} SFTTrainer: {theirs[0]:7.1f} tokens/s {theirs[1]:7.1f} tokens/CPU-s"
+        f"   (agentbolt / trl per CPU-s: {ours[1] / theirs[1]:.2f}x)"
+    )
 
 
 def main() -> None:
@@ -206,8 +263,12 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--bf16", action="store_true", help="Train under bf16 autocast instead of in float32.")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads; 1 keeps CPU time honest on a shared machine (spinning threads count)")  # fmt: skip
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads; 1 keeps CPU time honest on a shared machine (spinning threads count)",
+    )
     ap.add_argument("--skip-export", action="store_true")
     ap.add_argument("--skip-train", action="store_true")
     args = ap.parse_args()

@@ -59,8 +59,10 @@ def run(store: SqlStore, rollouts: int, events_per: int, backend: str) -> None:
         print(f"backend={backend} rollouts={rollouts} events/rollout={events_per} (one thread, no HTTP)")
         print(f"  {rollouts / total:8.1f} rollouts/s   {total / rollouts * 1000:.3f} ms per rollout")
         for name in ("dequeue", "events", "finish"):
-            print(f"  {name:8s} {wall[name] / rollouts * 1000:6.3f} ms wall   "
-                  f"{cpu[name] / rollouts * 1000:6.3f} ms CPU here")  # fmt: skip
+            print(
+                f"  {name:8s} {wall[name] / rollouts * 1000:6.3f} ms wall   "
+                f"{cpu[name] / rollouts * 1000:6.3f} ms CPU here"
+            )
         done = store.stats()["rollouts"]["succeeded"]
         print(f"  check: {'OK' if done == rollouts else 'FAILED'} - {done}/{rollouts} succeeded")
         if done != rollouts:

@@ -36,8 +36,10 @@ async def worker(url: str, wid: str, target: int, done: list[int], events_per: i
                 await asyncio.sleep(0.005)
                 continue
             aid = claim.attempt.id
-            events = [EventCreate(sequence=i, type="message", data={"i": i, "text": "x" * 64})
-                      for i in range(events_per)]  # fmt: skip
+            events = [
+                EventCreate(sequence=i, type="message", data={"i": i, "text": "x" * 64})
+                for i in range(events_per)
+            ]
             t0 = time.perf_counter()
             await client.add_events(aid, events, wid)
             lat["events"].append(time.perf_counter() - t0)
@@ -53,8 +55,9 @@ async def drive(urls: list[str], rollouts: int, workers: int, events_per: int) -
     lat: dict[str, list[float]] = defaultdict(list)
     done = [0]
     t0 = time.perf_counter()
-    await asyncio.gather(*(worker(urls[i % len(urls)], f"w{i}", rollouts, done, events_per, lat)
-                           for i in range(workers)))  # fmt: skip
+    await asyncio.gather(
+        *(worker(urls[i % len(urls)], f"w{i}", rollouts, done, events_per, lat) for i in range(workers))
+    )
     return time.perf_counter() - t0, lat
 
 
@@ -69,8 +72,10 @@ def verify(url: str, ids: list[str], events_per: int) -> tuple[bool, str]:
                 once &= r.attempts == 1
         events = stats["events"]
     good = ok_rollouts == len(ids) and once and events == len(ids) * events_per
-    return good, (f"{ok_rollouts}/{len(ids)} succeeded, each exactly once: {once}; "
-                  f"events stored {events} (expected {len(ids) * events_per})")  # fmt: skip
+    return good, (
+        f"{ok_rollouts}/{len(ids)} succeeded, each exactly once: {once}; "
+        f"events stored {events} (expected {len(ids) * events_per})"
+    )
 
 
 def main() -> None:
@@ -82,10 +87,12 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--pg", default="postgresql://postgres@127.0.0.1:5432/test")
     ap.add_argument(
-        "--synchronous-commit", choices=["on", "off"], default="on",
+        "--synchronous-commit",
+        choices=["on", "off"],
+        default="on",
         help="PostgreSQL's synchronous_commit: 'off' gives SQLite's durability here (WAL, synchronous=NORMAL): "
         "a crash of the database host may lose the last commits, a crash of the database never does",
-    )  # fmt: skip
+    )
     args = ap.parse_args()
 
     if args.backend == "sqlite" and args.replicas != 1:
@@ -104,8 +111,12 @@ def run(args: argparse.Namespace, db: str) -> None:
             ids: list[str] = []
             for start in range(0, args.rollouts, 1000):
                 n = min(1000, args.rollouts - start)
-                ids += [r.id for r in client.enqueue([RolloutCreate(task=Task(data={"i": start + i}))
-                                                      for i in range(n)])]  # fmt: skip
+                ids += [
+                    r.id
+                    for r in client.enqueue(
+                        [RolloutCreate(task=Task(data={"i": start + i})) for i in range(n)]
+                    )
+                ]
         # CPU of every process in the run, drive phase only: this one (the workers), the server
         # processes, and for PostgreSQL all its processes (backends, WAL writer, ...)
         procs = {"servers": [s.process.pid for s in servers if s.process and s.process.pid]}
@@ -120,10 +131,14 @@ def run(args: argparse.Namespace, db: str) -> None:
             k: sum(map(cpu_seconds, v)) - before.get(k, 0.0) for k, v in procs.items() if v
         }
         durability = f" synchronous_commit={args.synchronous_commit}" if args.backend == "postgres" else ""
-        print(f"backend={args.backend}{durability} replicas={args.replicas} rollouts={args.rollouts} "
-              f"workers={args.workers} events/rollout={args.events}")  # fmt: skip
-        print(f"  {args.rollouts / elapsed:8.1f} rollouts/s   {args.rollouts * args.events / elapsed:9.1f} events/s"
-              f"   ({elapsed:.2f} s)")  # fmt: skip
+        print(
+            f"backend={args.backend}{durability} replicas={args.replicas} rollouts={args.rollouts} "
+            f"workers={args.workers} events/rollout={args.events}"
+        )
+        print(
+            f"  {args.rollouts / elapsed:8.1f} rollouts/s   {args.rollouts * args.events / elapsed:9.1f} events/s"
+            f"   ({elapsed:.2f} s)"
+        )
         for call in CALLS:
             print(
                 f"  {call:8s} p50 {pct(lat[call], 50):7.2f} ms   p99 {pct(lat[call], 99):7.2f} ms   n={len(lat[call])}"

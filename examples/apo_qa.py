@@ -62,8 +62,12 @@ class QAAgent(LitAgent):
         )
         answer = response.choices[0].message.content or ""
         reward = self.evaluate_response(answer, task.data["gold_answer"])
-        return Trajectory(task_id=task.id, final_response=answer, total_reward=reward,
-                          trace=[{"step": 1, "action": "LLM Call", "input_prompt": system_prompt}])  # fmt: skip
+        return Trajectory(
+            task_id=task.id,
+            final_response=answer,
+            total_reward=reward,
+            trace=[{"step": 1, "action": "LLM Call", "input_prompt": system_prompt}],
+        )
 
     def evaluate_response(self, response: str, gold_answer: str) -> float:
         """1.0: the gold answer (or an alias, ``|``-separated) in at most 8 words; 0.5: in more."""
@@ -82,16 +86,24 @@ QA_TASKS = [
     {"id": "capital-fr", "user_input": "What is the capital of France?", "gold_answer": "Paris"},
     {"id": "h2o", "user_input": "What is the chemical formula of water?", "gold_answer": "H2O"},
     {"id": "legs", "user_input": "How many legs does a spider have?", "gold_answer": "8|eight"},
-    {"id": "planet", "user_input": "Which planet is the largest in our solar system?", "gold_answer": "Jupiter"},
+    {
+        "id": "planet",
+        "user_input": "Which planet is the largest in our solar system?",
+        "gold_answer": "Jupiter",
+    },
     {"id": "sky", "user_input": "What color is the sky on a clear day?", "gold_answer": "blue"},
     {"id": "romeo", "user_input": "Who wrote Romeo and Juliet?", "gold_answer": "Shakespeare"},
     {"id": "capital-jp", "user_input": "What is the capital of Japan?", "gold_answer": "Tokyo"},
     {"id": "week", "user_input": "How many days are in a week?", "gold_answer": "7|seven"},
     {"id": "hot", "user_input": "What is the opposite of hot?", "gold_answer": "cold"},
     {"id": "freeze", "user_input": "At how many degrees Celsius does water freeze?", "gold_answer": "0|zero"},
-    {"id": "president", "user_input": "Who was the first president of the United States?", "gold_answer": "Washington"},
+    {
+        "id": "president",
+        "user_input": "Who was the first president of the United States?",
+        "gold_answer": "Washington",
+    },
     {"id": "capital-it", "user_input": "What is the capital of Italy?", "gold_answer": "Rome"},
-]  # fmt: skip
+]
 SEED_PROMPT = "You are a helpful assistant."
 
 
@@ -99,8 +111,11 @@ def _remote_llm() -> LLM | None:
     """The endpoint named by the OpenAI environment variables, if any."""
     if not (os.environ.get("OPENAI_BASE_URL") or os.environ.get("OPENAI_API_KEY")):
         return None
-    return LLM(base_url=os.environ.get("OPENAI_BASE_URL", "https://api.openai.com/v1"),
-               model=os.environ.get("OPENAI_MODEL", "gpt-4o-mini"), api_key=os.environ.get("OPENAI_API_KEY"))  # fmt: skip
+    return LLM(
+        base_url=os.environ.get("OPENAI_BASE_URL", "https://api.openai.com/v1"),
+        model=os.environ.get("OPENAI_MODEL", "gpt-4o-mini"),
+        api_key=os.environ.get("OPENAI_API_KEY"),
+    )
 
 
 def _embedded_llm(stack: ExitStack, model: str) -> LLM:
@@ -116,9 +131,17 @@ def main(model: str = "smollm2", rounds: int = 2, n_runners: int = 1, **apo: Any
     """Optimize the QA agent's prompt; ``apo`` overrides :class:`APO` settings."""
     with ExitStack() as stack:
         llm = _remote_llm() or _embedded_llm(stack, model)
-        settings: dict[str, Any] = dict(rounds=rounds, beam_width=1, branch_factor=2, train_batch_size=3,
-                                        max_examples=3, max_example_chars=600, optimizer_max_tokens=160,
-                                        optimizer_retries=1, optimizer_timeout=600.0)  # fmt: skip
+        settings: dict[str, Any] = dict(
+            rounds=rounds,
+            beam_width=1,
+            branch_factor=2,
+            train_batch_size=3,
+            max_examples=3,
+            max_example_chars=600,
+            optimizer_max_tokens=160,
+            optimizer_retries=1,
+            optimizer_timeout=600.0,
+        )
         trainer = Trainer(
             algorithm=APO(**{**settings, **apo}),
             n_runners=n_runners,

@@ -20,8 +20,13 @@ from calculator_task import SYSTEM_PROMPT, main, score  # noqa: E402
 from calculator_task import calculator as evaluate  # noqa: E402
 
 # AutoGen must be told what an unknown model can do.
-MODEL_INFO = {"vision": False, "function_calling": True, "json_output": False, "family": "unknown",
-              "structured_output": False}  # fmt: skip
+MODEL_INFO = {
+    "vision": False,
+    "function_calling": True,
+    "json_output": False,
+    "family": "unknown",
+    "structured_output": False,
+}
 
 
 async def calculator(expression: str) -> str:
@@ -31,10 +36,21 @@ async def calculator(expression: str) -> str:
 
 @rollout
 async def autogen_agent(task: Task, llm: LLM, system_prompt: str = SYSTEM_PROMPT) -> float:
-    client = OpenAIChatCompletionClient(model=llm.model, base_url=llm.base_url, api_key=llm.api_key or "none",
-                                        model_info=MODEL_INFO, **llm.sampling_parameters)  # fmt: skip
-    agent = AssistantAgent("calculator", model_client=client, tools=[calculator], system_message=system_prompt,
-                           reflect_on_tool_use=True, model_client_stream=True)  # fmt: skip
+    client = OpenAIChatCompletionClient(
+        model=llm.model,
+        base_url=llm.base_url,
+        api_key=llm.api_key or "none",
+        model_info=MODEL_INFO,
+        **llm.sampling_parameters,
+    )
+    agent = AssistantAgent(
+        "calculator",
+        model_client=client,
+        tools=[calculator],
+        system_message=system_prompt,
+        reflect_on_tool_use=True,
+        model_client_stream=True,
+    )
     try:
         result = await agent.run(task=task.data["question"])
     finally:

@@ -21,17 +21,27 @@ TASKS = [
     {"id": "mul", "question": "What is 6*7?", "answer": "42"},
     {"id": "sub", "question": "What is 100-58?", "answer": "42"},
 ]
-TOOLS = [{
-    "type": "function",
-    "function": {
-        "name": "calculator",
-        "description": "Evaluate an arithmetic expression such as 12*(3+4).",
-        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
-                       "required": ["expression"]},
-    },
-}]  # fmt: skip
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-        ast.USub: operator.neg}  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression such as 12*(3+4).",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
+_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.USub: operator.neg,
+}
 
 
 def calculator(expression: str) -> str:
@@ -80,9 +90,15 @@ def main(agent: Any) -> None:
     parser.add_argument("--api-key", default=None, help="kept by the server, never shown to the agent")
     parser.add_argument("--max-tokens", type=int, default=256)
     args = parser.parse_args()
-    llm = LLM(base_url=args.base_url, model=args.model, api_key=args.api_key,
-              sampling_parameters={"max_tokens": args.max_tokens, "temperature": 0.7})  # fmt: skip
-    summary = Trainer(algorithm=Evaluate(), n_runners=1,
-                      resources={"llm": llm, "system_prompt": PromptTemplate(template=SYSTEM_PROMPT)},
-                      ).fit(agent, val_tasks=TASKS)  # fmt: skip
+    llm = LLM(
+        base_url=args.base_url,
+        model=args.model,
+        api_key=args.api_key,
+        sampling_parameters={"max_tokens": args.max_tokens, "temperature": 0.7},
+    )
+    summary = Trainer(
+        algorithm=Evaluate(),
+        n_runners=1,
+        resources={"llm": llm, "system_prompt": PromptTemplate(template=SYSTEM_PROMPT)},
+    ).fit(agent, val_tasks=TASKS)
     print(f"{summary.succeeded}/{summary.count} rollouts succeeded, mean reward {summary.mean_reward}")

@@ -29,8 +29,9 @@ def calculator(expression: str) -> str:
 
 @rollout
 def langchain_agent(task: Task, llm: LLM, system_prompt: str = SYSTEM_PROMPT) -> float:
-    model = ChatOpenAI(model=llm.model, base_url=llm.base_url, api_key=llm.api_key or "none",
-                       **llm.sampling_parameters).bind_tools([calculator])  # fmt: skip
+    model = ChatOpenAI(
+        model=llm.model, base_url=llm.base_url, api_key=llm.api_key or "none", **llm.sampling_parameters
+    ).bind_tools([calculator])
     messages = [SystemMessage(system_prompt), HumanMessage(task.data["question"])]
     reply = model.invoke(messages)
     for _ in range(2):  # at most two tool rounds

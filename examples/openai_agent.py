@@ -24,12 +24,15 @@ from calculator_task import SYSTEM_PROMPT, TOOLS, calculator, main, parse_argume
 @rollout
 def openai_agent(task: Task, llm: LLM, system_prompt: str = SYSTEM_PROMPT) -> float:
     client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key or "none", max_retries=2)
-    messages: list[dict[str, Any]] = [{"role": "system", "content": system_prompt},
-                                      {"role": "user", "content": task.data["question"]}]  # fmt: skip
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": system_prompt},
+        {"role": "user", "content": task.data["question"]},
+    ]
     answer = None
     for _ in range(3):  # at most two tool rounds, then an answer
-        reply = client.chat.completions.create(model=llm.model, messages=messages, tools=TOOLS,
-                                               **llm.sampling_parameters)  # fmt: skip
+        reply = client.chat.completions.create(
+            model=llm.model, messages=messages, tools=TOOLS, **llm.sampling_parameters
+        )
         message = reply.choices[0].message
         answer = message.content
         if not message.tool_calls:

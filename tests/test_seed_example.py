@@ -24,16 +24,23 @@ def test_only_the_import_line_differs_from_the_article():
     source = EXAMPLE.read_text()
     assert "from agentbolt import LitAgent, Task, Trajectory" in source
     assert "agent_lightning" not in source
-    for line in ('user_question = task.data["user_input"]', 'system_prompt = self.get_resource("system_prompt")',
-                 'reward_score = self.evaluate_response(response_text, task.data["gold_answer"])',
-                 '{"step": 1, "action": "LLM Call", "input_prompt": system_prompt},'):  # fmt: skip
+    for line in (
+        'user_question = task.data["user_input"]',
+        'system_prompt = self.get_resource("system_prompt")',
+        'reward_score = self.evaluate_response(response_text, task.data["gold_answer"])',
+        '{"step": 1, "action": "LLM Call", "input_prompt": system_prompt},',
+    ):
         assert line in source
 
 
 def test_seed_agent_evaluated_end_to_end(tmp_path):
     module = _load()
-    trainer = Trainer(Evaluate(), n_runners=2, run_dir=tmp_path,
-                      resources={"system_prompt": PromptTemplate(template="Be exact.")})  # fmt: skip
+    trainer = Trainer(
+        Evaluate(),
+        n_runners=2,
+        run_dir=tmp_path,
+        resources={"system_prompt": PromptTemplate(template="Be exact.")},
+    )
     summary = trainer.fit(module.QAAgent(llm_model=None), val_tasks=module.QA_TASKS)
     assert (summary.count, summary.succeeded, summary.failed) == (4, 4, 0)
     # three answers differ from the gold answer (0.8), the echo task matches it (1.0)

@@ -190,8 +190,12 @@ class ModelEngine:
         req = parse_request(CompletionRequest, request)
         self._check_model(req.model)
         prompts = self._completion_prompts(req.prompt)
-        params = [self._sampling(req, len(ids), req.max_tokens, top=req.logprobs or 0,
-                                 logprobs=req.logprobs is not None) for _, ids in prompts]  # fmt: skip
+        params = [
+            self._sampling(
+                req, len(ids), req.max_tokens, top=req.logprobs or 0, logprobs=req.logprobs is not None
+            )
+            for _, ids in prompts
+        ]
         return req, prompts, params
 
     async def chat_stream(self, request: Mapping[str, Any]) -> AsyncIterator[dict[str, Any]]:

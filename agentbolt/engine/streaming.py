@@ -36,8 +36,13 @@ class _Choice:
 async def stream_chat(
     engine: ModelEngine, req: ChatCompletionRequest, prompt_ids: list[int], params: SamplingParams
 ) -> AsyncIterator[dict[str, Any]]:
-    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": engine.name, "system_fingerprint": f"agentbolt-v{engine.version}"}  # fmt: skip
+    head = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": engine.name,
+        "system_fingerprint": f"agentbolt-v{engine.version}",
+    }
     # the prompt's ids travel once, in the first chunk (as vLLM sends them)
     prompt = [{"prompt_token_ids": list(prompt_ids)}] if req.return_token_ids is not False else []
 
@@ -45,26 +50,42 @@ async def stream_chat(
         top = prompt.pop() if prompt else {}
         return top | {"choices": [{"index": choice.index, "delta": {"role": "assistant", "content": ""}}]}
 
-    async for chunk in _stream(engine, head, [engine.make_sequences(prompt_ids, params, req.n)], opening,
-                               lambda choice, final: _chunk(engine, req, choice, final),
-                               len(prompt_ids) if (req.stream_options or {}).get("include_usage") else None):  # fmt: skip
+    async for chunk in _stream(
+        engine,
+        head,
+        [engine.make_sequences(prompt_ids, params, req.n)],
+        opening,
+        lambda choice, final: _chunk(engine, req, choice, final),
+        len(prompt_ids) if (req.stream_options or {}).get("include_usage") else None,
+    ):
         yield chunk
 
 
 async def stream_completion(
-    engine: ModelEngine, req: CompletionRequest, prompts: list[tuple[str, list[int]]],
+    engine: ModelEngine,
+    req: CompletionRequest,
+    prompts: list[tuple[str, list[int]]],
     params: list[SamplingParams],
-) -> AsyncIterator[dict[str, Any]]:  # fmt: skip
+) -> AsyncIterator[dict[str, Any]]:
     """Choice ``i`` is sample ``i % n`` of prompt ``i // n``, as in the non-streamed answer.
     A choice's first chunk carries its ``prompt_token_ids`` (and the prompt text with ``echo``)."""
-    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": engine.name, "system_fingerprint": f"agentbolt-v{engine.version}"}  # fmt: skip
+    head = {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": engine.name,
+        "system_fingerprint": f"agentbolt-v{engine.version}",
+    }
     with_ids = req.return_token_ids is not False
 
     def opening(choice: _Choice) -> dict[str, Any]:
         prompt_text, prompt_ids = prompts[choice.index // req.n]
-        first: dict[str, Any] = {"index": choice.index, "text": prompt_text if req.echo else "",
-                                 "logprobs": None, "finish_reason": None}  # fmt: skip
+        first: dict[str, Any] = {
+            "index": choice.index,
+            "text": prompt_text if req.echo else "",
+            "logprobs": None,
+            "finish_reason": None,
+        }
         if with_ids:
             first |= {"prompt_token_ids": list(prompt_ids), "token_ids": []}
         choice.offset = len(first["text"])
@@ -72,17 +93,25 @@ async def stream_completion(
 
     groups = [engine.make_sequences(ids, p, req.n) for (_, ids), p in zip(prompts, params, strict=True)]
     include_usage = (req.stream_options or {}).get("include_usage")
-    async for chunk in _stream(engine, head, groups, opening,
-                               lambda choice, final: _text_chunk(engine, req, choice, final, with_ids),
-                               sum(len(ids) for _, ids in prompts) if include_usage else None):  # fmt: skip
+    async for chunk in _stream(
+        engine,
+        head,
+        groups,
+        opening,
+        lambda choice, final: _text_chunk(engine, req, choice, final, with_ids),
+        sum(len(ids) for _, ids in prompts) if include_usage else None,
+    ):
         yield chunk
 
 
 async def _stream(
-    engine: ModelEngine, head: dict[str, Any], groups: list[list[Sequence]],
-    opening: Callable[[_Choice], dict[str, Any]], make_chunk: Callable[[_Choice, bool], dict[str, Any] | None],
+    engine: ModelEngine,
+    head: dict[str, Any],
+    groups: list[list[Sequence]],
+    opening: Callable[[_Choice], dict[str, Any]],
+    make_chunk: Callable[[_Choice, bool], dict[str, Any] | None],
     usage_prompt_tokens: int | None,
-) -> AsyncIterator[dict[str, Any]]:  # fmt: skip
+) -> AsyncIterator[dict[str, Any]]:
     """Submit ``groups`` (one per prompt: the batcher prefills a submission's prompt once), send
     each choice's opening chunk, then a chunk per token event as ``make_chunk`` builds it, and
     the usage last when asked for. Cancels generation if the client goes away."""

@@ -104,8 +104,14 @@ def test_tool_calls_in_the_response(engine: ModelEngine) -> None:
 
 
 async def test_tool_request_end_to_end(engine: ModelEngine) -> None:
-    response = await engine.chat({"messages": [{"role": "user", "content": "12+30?"}], "tools": [CALC],
-                                  "max_tokens": 4, "temperature": 0})  # fmt: skip
+    response = await engine.chat(
+        {
+            "messages": [{"role": "user", "content": "12+30?"}],
+            "tools": [CALC],
+            "max_tokens": 4,
+            "temperature": 0,
+        }
+    )
     prompt = engine.tokenizer.decode(response["prompt_token_ids"])
     assert '"name": "calculator"' in prompt and response["choices"][0]["finish_reason"] in ("length", "stop")
 

@@ -44,8 +44,11 @@ async def test_completion_logprobs_match_a_teacher_forced_pass(engine: ModelEngi
     expected = teacher_forced_logprobs(engine.model, choice["prompt_token_ids"], choice["token_ids"])
     assert torch.allclose(torch.tensor(choice["logprobs"]["token_logprobs"]), expected, atol=1e-4)
     assert len(choice["logprobs"]["tokens"]) == len(choice["token_ids"]) == 10
-    assert response["usage"] == {"prompt_tokens": len(choice["prompt_token_ids"]), "completion_tokens": 10,
-                                 "total_tokens": len(choice["prompt_token_ids"]) + 10}  # fmt: skip
+    assert response["usage"] == {
+        "prompt_tokens": len(choice["prompt_token_ids"]),
+        "completion_tokens": 10,
+        "total_tokens": len(choice["prompt_token_ids"]) + 10,
+    }
 
 
 async def test_prompt_ids_are_the_chat_template_rendering(engine: ModelEngine) -> None:
@@ -124,15 +127,24 @@ async def test_stop_string_cuts_the_text_but_keeps_the_ids(engine: ModelEngine) 
     ids = choice["token_ids"]
     assert ids == full["choices"][0]["token_ids"][: len(ids)]
     assert stop in engine.tokenizer.decode(ids) and stop not in engine.tokenizer.decode(ids[:-1])
-    kept = await engine.chat(chat_body(PROMPTS[0], max_tokens=30, temperature=0, ignore_eos=True, stop=stop,
-                                       include_stop_str_in_output=True))  # fmt: skip
+    kept = await engine.chat(
+        chat_body(
+            PROMPTS[0],
+            max_tokens=30,
+            temperature=0,
+            ignore_eos=True,
+            stop=stop,
+            include_stop_str_in_output=True,
+        )
+    )
     assert kept["choices"][0]["message"]["content"] == text[: text.index(stop) + len(stop)]
 
 
 async def test_stop_token_ids_and_length(engine: ModelEngine) -> None:
     ids = await _greedy(engine, PROMPTS[0], 10)
-    stopped = await engine.chat(chat_body(PROMPTS[0], max_tokens=10, temperature=0, ignore_eos=True,
-                                          stop_token_ids=[ids[3]]))  # fmt: skip
+    stopped = await engine.chat(
+        chat_body(PROMPTS[0], max_tokens=10, temperature=0, ignore_eos=True, stop_token_ids=[ids[3]])
+    )
     first = ids.index(ids[3])
     assert stopped["choices"][0]["token_ids"] == ids[: first + 1]
     assert stopped["choices"][0]["finish_reason"] == "stop"

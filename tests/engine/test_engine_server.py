@@ -54,8 +54,17 @@ def test_openai_client_chat_with_vllm_fields(server: EngineServer) -> None:
 
 
 def test_completions_over_http(http: httpx.Client) -> None:
-    body = http.post("/completions", json={"model": "tiny", "prompt": ["Hello", "The"], "max_tokens": 4, "n": 2,
-                                            "temperature": 0.7, "seed": 1}).json()  # fmt: skip
+    body = http.post(
+        "/completions",
+        json={
+            "model": "tiny",
+            "prompt": ["Hello", "The"],
+            "max_tokens": 4,
+            "n": 2,
+            "temperature": 0.7,
+            "seed": 1,
+        },
+    ).json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
     assert all(len(c["token_ids"]) <= 4 and c["prompt_token_ids"] for c in body["choices"])
 
@@ -80,13 +89,22 @@ def test_streaming_matches_the_plain_response(server: EngineServer) -> None:
 def test_streamed_completions_match_the_plain_response(server: EngineServer, http: httpx.Client) -> None:
     """Two prompts x n=2, greedy with logprobs: each streamed choice joins up to the plain
     choice (text, token ids, logprobs, offsets, finish reason); the openai client parses it."""
-    body = {"model": "tiny", "prompt": ["Hello", "The sky"], "n": 2, "max_tokens": 10, "temperature": 0,
-            "logprobs": 2, "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": "tiny",
+        "prompt": ["Hello", "The sky"],
+        "n": 2,
+        "max_tokens": 10,
+        "temperature": 0,
+        "logprobs": 2,
+        "ignore_eos": True,
+    }
     plain = http.post("/completions", json=body).json()
     stream = openai.OpenAI(base_url=server.base_url, api_key="unused").completions.create(
-        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
         **{k: v for k, v in body.items() if k != "ignore_eos"},
-    )  # fmt: skip
+    )
     chunks = [c.model_dump() for c in stream]
     assert all(c["object"] == "text_completion" for c in chunks) and all(
         chunks[-1]["usage"][k] == v for k, v in plain["usage"].items()
@@ -188,15 +206,25 @@ def test_update_weights_route(server: EngineServer, http: httpx.Client, tmp_path
         "/update_weights", json={"path": str(tmp_path / "same.safetensors"), "version": 42}
     ).json()
     assert reply == {"status": "ok", "model_version": 42} and before != 42
-    body = http.post("/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}],
-                                                 "max_tokens": 1}).json()  # fmt: skip
+    body = http.post(
+        "/chat/completions",
+        json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1},
+    ).json()
     assert body["model_version"] == 42 and body["system_fingerprint"] == "agentbolt-v42"
 
 
 def test_stream_errors_before_the_stream_starts(http: httpx.Client) -> None:
     response = http.post("/chat/completions", json={"model": "tiny", "messages": [], "stream": True})
     _error(response, 400)
-    with http.stream("POST", "/chat/completions", json={"model": "tiny", "stream": True, "max_tokens": 2,
-                                                        "messages": [{"role": "user", "content": "x"}]}) as r:  # fmt: skip
+    with http.stream(
+        "POST",
+        "/chat/completions",
+        json={
+            "model": "tiny",
+            "stream": True,
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": "x"}],
+        },
+    ) as r:
         lines = [line for line in r.iter_lines() if line]
     assert lines[-1] == "data: [DONE]" and json.loads(lines[0][6:])["object"] == "chat.completion.chunk"

@@ -44,10 +44,14 @@ def test_cached_model_loads_fast(smollm2: ModelEngine) -> None:
 
 
 async def test_smollm2_answers_with_ids_and_exact_logprobs(smollm2: ModelEngine) -> None:
-    response = await smollm2.chat({
-        "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
-        "max_tokens": 16, "temperature": 0, "logprobs": True,
-    })  # fmt: skip
+    response = await smollm2.chat(
+        {
+            "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+            "max_tokens": 16,
+            "temperature": 0,
+            "logprobs": True,
+        }
+    )
     choice = response["choices"][0]
     assert "paris" in choice["message"]["content"].lower()
     assert choice["finish_reason"] == "stop" and choice["token_ids"][-1] in smollm2.eos_ids

@@ -166,8 +166,11 @@ class RunnerThread:
             self.runner.stop()
 
     def stop(self, timeout: float = 30.0) -> None:
-        wait_until(lambda: getattr(self.runner, "_stopping", None) is not None or not self.thread.is_alive(),
-                   10, "the runner loop to start")  # fmt: skip
+        wait_until(
+            lambda: getattr(self.runner, "_stopping", None) is not None or not self.thread.is_alive(),
+            10,
+            "the runner loop to start",
+        )
         self.runner.stop()
         self.thread.join(timeout)
         assert not self.thread.is_alive(), f"runner {self.runner.worker_id} did not stop"
@@ -239,12 +242,18 @@ def audit(db: str, rollout_ids: list[str], check_events: Callable[..., str | Non
     out = Audit()
     wanted = set(rollout_ids)
     for rid, status, max_att, attempts, task_id, data in db_query(
-        db, "SELECT r.id, r.status, r.max_attempts, r.attempts, t.id, t.data FROM rollouts r "
-            "JOIN tasks t ON t.id = r.task_id"
-    ):  # fmt: skip
+        db,
+        "SELECT r.id, r.status, r.max_attempts, r.attempts, t.id, t.data FROM rollouts r "
+        "JOIN tasks t ON t.id = r.task_id",
+    ):
         if rid in wanted:
-            out.rollouts[rid] = {"status": status, "max_attempts": max_att, "attempts": attempts,
-                                 "task_id": task_id, "data": orjson.loads(data)}  # fmt: skip
+            out.rollouts[rid] = {
+                "status": status,
+                "max_attempts": max_att,
+                "attempts": attempts,
+                "task_id": task_id,
+                "data": orjson.loads(data),
+            }
     for row in db_query(
         db,
         "SELECT id, rollout_id, number, worker_id, status, started_at, ended_at FROM attempts ORDER BY number",
@@ -258,8 +267,17 @@ def audit(db: str, rollout_ids: list[str], check_events: Callable[..., str | Non
             db, "SELECT attempt_id, rollout_id, sequence, type, timestamp, data, id FROM events"
         ):
             if rid in wanted:
-                events[aid].append(Event(id=eid, rollout_id=rid, attempt_id=aid, sequence=seq, type=kind,
-                                         timestamp=ts, data=orjson.loads(data)))  # fmt: skip
+                events[aid].append(
+                    Event(
+                        id=eid,
+                        rollout_id=rid,
+                        attempt_id=aid,
+                        sequence=seq,
+                        type=kind,
+                        timestamp=ts,
+                        data=orjson.loads(data),
+                    )
+                )
     missing = wanted - out.rollouts.keys()
     if missing:
         out.problems.append(f"{len(missing)} rollout(s) lost, e.g. {sorted(missing)[:3]}")
@@ -268,8 +286,13 @@ def audit(db: str, rollout_ids: list[str], check_events: Callable[..., str | Non
     return out
 
 
-def _check_rollout(rid: str, r: dict[str, Any], attempts: list[dict[str, Any]], events: dict[str, list[Any]],
-                   check_events: Callable[..., str | None] | None) -> list[str]:  # fmt: skip
+def _check_rollout(
+    rid: str,
+    r: dict[str, Any],
+    attempts: list[dict[str, Any]],
+    events: dict[str, list[Any]],
+    check_events: Callable[..., str | None] | None,
+) -> list[str]:
     problems = []
     succeeded = [a for a in attempts if a["status"] == "succeeded"]
     if r["status"] == "succeeded" and len(succeeded) != 1:

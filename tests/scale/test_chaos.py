@@ -42,8 +42,12 @@ def test_runners_sigkilled_at_random(tmp_path):
     config = ServerConfig(db=db, lease_seconds=30, sweep_interval=0.1)
     args = ("--concurrency", "6", "--lease-seconds", "2")
     with ServerProcess(config) as srv, Client(srv.url, timeout=60) as client:
-        items = [RolloutCreate(task=Task(data={"i": i, "events": 3, "sleep": 0.03}),
-                               max_attempts=1 if i % 10 == 0 else 50) for i in range(n)]  # fmt: skip
+        items = [
+            RolloutCreate(
+                task=Task(data={"i": i, "events": 3, "sleep": 0.03}), max_attempts=1 if i % 10 == 0 else 50
+            )
+            for i in range(n)
+        ]
         ids = [r.id for start in range(0, n, 1000) for r in client.enqueue(items[start : start + 1000])]
         runners = [CliRunner(srv.url, "chatty", *args, log=tmp_path / "runners.log") for _ in range(4)]
         killed = 0
@@ -107,8 +111,14 @@ class Feeder(threading.Thread):
         try:
             k = 0
             while not self.stop.is_set():
-                items = [RolloutCreate(id=f"feed-{k}-{j}", task=Task(data={"k": k, "events": 3, "sleep": 0.01}),
-                                       max_attempts=20) for j in range(self.batch)]  # fmt: skip
+                items = [
+                    RolloutCreate(
+                        id=f"feed-{k}-{j}",
+                        task=Task(data={"k": k, "events": 3, "sleep": 0.01}),
+                        max_attempts=20,
+                    )
+                    for j in range(self.batch)
+                ]
                 self.acked += [r.id for r in self.client.enqueue(items)]
                 if k % 5 == 0:
                     tag = f"v-{k}"
@@ -174,8 +184,12 @@ def test_server_sigkilled_and_restarted(backend, tmp_path):
     assert len(feeder.acked) >= 50 and report.status_counts() == {"succeeded": len(feeder.acked)}
     for version, tag in feeder.versions:
         assert version in stored and f'"{tag}"' in stored[version], (version, tag)
-    after = [a for attempts in report.attempts.values() for a in attempts
-             if a["status"] == "succeeded" and a["started_at"] > restarted_at]  # fmt: skip
+    after = [
+        a
+        for attempts in report.attempts.values()
+        for a in attempts
+        if a["status"] == "succeeded" and a["started_at"] > restarted_at
+    ]
     assert after, "no rollout was claimed after the last restart: the runners did not reconnect"
 
 
@@ -187,12 +201,16 @@ class Upstream:
 
     def __init__(self, port: int) -> None:
         self.port = port
-        self.proc = subprocess.Popen([sys.executable, str(HERE / "upstream_proc.py"), str(port)],
-                                     stdout=subprocess.PIPE, text=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "upstream_proc.py"), str(port)], stdout=subprocess.PIPE, text=True
+        )
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
-        wait_until(lambda: any(x.startswith("READY") for x in self.lines) or self.proc.poll() is not None,
-                   30, "the upstream double to listen")  # fmt: skip
+        wait_until(
+            lambda: any(x.startswith("READY") for x in self.lines) or self.proc.poll() is not None,
+            30,
+            "the upstream double to listen",
+        )
         assert self.proc.poll() is None, "the upstream double did not start"
 
     def _read(self) -> None:
@@ -214,8 +232,11 @@ def _attempt_errors(client: Client, rollout_id: str) -> list[str]:
 
 
 def _llm_errors(client: Client, rollout_id: str) -> list[str | None]:
-    return [(e.data.get("error") or {}).get("error", {}).get("type") if e.data.get("error") else None
-            for e in client.all_events(rollout_id) if e.type == "llm_call"]  # fmt: skip
+    return [
+        (e.data.get("error") or {}).get("error", {}).get("type") if e.data.get("error") else None
+        for e in client.all_events(rollout_id)
+        if e.type == "llm_call"
+    ]
 
 
 def test_upstream_killed_mid_call(tmp_path):
@@ -275,8 +296,10 @@ def test_runner_killed_while_long_polling_takes_no_work(tmp_path):
     with ServerThread(ServerConfig(db=str(tmp_path / "poll.db"))) as srv, Client(srv.url) as client:
         body = b'{"worker_id": "ghost", "wait": 20}'
         sock = socket.create_connection(("127.0.0.1", srv.config.port))
-        sock.sendall(b"POST /api/dequeue HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                     b"content-length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        sock.sendall(
+            b"POST /api/dequeue HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body)
+        )
         wait_until(lambda: any(w.id == "ghost" for w in client.list_workers()), 10, "the long poll to start")
         sock.close()  # what SIGKILL does to a runner's connections
         time.sleep(0.3)

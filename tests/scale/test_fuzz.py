@@ -119,8 +119,14 @@ def test_oversized_bodies_get_413_everywhere(tmp_path):
             yield big[:100]
             yield big[100:]
 
-        for path in ("/api/rollouts", "/api/dequeue", "/api/attempts/a/events", "/api/resources",
-                     "/gateway/r/a/v1/chat/completions", "/v1/traces"):  # fmt: skip
+        for path in (
+            "/api/rollouts",
+            "/api/dequeue",
+            "/api/attempts/a/events",
+            "/api/resources",
+            "/gateway/r/a/v1/chat/completions",
+            "/v1/traces",
+        ):
             for content in (big, chunks()):
                 r = httpx.post(
                     f"{srv.url}{path}", content=content, headers={**AUTH, "content-type": "application/json"}
@@ -150,8 +156,9 @@ def test_gateway_answers_malformed_chat_requests_with_openai_errors(tmp_path):
     400 from the gateway (the model server is never bothered), a good one goes through."""
     port = free_port()
     here = Path(__file__).parent
-    upstream = subprocess.Popen([sys.executable, str(here / "upstream_proc.py"), str(port)], stdout=subprocess.PIPE,
-                                text=True)  # fmt: skip
+    upstream = subprocess.Popen(
+        [sys.executable, str(here / "upstream_proc.py"), str(port)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert upstream.stdout is not None and upstream.stdout.readline().startswith("READY")
         with ServerThread(_config(str(tmp_path / "gw.db"))) as srv, Client(srv.url, TOKEN) as client:

@@ -66,16 +66,30 @@ def test_replicas_never_claim_a_rollout_twice():
             # Claims abandoned on purpose, from every replica: 1 s leases nobody renews.
             zombies = []
             for i in range(abandoned):
-                claim = httpx.post(f"{urls[i % REPLICAS]}/api/dequeue", json={"worker_id": f"zombie-{i}",
-                                   "lease_seconds": 1.0}, timeout=30).json()  # fmt: skip
+                claim = httpx.post(
+                    f"{urls[i % REPLICAS]}/api/dequeue",
+                    json={"worker_id": f"zombie-{i}", "lease_seconds": 1.0},
+                    timeout=30,
+                ).json()
                 zombies.append(claim["rollout"]["id"])
             with DoubleClaimWatch(db) as watch:
-                runners = [RunnerThread(chatty, urls[i % REPLICAS], concurrency=4, lease_seconds=60,
-                                        worker_id=f"r{i}-on-{i % REPLICAS}").start()
-                           for i in range(2 * REPLICAS)]  # fmt: skip
+                runners = [
+                    RunnerThread(
+                        chatty,
+                        urls[i % REPLICAS],
+                        concurrency=4,
+                        lease_seconds=60,
+                        worker_id=f"r{i}-on-{i % REPLICAS}",
+                    ).start()
+                    for i in range(2 * REPLICAS)
+                ]
                 with Client(urls[1], timeout=90) as client:
-                    wait_until(lambda: client.stats()["rollouts"]["succeeded"] == n, 240, "every rollout to succeed",
-                               every=0.5)  # fmt: skip
+                    wait_until(
+                        lambda: client.stats()["rollouts"]["succeeded"] == n,
+                        240,
+                        "every rollout to succeed",
+                        every=0.5,
+                    )
                 for r in runners:
                     r.stop()
                 runners = []
