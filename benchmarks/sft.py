@@ -31,8 +31,9 @@ from typing import Any
 
 import torch
 
-from agentbolt.algorithms.rl_core import TrainConfig, TrainRow, make_train_state
+from agentbolt.algorithms.losses import TrainRow
 from agentbolt.algorithms.sft import train_rows
+from agentbolt.algorithms.train_state import TrainConfig, make_train_state
 from agentbolt.client import Client
 from agentbolt.export import export_dataset
 from agentbolt.schemas import AttemptFinish, AttemptStatus, EventCreate, RolloutCreate, Task

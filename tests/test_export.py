@@ -269,7 +269,7 @@ def adapter(tmp_path: Path) -> tuple[Path, Path, torch.nn.Module]:
     """A tiny base model folder and a LoRA adapter trained-ish on it (random B, so it changes outputs)."""
     from transformers import AutoModelForCausalLM
 
-    from agentbolt.algorithms.rl_core import TrainConfig, export_weights, make_train_state
+    from agentbolt.algorithms.train_state import TrainConfig, export_weights, make_train_state
     from agentbolt.engine.testing import tiny_model_dir
 
     base = tiny_model_dir(tmp_path / "base")

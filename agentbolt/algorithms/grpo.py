@@ -5,11 +5,11 @@ group with a bound (stragglers are cancelled; groups with fewer than ``min_group
 finished samples are dropped), turn each rollout's ``llm_call`` events into token rows with the
 gateway's exact ids and masks (:mod:`agentbolt.adapters`), compute group-normalised advantages,
 take one clipped policy-gradient update on model-generated tokens only
-(:mod:`agentbolt.algorithms.rl_core`), push the new weights into the serving engine in place and
+(:mod:`agentbolt.algorithms.losses`), push the new weights into the serving engine in place and
 publish them as a new resources version. Validation and checkpoints every K steps; ``resume``
 continues from the last checkpoint exactly (weights, optimizer, RNG, step, history).
 
-Departures from the paper are listed in :mod:`agentbolt.algorithms.rl_core`. Here: one update
+Departures from the paper are listed in :mod:`agentbolt.algorithms.losses`. Here: one update
 per batch (fully on-policy, so the ratio starts at 1 and clipping guards numeric drift between
 the engine's bf16 sampling pass and the training pass), and the engine's weights are the merged
 LoRA weights (serving never pays for the adapter).
@@ -33,17 +33,20 @@ from rich.table import Table
 
 from agentbolt.adapters import to_trajectories
 from agentbolt.algorithms.base import Algorithm, BatchResult, TrainContext, run_rollouts
+from agentbolt.algorithms.losses import (
+    PolicyLoss,
+    grouped_advantages,
+    micro_batches,
+    pad_batch,
+    reference_logprobs,
+)
 from agentbolt.algorithms.metrics import MetricsLog, plot_history
 from agentbolt.algorithms.policy import serve_policy
-from agentbolt.algorithms.rl_core import (
-    PolicyLoss,
+from agentbolt.algorithms.train_state import (
     TrainConfig,
-    grouped_advantages,
     load_checkpoint,
     make_train_state,
-    micro_batches,
     optimizer_step,
-    pad_batch,
     save_checkpoint,
 )
 from agentbolt.schemas import LLM, Mode, ModelWeights, Resource, RolloutStatus, Task
@@ -268,8 +271,6 @@ class GRPO(Algorithm):
             return {"num_tokens": 0.0}
         batches = [pad_batch(mb) for mb in micro_batches(rows, max_tokens=self.max_tokens_per_micro_batch)]
         if self.kl_coef:
-            from agentbolt.algorithms.rl_core import reference_logprobs
-
             batches = [_with_ref(b, reference_logprobs(state.model, b)) for b in batches]
         loss = PolicyLoss(self.clip_low, self.clip_high, self.kl_coef)
         device = self._device()

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 from torch import nn
 
-from agentbolt.algorithms.rl_core import export_weights, merged_state_dict
+from agentbolt.algorithms.train_state import export_weights, merged_state_dict
 from agentbolt.errors import ConfigError
 
 __all__ = ["EnginePolicy", "PolicyServer", "RemotePolicy", "serve_policy"]

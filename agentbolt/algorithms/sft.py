@@ -42,15 +42,15 @@ from torch import nn
 from agentbolt.adapters import AdapterStats, TrajectoryRow, latest_attempt, to_trajectories
 from agentbolt.algorithms.base import Algorithm, TrainContext, run_rollouts
 from agentbolt.algorithms.evaluate import EvalSummary
-from agentbolt.algorithms.rl_core import (
+from agentbolt.algorithms.losses import TrainRow
+from agentbolt.algorithms.sft_train import TrainStats, eval_loss, select_rollouts, sft_rows, train_rows
+from agentbolt.algorithms.train_state import (
     TrainConfig,
-    TrainRow,
     TrainState,
     export_weights,
     make_train_state,
     merged_state_dict,
 )
-from agentbolt.algorithms.sft_train import TrainStats, eval_loss, select_rollouts, sft_rows, train_rows
 from agentbolt.schemas import LLM, EventType, Mode, ModelWeights, Resource, Rollout
 
 __all__ = [

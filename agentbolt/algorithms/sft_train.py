@@ -1,6 +1,6 @@
 """The pure parts of SFT: which runs to keep, their rows, the training passes and the loss.
 
-Small functions over rows and a :class:`~agentbolt.algorithms.rl_core.TrainState`; no store and
+Small functions over rows and a :class:`~agentbolt.algorithms.train_state.TrainState`; no store and
 no engine (those live in :mod:`agentbolt.algorithms.sft`).
 """
 
@@ -17,14 +17,8 @@ import torch
 from torch import nn
 
 from agentbolt.adapters import TrajectoryRow
-from agentbolt.algorithms.rl_core import (
-    TrainRow,
-    TrainState,
-    micro_batches,
-    optimizer_step,
-    pad_batch,
-    sft_loss,
-)
+from agentbolt.algorithms.losses import TrainRow, micro_batches, pad_batch, sft_loss
+from agentbolt.algorithms.train_state import TrainState, optimizer_step
 from agentbolt.schemas import Rollout, RolloutStatus
 
 __all__ = ["TrainStats", "eval_loss", "select_rollouts", "sft_rows", "train_rows"]

@@ -14,8 +14,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from agentbolt import Task, emit_event, rollout
 from agentbolt.adapters import to_trajectories
 from agentbolt.algorithms.base import TrainContext
-from agentbolt.algorithms.rl_core import TrainConfig, TrainRow, make_train_state
+from agentbolt.algorithms.losses import TrainRow
 from agentbolt.algorithms.sft import SFT, eval_loss, select_rollouts, sft_rows, train_rows
+from agentbolt.algorithms.train_state import TrainConfig, make_train_state
 from agentbolt.client import Client
 from agentbolt.runner.worker import Runner
 from agentbolt.schemas import LLM, Event, Mode, ModelWeights, Rollout, RolloutStatus

@@ -1,59 +1,31 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from agentbolt.adapters import TrajectoryRow
-from agentbolt.algorithms.rl_core import (
+from agentbolt.algorithms.losses import (
     AdvantageStats,
     PolicyLoss,
-    TrainConfig,
     TrainRow,
-    TrainState,
     clipped_policy_loss,
-    export_weights,
-    forward_logits,
     group_advantages,
     grouped_advantages,
-    load_checkpoint,
-    logprobs_from_logits,
-    make_train_state,
-    merged_state_dict,
     micro_batches,
-    optimizer_step,
     pad_batch,
-    reference_logprobs,
-    save_checkpoint,
     sft_loss,
+    shared_prefix_len,
     token_logprobs,
 )
+from agentbolt.algorithms.train_state import TrainConfig, make_train_state, make_trainable, optimizer_step
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 shared cores; tiny models gain nothing from more
-    yield
-    torch.set_num_threads(threads)
-
-
-def tiny_model(vocab: int = 300, seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return LlamaForCausalLM(config)
+TinyLlama = Callable[..., LlamaForCausalLM]
 
 
 def traj(
@@ -119,8 +91,8 @@ def test_micro_batches() -> None:
 # ---------------------------------------------------------------------------- log-probs and losses
 
 
-def test_token_logprobs_align_and_ignore_right_padding() -> None:
-    model = tiny_model().eval()
+def test_token_logprobs_align_and_ignore_right_padding(tiny_llama: TinyLlama) -> None:
+    model = tiny_llama().eval()
     ids_BT = torch.tensor([[3, 4, 5, 6], [3, 4, 5, 0]])
     mask_BT = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
     with torch.no_grad():
@@ -177,8 +149,8 @@ def _logit_grads(model: LlamaForCausalLM, loss_of_model) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("loss_name", ["policy", "sft"])
-def test_masked_tokens_get_no_gradient(loss_name: str) -> None:
-    model = tiny_model()
+def test_masked_tokens_get_no_gradient(loss_name: str, tiny_llama: TinyLlama) -> None:
+    model = tiny_llama()
     row = TrainRow((1, 2, 3, 4, 5, 6), (0, 0, 1, 0, 1, 1), None, advantage=1.0)
     batch = pad_batch([row, TrainRow((1, 2, 3), (0, 1, 1), None, -1.0)])
     old = token_logprobs(model, batch.input_ids_BT, batch.attention_mask_BT).detach() - 0.1
@@ -207,9 +179,9 @@ def success_rate(model: LlamaForCausalLM, prompt: list[int]) -> float:
     return sum(7 in c for c in sample(model, prompt, 200, 6, seed=123)) / 200
 
 
-def test_grpo_steps_raise_the_rewarded_behaviour() -> None:
+def test_grpo_steps_raise_the_rewarded_behaviour(tiny_llama: TinyLlama) -> None:
     prompt = [1, 2, 3]
-    state = make_train_state(tiny_model(vocab=32), TrainConfig(lr=2e-2))
+    state = make_train_state(tiny_llama(vocab=32), TrainConfig(lr=2e-2))
     before = success_rate(state.model, prompt)
     for step in range(8):
         state.model.eval()
@@ -232,104 +204,20 @@ def sft_rows() -> list[TrainRow]:
     return [TrainRow((1 + i, 2, 3, 10 + i, 20 + i, 30 + i), (0, 0, 0, 1, 1, 1)) for i in range(4)]
 
 
-def test_sft_loss_falls() -> None:
+def test_sft_loss_falls(tiny_llama: TinyLlama) -> None:
     # full fine-tuning: a random tiny model's output layer (std 0.02, not a LoRA target) caps
     # how far LoRA alone can move its logits
-    state = make_train_state(tiny_model(), TrainConfig(lora=False, lr=1e-2))
+    state = make_train_state(tiny_llama(), TrainConfig(lora=False, lr=1e-2))
     batch = pad_batch(sft_rows())
     losses = [optimizer_step(state, [batch], sft_loss)["loss"] for _ in range(8)]
     assert losses[-1] < losses[0] * 0.5, losses
     assert state.step == 8
 
 
-def test_gradient_accumulation_equals_one_batch() -> None:
-    rows = [TrainRow((1, 2, 3, 4), (0, 1, 1, 1), None, 1.0), TrainRow((1, 2), (0, 1), None, -0.5)]
-    one = make_train_state(tiny_model(), TrainConfig(lora=False))
-    split = make_train_state(tiny_model(), TrainConfig(lora=False))
-    for loss_fn in (sft_loss, PolicyLoss(kl_coef=0.0)):
-        whole = optimizer_step(one, [pad_batch(rows)], loss_fn)
-        parts = optimizer_step(split, [pad_batch([r]) for r in rows], loss_fn)
-        assert whole["loss"] == pytest.approx(parts["loss"], abs=1e-5)
-        for a, b in zip(one.model.parameters(), split.model.parameters(), strict=True):
-            assert a.grad is not None and b.grad is not None
-            assert torch.allclose(a.grad, b.grad, atol=1e-6)
-
-
-# ---------------------------------------------------------------------------- checkpoints and export
-
-
-@pytest.fixture
-def deterministic() -> Iterator[None]:
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(False)
-
-
-def _fresh_state() -> TrainState:
-    model = tiny_model(seed=0)
-    torch.manual_seed(1)
-    return make_train_state(model, TrainConfig(lr=1e-2, lora_dropout=0.1))  # dropout uses the RNG
-
-
-def _train(state: TrainState, steps: int) -> None:
-    for _ in range(steps):
-        optimizer_step(state, [pad_batch(sft_rows())], sft_loss)
-
-
-def test_resume_gives_the_same_next_step(tmp_path: Path, deterministic: None) -> None:
-    straight = _fresh_state()
-    _train(straight, 3)
-
-    interrupted = _fresh_state()
-    _train(interrupted, 2)
-    save_checkpoint(
-        tmp_path / "ckpt", interrupted.model, interrupted.optimizer, interrupted.step, extra={"k": 1}
-    )
-    torch.manual_seed(99)  # whatever happens in between
-    resumed = _fresh_state()
-    checkpoint = load_checkpoint(tmp_path / "ckpt", resumed.model, resumed.optimizer)
-    resumed.step = checkpoint.step
-    _train(resumed, 1)
-
-    assert (checkpoint.step, checkpoint.extra, resumed.step) == (2, {"k": 1}, 3)
-    pairs = zip(straight.model.named_parameters(), resumed.model.named_parameters(), strict=True)
-    for (name, a), (_, b) in pairs:
-        assert torch.allclose(a, b, atol=1e-6, rtol=0), name
-
-
-def test_export_and_merged_weights(tmp_path: Path) -> None:
-    state = make_train_state(tiny_model(), TrainConfig(lr=1e-2))
-    _train(state, 2)  # LoRA B starts at zero: train so the merge matters
-    assert export_weights(state.model, tmp_path / "lora") == "lora"
-    assert (tmp_path / "lora" / "adapter_model.safetensors").exists()
-
-    merged = tiny_model(seed=5)
-    merged.load_state_dict(merged_state_dict(state.model))
-    ids_BT, mask_BT = torch.tensor([[1, 2, 3, 4]]), torch.ones(1, 4, dtype=torch.long)
-    state.model.eval()
-    with torch.no_grad():
-        expected = forward_logits(state.model, ids_BT, mask_BT)
-        assert torch.allclose(forward_logits(merged.eval(), ids_BT, mask_BT), expected, atol=1e-4)
-        base = logprobs_from_logits(forward_logits(tiny_model(), ids_BT, mask_BT), ids_BT)
-        reference = reference_logprobs(state.model, pad_batch([TrainRow((1, 2, 3, 4), (0, 1, 1, 1))]))
-    assert torch.allclose(reference, base, atol=1e-5)  # adapter disabled = the base model
-
-    assert export_weights(merged, tmp_path / "full") == "full"
-    assert (tmp_path / "full" / "model.safetensors").exists()
-
-
 def test_shared_prefix_pass_equals_the_plain_pass_in_values_and_gradients(tmp_path):
     """The prefix computed once and expanded gives the same log-probs and LoRA gradients."""
     from transformers import AutoModelForCausalLM
 
-    from agentbolt.algorithms.rl_core import (
-        PolicyLoss,
-        TrainConfig,
-        TrainRow,
-        make_trainable,
-        pad_batch,
-        shared_prefix_len,
-    )
     from agentbolt.engine import tiny_model_dir
 
     torch.manual_seed(0)

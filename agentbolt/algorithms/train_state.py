@@ -1,0 +1,240 @@
+"""The train-state side of GRPO and SFT: how a causal LM is made trainable (LoRA or full),
+the optimizer step, checkpoints that resume exactly, and the trained weights written out or merged.
+The losses it steps on live in :mod:`agentbolt.algorithms.losses`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import shutil
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from agentbolt.algorithms.losses import Batch, LossFn
+
+__all__ = [
+    "Checkpoint",
+    "RngState",
+    "TrainConfig",
+    "TrainState",
+    "capture_rng_state",
+    "export_weights",
+    "load_adapter",
+    "load_checkpoint",
+    "make_train_state",
+    "make_trainable",
+    "merge_lora",
+    "merged_state_dict",
+    "optimizer_step",
+    "restore_rng_state",
+    "save_checkpoint",
+]
+
+
+# ---------------------------------------------------------------------------- making a model trainable
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How a causal LM is made trainable and optimized."""
+
+    lora: bool = True
+    """False: full fine-tuning of every parameter."""
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    target_modules: str | tuple[str, ...] = "all-linear"
+    """PEFT's ``"all-linear"``: every linear projection except the output layer."""
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+
+
+@dataclass
+class TrainState:
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    step: int = 0
+    config: TrainConfig = field(default_factory=TrainConfig)
+
+
+@contextmanager
+def _quiet_peft() -> Iterator[None]:
+    """peft reads transformers' deprecated ``is_gradient_checkpointing`` alias; not ours to fix."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        yield
+
+
+def make_trainable(model: nn.Module, config: TrainConfig) -> nn.Module:
+    """Wrap ``model`` in a LoRA adapter (or leave it whole for full fine-tuning)."""
+    if not config.lora:
+        return model
+    targets = config.target_modules if isinstance(config.target_modules, str) else list(config.target_modules)
+    lora = LoraConfig(
+        r=config.lora_r,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+    )
+    with _quiet_peft():
+        return get_peft_model(model, lora)  # type: ignore[arg-type]
+
+
+def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def make_train_state(model: nn.Module, config: TrainConfig = TrainConfig()) -> TrainState:
+    model = make_trainable(model, config)
+    params = [p for _, p in _trainable(model)]
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    return TrainState(model=model, optimizer=optimizer, config=config)
+
+
+def optimizer_step(state: TrainState, batches: Sequence[Batch], loss_fn: LossFn) -> dict[str, float]:
+    """One update from gradients accumulated over ``batches`` (the micro-batches of one batch:
+    ``[pad_batch(mb) for mb in micro_batches(rows, max_tokens=4096)]``), clipped to
+    ``state.config.max_grad_norm``.
+
+    Metrics are token-weighted means over the micro-batches; a batch without model tokens
+    changes nothing and reports ``num_tokens`` 0."""
+    num_tokens = sum(b.num_tokens for b in batches)
+    if num_tokens == 0:
+        return {"num_tokens": 0.0}
+    state.model.train()
+    state.optimizer.zero_grad(set_to_none=True)
+    totals: dict[str, float] = {"loss": 0.0}
+    for batch in batches:
+        loss, metrics = loss_fn(state.model, batch, float(num_tokens))
+        loss.backward()
+        totals["loss"] += float(loss.detach())
+        for name, value in metrics.items():
+            totals[name] = totals.get(name, 0.0) + value * batch.num_tokens / num_tokens
+    params = [p for _, p in _trainable(state.model)]
+    max_norm = state.config.max_grad_norm or float("inf")
+    totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    state.optimizer.step()
+    state.step += 1
+    return {**totals, "num_tokens": float(num_tokens)}
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+RngState = dict[str, Any]
+
+
+def capture_rng_state() -> RngState:
+    state: RngState = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: RngState) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    step: int
+    extra: dict[str, Any]
+
+
+def save_checkpoint(
+    directory: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    rng_state: RngState | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Write trainable parameters, optimizer state, RNG state (now, unless given), step and
+    JSON ``extra``; written beside ``directory`` and renamed into place."""
+    final = Path(directory)
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({n: p.detach().contiguous() for n, p in _trainable(model)}, tmp / "trainable.safetensors")
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(rng_state or capture_rng_state(), tmp / "rng.pt")
+    (tmp / "state.json").write_text(json.dumps({"step": step, "extra": extra or {}}))
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    return final
+
+
+def load_checkpoint(
+    directory: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    restore_rng: bool = True,
+) -> Checkpoint:
+    """Restore what :func:`save_checkpoint` wrote into a model prepared the same way."""
+    directory = Path(directory)
+    params = dict(_trainable(model))
+    saved = load_file(directory / "trainable.safetensors")
+    if saved.keys() != params.keys():
+        raise ValueError(
+            f"checkpoint parameters differ from the model's: {sorted(saved.keys() ^ params.keys())[:5]}"
+        )
+    with torch.no_grad():
+        for name, tensor in saved.items():
+            params[name].copy_(tensor)
+    if optimizer is not None:
+        optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True))
+    if restore_rng:
+        restore_rng_state(torch.load(directory / "rng.pt", weights_only=True))
+    state = json.loads((directory / "state.json").read_text())
+    return Checkpoint(step=state["step"], extra=state["extra"])
+
+
+# ---------------------------------------------------------------------------- export and merge
+
+
+def export_weights(model: nn.Module, directory: str | Path) -> Literal["lora", "full"]:
+    """A PEFT adapter (adapter_config.json + safetensors) or a full HF model; returns which,
+    ready for :class:`~agentbolt.schemas.ModelWeights`'s ``format``."""
+    model.save_pretrained(str(directory), safe_serialization=True)  # type: ignore[operator]
+    return "lora" if isinstance(model, PeftModel) else "full"
+
+
+def load_adapter(model: nn.Module, adapter_dir: str | Path) -> nn.Module:
+    """``model`` with the PEFT LoRA adapter saved in ``adapter_dir`` on top (not merged)."""
+    with _quiet_peft():
+        return PeftModel.from_pretrained(model, str(adapter_dir))
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module, *, in_place: bool = False) -> nn.Module:
+    """The plain model with its LoRA adapter merged into the base weights; ``model`` itself when
+    it has no adapter. A copy is merged unless ``in_place`` (the model trains on: its adapter
+    must stay); ``in_place`` spares that copy's memory when the PEFT model is not needed after."""
+    if not isinstance(model, PeftModel):
+        return model
+    return (model if in_place else copy.deepcopy(model)).merge_and_unload()
+
+
+@torch.no_grad()
+def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """Full weights under the base model's names, LoRA merged in; the model is not changed.
+    Fresh tensors, safe to hand to an engine while training goes on."""
+    merged = merge_lora(model)
+    if merged is not model:  # merged into a copy: its tensors are fresh already
+        return dict(merged.state_dict())
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
