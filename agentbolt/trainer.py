@@ -15,7 +15,7 @@ import multiprocessing
 import os
 import signal
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -66,7 +66,6 @@ class Trainer:
         self.run_dir = Path(run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
         self.lease_seconds = lease_seconds
         self.console = console or make_console()
-        self.extras: dict[str, Any] = {}
         self._procs: list[multiprocessing.process.BaseProcess] = []
 
     def fit(
@@ -96,8 +95,7 @@ class Trainer:
                 if self.resources:
                     client.publish_resources(self.resources, {"source": "trainer", "initial": True})
                 ctx = TrainContext(client=client, server_url=url, train_tasks=train, val_tasks=val,
-                                   run_dir=self.run_dir, console=self.console, token=self.token,
-                                   extras=self.extras)  # fmt: skip
+                                   run_dir=self.run_dir, console=self.console, token=self.token)  # fmt: skip
                 return self.algorithm.run(ctx)
         finally:
             self._stop_runners()
@@ -126,7 +124,3 @@ class Trainer:
                 proc.kill()
                 proc.join(2)
         self._procs.clear()
-
-    @staticmethod
-    def tasks(items: Sequence[dict[str, Any]]) -> list[Task]:
-        return [Task.of(i) for i in items]

@@ -1,5 +1,5 @@
-"""What every algorithm shares: the context the Trainer hands it, and running a batch of
-rollouts to completion with a progress bar and a bound on waiting."""
+"""What every algorithm shares: the context the Trainer hands it, running a batch of rollouts
+to completion with a progress bar and a bound on waiting, and a validation pass at a version."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from agentbolt.client import Client
 from agentbolt.schemas import Mode, Rollout, RolloutCreate, RolloutStatus, Task
 
-__all__ = ["Algorithm", "BatchResult", "TrainContext", "run_rollouts"]
+__all__ = ["Algorithm", "BatchResult", "TrainContext", "run_rollouts", "validate"]
 
 
 @dataclass
@@ -31,8 +31,6 @@ class TrainContext:
     run_dir: Path
     console: Console = field(default_factory=Console)
     token: str | None = None
-    extras: dict[str, Any] = field(default_factory=dict)
-    """Components the Trainer started for the algorithm (e.g. ``"engine"``)."""
 
 
 class Algorithm(abc.ABC):
@@ -101,6 +99,31 @@ def run_rollouts(
         except Exception:  # finished in the meantime
             final[rid] = client.get_rollout(rid)
     return BatchResult(rollouts=[final[rid] for rid in ids], timed_out=len(pending))
+
+
+def validate(
+    ctx: TrainContext,
+    version: int | None,
+    *,
+    timeout: float,
+    rollout_timeout: float | None,
+    label: str = "validation",
+    progress: Progress | None = None,
+) -> BatchResult | None:
+    """Run every validation task once with resources ``version``; None without validation tasks."""
+    if not ctx.val_tasks:
+        return None
+    return run_rollouts(
+        ctx.client,
+        ctx.val_tasks,
+        mode=Mode.VAL,
+        resources_version=version,
+        timeout=timeout,
+        rollout_timeout=rollout_timeout,
+        console=ctx.console,
+        label=label,
+        progress=progress,
+    )
 
 
 def _wait_all(

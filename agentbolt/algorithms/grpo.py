@@ -21,7 +21,7 @@ import contextlib
 import random
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,25 +31,28 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from agentbolt.adapters import to_trajectories
-from agentbolt.algorithms.base import Algorithm, BatchResult, TrainContext, run_rollouts
+from agentbolt.adapters import TrajectoryRow, to_trajectories
+from agentbolt.algorithms.base import Algorithm, BatchResult, TrainContext, run_rollouts, validate
 from agentbolt.algorithms.losses import (
+    Batch,
     PolicyLoss,
+    TrainRow,
     grouped_advantages,
     micro_batches,
     pad_batch,
     reference_logprobs,
 )
 from agentbolt.algorithms.metrics import MetricsLog, plot_history
-from agentbolt.algorithms.policy import serve_policy
+from agentbolt.algorithms.policy import PolicyServer, publish, serve_policy
 from agentbolt.algorithms.train_state import (
     TrainConfig,
+    TrainState,
     load_checkpoint,
     make_train_state,
     optimizer_step,
     save_checkpoint,
 )
-from agentbolt.schemas import LLM, Mode, ModelWeights, Resource, RolloutStatus, Task
+from agentbolt.schemas import Mode, ModelWeights, Rollout, RolloutStatus, Task
 
 __all__ = ["GRPO", "GRPOResult", "success_rate"]
 
@@ -120,23 +123,29 @@ class GRPO(Algorithm):
 
     def run(self, ctx: TrainContext) -> GRPOResult:
         torch.manual_seed(self.seed)
-        with serve_policy(self.model, self.serve_url, self.serve_model, ctx.run_dir, self.engine_dtype,
-                          ctx.console) as engine:  # fmt: skip
-            version = self._publish(ctx, engine, step=0, metrics={})
-            state = self._train_state(engine)
+        served = serve_policy(
+            self.model,
+            ctx.run_dir,
+            ctx.console,
+            serve_url=self.serve_url,
+            serve_model=self.serve_model,
+            dtype=self.engine_dtype,
+        )
+        with served as policy:
+            version = self._publish(ctx, policy, step=0, metrics={})
+            state = self._train_state(policy)
             log = MetricsLog(ctx.run_dir / "metrics.jsonl", resume=self.resume)
-            start, history = self._maybe_resume(ctx, state, engine)
+            start, history = self._maybe_resume(ctx, state, policy)
             if start:
-                version = self._publish(ctx, engine, step=start, metrics=history[-1] if history else {})
-            return self._loop(ctx, engine, state, log, start, history, version)
+                version = self._publish(ctx, policy, step=start, metrics=history[-1] if history else {})
+            return self._loop(ctx, policy, state, log, start, history, version)
 
     # ------------------------------------------------------------------ setup
 
-    def _train_state(self, engine: Any) -> Any:
+    def _train_state(self, policy: PolicyServer) -> TrainState:
         from transformers import AutoModelForCausalLM
 
-        path = engine.base_model_path
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(policy.base_model_path, dtype=torch.float32)
         model = model.to(self._device())  # type: ignore[arg-type]
         config = TrainConfig(lora=self.lora, lora_r=self.lora_r, lora_alpha=2 * self.lora_r, lr=self.lr)
         return make_train_state(model, config)
@@ -145,32 +154,47 @@ class GRPO(Algorithm):
         """Where training runs: the GPU when there is one (the engine picks its device the same way)."""
         return torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
-    def _publish(self, ctx: TrainContext, engine: Any, step: int, metrics: dict[str, Any]) -> int:
-        latest = ctx.client.latest_resources()
-        resources: dict[str, Resource] = dict(latest.resources) if latest else {}
-        resources[self.llm_resource] = LLM(base_url=engine.base_url, model=engine.model_name,
-                                           sampling_parameters=self.sampling)  # fmt: skip
-        resources["policy_weights"] = ModelWeights(
-            path=engine.weights_uri, base_model=self.model,
-            format="lora" if self.lora else "full", metadata={"step": step},
-        )  # fmt: skip
+    def _publish(self, ctx: TrainContext, policy: PolicyServer, step: int, metrics: dict[str, Any]) -> int:
+        weights = ModelWeights(
+            path=policy.weights_uri,
+            base_model=self.model,
+            format="lora" if self.lora else "full",
+            metadata={"step": step},
+        )
         meta = {"algorithm": "grpo", "step": step, "metrics": _jsonable(metrics)}
-        return ctx.client.publish_resources(resources, meta).version
+        return publish(
+            ctx.client,
+            policy,
+            meta,
+            llm_resource=self.llm_resource,
+            sampling=self.sampling,
+            weights={"policy_weights": weights},
+        )
 
-    def _maybe_resume(self, ctx: TrainContext, state: Any, engine: Any) -> tuple[int, list[dict[str, Any]]]:
+    def _maybe_resume(
+        self, ctx: TrainContext, state: TrainState, policy: PolicyServer
+    ) -> tuple[int, list[dict[str, Any]]]:
         path = ctx.run_dir / "checkpoint"
         if not (self.resume and (path / "state.json").exists()):
             return 0, []
         ckpt = load_checkpoint(path, state.model, state.optimizer)
         state.step = ckpt.step
-        engine.sync(state.model, ckpt.step)
+        policy.sync(state.model, ckpt.step)
         ctx.console.print(f"resumed from {path} at step {ckpt.step}")
         return ckpt.step, list(ckpt.extra.get("history", []))
 
     # ------------------------------------------------------------------ the loop
 
-    def _loop(self, ctx: TrainContext, engine: Any, state: Any, log: MetricsLog, start: int,
-              history: list[dict[str, Any]], version: int) -> GRPOResult:  # fmt: skip
+    def _loop(
+        self,
+        ctx: TrainContext,
+        policy: PolicyServer,
+        state: TrainState,
+        log: MetricsLog,
+        start: int,
+        history: list[dict[str, Any]],
+        version: int,
+    ) -> GRPOResult:
         table = _metrics_table()
         for row in history:
             _add_row(table, row)
@@ -187,7 +211,7 @@ class GRPO(Algorithm):
                 log.write(row)
                 _add_row(table, row)
             for step in range(start + 1, self.steps + 1):
-                row, version = self._step(ctx, engine, state, step, version, progress)
+                row, version = self._step(ctx, policy, state, step, version, progress)
                 if self._validate_now(step):
                     row["val_success"] = self._validate(ctx, version, progress)
                 history.append(row)
@@ -205,15 +229,20 @@ class GRPO(Algorithm):
         return step == self.steps or bool(self.val_every and step % self.val_every == 0)
 
     def _validate(self, ctx: TrainContext, version: int, progress: Progress) -> float | None:
-        if not ctx.val_tasks:
-            return None
-        batch = run_rollouts(ctx.client, ctx.val_tasks, mode=Mode.VAL, resources_version=version,
-                             timeout=self.step_timeout, rollout_timeout=self.rollout_timeout,
-                             progress=progress, label="validation")  # fmt: skip
-        return success_rate(batch, self.success_threshold)
+        batch = validate(
+            ctx, version, timeout=self.step_timeout, rollout_timeout=self.rollout_timeout, progress=progress
+        )
+        return success_rate(batch, self.success_threshold) if batch is not None else None
 
-    def _step(self, ctx: TrainContext, engine: Any, state: Any, step: int, version: int,
-              progress: Progress) -> tuple[dict[str, Any], int]:  # fmt: skip
+    def _step(
+        self,
+        ctx: TrainContext,
+        policy: PolicyServer,
+        state: TrainState,
+        step: int,
+        version: int,
+        progress: Progress,
+    ) -> tuple[dict[str, Any], int]:
         rng = random.Random(self.seed * 100_003 + step)
         tasks = rng.sample(ctx.train_tasks, min(self.tasks_per_step, len(ctx.train_tasks)))
         t0 = time.perf_counter()
@@ -228,8 +257,8 @@ class GRPO(Algorithm):
         t_update = time.perf_counter() - t1
         t2 = time.perf_counter()
         if metrics.get("num_tokens"):
-            engine.sync(state.model, step)
-        version = self._publish(ctx, engine, step, metrics)
+            policy.sync(state.model, step)
+        version = self._publish(ctx, policy, step, metrics)
         t_sync = time.perf_counter() - t2
         rewards = [r.reward for r in batch.succeeded if r.reward is not None]
         mean = sum(rewards) / len(rewards) if rewards else 0.0
@@ -246,13 +275,14 @@ class GRPO(Algorithm):
 
     def _rows(
         self, ctx: TrainContext, batch: BatchResult, tasks: list[Task]
-    ) -> tuple[list[Any], int, dict[str, Any]]:
-        finished: dict[str, list[Any]] = defaultdict(list)
+    ) -> tuple[list[TrainRow], int, dict[str, Any]]:
+        finished: dict[str, list[Rollout]] = defaultdict(list)
         for r in batch.rollouts:
             if r.status == RolloutStatus.SUCCEEDED and r.reward is not None and r.group_id:
                 finished[r.group_id].append(r)
         kept = {g: rs for g, rs in finished.items() if len(rs) >= self.min_group_size}
-        traj_rows, gen_tokens, mismatches = [], 0, 0
+        traj_rows: list[TrajectoryRow] = []
+        gen_tokens = mismatches = 0
         events = ctx.client.events_of([r.id for rs in kept.values() for r in rs], type=["llm_call", "reward"])
         for rollouts in kept.values():
             for r in rollouts:
@@ -266,7 +296,7 @@ class GRPO(Algorithm):
                 "dropped_groups": len(tasks) - len(kept), "prefix_mismatches": mismatches}  # fmt: skip
         return train_rows, gen_tokens, data
 
-    def _update(self, state: Any, rows: list[Any]) -> dict[str, float]:
+    def _update(self, state: TrainState, rows: list[TrainRow]) -> dict[str, float]:
         if not rows:
             return {"num_tokens": 0.0}
         batches = [pad_batch(mb) for mb in micro_batches(rows, max_tokens=self.max_tokens_per_micro_batch)]
@@ -282,18 +312,13 @@ class GRPO(Algorithm):
             return optimizer_step(state, batches, loss)
 
 
-def _to_device(batch: Any, device: torch.device) -> Any:
-    from dataclasses import fields, replace
-
-    moved = {f.name: getattr(batch, f.name).to(device) for f in fields(batch)
-             if isinstance(getattr(batch, f.name), torch.Tensor)}  # fmt: skip
-    return replace(batch, **moved)
+def _to_device(batch: Batch, device: torch.device) -> Batch:
+    tensors = {f.name: getattr(batch, f.name) for f in fields(batch)}
+    return replace(batch, **{k: v.to(device) for k, v in tensors.items() if isinstance(v, torch.Tensor)})
 
 
-def _with_ref(batch: Any, ref: torch.Tensor) -> Any:
-    from dataclasses import replace
-
-    return replace(batch, ref_logprobs_BT=ref)
+def _with_ref(batch: Batch, ref_BT: torch.Tensor) -> Batch:
+    return replace(batch, ref_logprobs_BT=ref_BT)
 
 
 _COLUMNS = (("step", "{}"), ("success", "{:.0%}"), ("reward_mean", "{:.3f}"), ("val_success", "{:.0%}"),

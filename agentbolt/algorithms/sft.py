@@ -19,8 +19,9 @@ Where this departs from the papers (STaR, Zelikman et al. 2022; ReST-EM, Singh e
 
 The model: the engine serves the policy from its own thread. Wrapping that very module in LoRA
 would change what it serves mid-request and race its forward passes, so SFT trains a separate
-float32 copy (loaded from the engine model's folder, or ``ctx.extras["policy_model"]``) and hands
-the engine the saved adapter, which the engine merges into its base weights in place.
+float32 copy (loaded from the served model's folder, or ``policy_model``) and hands the policy
+server the saved adapter (:meth:`~agentbolt.algorithms.policy.PolicyServer.sync`), which the
+engine merges into its base weights in place.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import contextlib
 import copy
 import json
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -40,18 +41,13 @@ from rich.table import Table
 from torch import nn
 
 from agentbolt.adapters import AdapterStats, TrajectoryRow, latest_attempt, to_trajectories
-from agentbolt.algorithms.base import Algorithm, TrainContext, run_rollouts
+from agentbolt.algorithms.base import Algorithm, TrainContext, run_rollouts, validate
 from agentbolt.algorithms.evaluate import EvalSummary
 from agentbolt.algorithms.losses import TrainRow
+from agentbolt.algorithms.policy import PolicyServer, publish, serve_policy
 from agentbolt.algorithms.sft_train import TrainStats, eval_loss, select_rollouts, sft_rows, train_rows
-from agentbolt.algorithms.train_state import (
-    TrainConfig,
-    TrainState,
-    export_weights,
-    make_train_state,
-    merged_state_dict,
-)
-from agentbolt.schemas import LLM, EventType, Mode, ModelWeights, Resource, Rollout
+from agentbolt.algorithms.train_state import TrainConfig, TrainState, export_weights, make_train_state
+from agentbolt.schemas import EventType, Mode, ModelWeights, Rollout
 
 __all__ = [
     "SFT",
@@ -108,8 +104,14 @@ class SFT(Algorithm):
     """Rejection-sampling fine-tuning (see the module docstring)."""
 
     model: str = "smollm2"
-    """Policy to load when neither the Trainer's engine nor ``ctx.extras["policy_model"]`` gives one:
-    ``"smollm2"`` (the bundled model) or a local Hugging Face folder."""
+    """The policy to serve when ``policy`` is not given: ``"smollm2"`` (the bundled model) or a
+    local Hugging Face folder."""
+    policy: PolicyServer | None = None
+    """A policy server already serving the model (e.g. an ``EnginePolicy`` over an engine the
+    caller started); None: the embedded engine is started for the run."""
+    policy_model: nn.Module | str | None = None
+    """What to fine-tune: a module (trained as a float32 copy) or a Hugging Face folder; None: the
+    base weights the policy server serves."""
     rounds: int = 3
     rollouts_per_task: int = 4
     """Runs of each training task per round (the candidates the filter picks from)."""
@@ -138,7 +140,7 @@ class SFT(Algorithm):
     """Seconds a round waits for its rollouts (and validation for its own); stragglers are cancelled."""
     rollout_timeout: float | None = 300.0
     llm_resource: str = "llm"
-    """Name of the LLM resource the agent reads (pointed at the engine when it has a ``base_url``)."""
+    """Name of the LLM resource the agent reads (pointed at the policy server)."""
     weights_resource: str = "policy_weights"
     sampling: dict[str, Any] = field(default_factory=lambda: {"temperature": 1.0})
     """Sampling parameters of the LLM resource SFT publishes (diverse runs to pick from)."""
@@ -146,16 +148,21 @@ class SFT(Algorithm):
 
     def run(self, ctx: TrainContext) -> SFTResult:
         torch.manual_seed(self.seed)
-        with self._engine(ctx) as engine:
-            version = self._publish(ctx, engine, None, {})
-            base = self._load_policy(ctx, engine)
+        served = (
+            contextlib.nullcontext(self.policy)
+            if self.policy is not None
+            else serve_policy(self.model, ctx.run_dir, ctx.console)
+        )
+        with served as policy:
+            version = self._publish(ctx, policy, {"algorithm": "sft", "round": 0})
+            base = self._load_policy(policy)
             state = make_train_state(copy.deepcopy(base) if self.reset_each_round else base, self.train)
             val_before = self._validate(ctx, version, "validation (before)") if self.validate_before else None
             results: list[RoundResult] = []
             for r in range(1, self.rounds + 1):
                 if self.reset_each_round and r > 1:
                     state = make_train_state(copy.deepcopy(base), self.train)
-                results.append(self._round(ctx, engine, state, r, version))
+                results.append(self._round(ctx, policy, state, r, version))
                 version = results[-1].resources_version or version
                 _log_round(ctx, results[-1], val_before)
         weights = next((x.weights_path for x in reversed(results) if x.weights_path), None)
@@ -163,58 +170,33 @@ class SFT(Algorithm):
 
     # ------------------------------------------------------------------ setup
 
-    @contextlib.contextmanager
-    def _engine(self, ctx: TrainContext) -> Iterator[Any]:
-        """The Trainer's engine (``ctx.extras["engine"]``), else one served here for the run."""
-        if "engine" in ctx.extras:
-            yield ctx.extras["engine"]
-            return
-        from agentbolt.algorithms.policy import serve_policy
-
-        with serve_policy(self.model, None, None, ctx.run_dir, None, ctx.console) as policy:
-            engine = policy.engine  # type: ignore[attr-defined]
-            engine.base_url = policy.base_url
-            ctx.extras["engine"] = engine
-            try:
-                yield engine
-            finally:
-                ctx.extras.pop("engine", None)
-
-    def _load_policy(self, ctx: TrainContext, engine: Any) -> nn.Module:
+    def _load_policy(self, policy: PolicyServer) -> nn.Module:
         """A float32 training copy of the policy (never the module the engine serves)."""
         from transformers import AutoModelForCausalLM
 
         from agentbolt.engine import ensure_model
 
-        given = ctx.extras.get("policy_model")
-        if isinstance(given, nn.Module):
-            return copy.deepcopy(given).float()
-        path = given or getattr(engine.model, "name_or_path", None) or self.model
+        if isinstance(self.policy_model, nn.Module):
+            return copy.deepcopy(self.policy_model).float()
+        path = self.policy_model or policy.base_model_path
         return AutoModelForCausalLM.from_pretrained(ensure_model(path), dtype=torch.float32)
 
     def _publish(
-        self, ctx: TrainContext, engine: Any, weights: ModelWeights | None, meta: dict[str, Any]
-    ) -> int | None:
-        """A new resources version: the latest one, the LLM pointed at the engine, and ``weights``."""
-        latest = ctx.client.latest_resources()
-        resources: dict[str, Resource] = dict(latest.resources) if latest else {}
-        base_url = getattr(engine, "base_url", None)
-        if base_url:
-            old = resources.get(self.llm_resource)
-            params = {**(old.sampling_parameters if isinstance(old, LLM) else {}), **self.sampling}
-            resources[self.llm_resource] = LLM(
-                base_url=base_url, model=engine.name, sampling_parameters=params
-            )
-        if weights is not None:
-            resources[self.weights_resource] = weights
-        if not resources or (weights is None and latest and resources == latest.resources):
-            return latest.version if latest else None
-        return ctx.client.publish_resources(resources, meta or {"algorithm": "sft", "round": 0}).version
+        self,
+        ctx: TrainContext,
+        policy: PolicyServer,
+        meta: dict[str, Any],
+        weights: ModelWeights | None = None,
+    ) -> int:
+        named = {self.weights_resource: weights} if weights is not None else None
+        return publish(
+            ctx.client, policy, meta, llm_resource=self.llm_resource, sampling=self.sampling, weights=named
+        )
 
     # ------------------------------------------------------------------ one round
 
     def _round(
-        self, ctx: TrainContext, engine: Any, state: TrainState, r: int, version: int | None
+        self, ctx: TrainContext, policy: PolicyServer, state: TrainState, r: int, version: int
     ) -> RoundResult:
         batch = run_rollouts(ctx.client, ctx.train_tasks, mode=Mode.TRAIN, resources_version=version,
                              repeat=self.rollouts_per_task, group_prefix=f"{ctx.run_dir.name}:sft{r}",
@@ -229,7 +211,7 @@ class SFT(Algorithm):
             ctx.console.print(f"[yellow]round {r}: no run passed the filter; nothing to train on[/]")
             return result
         stats = self._train(ctx, state, rows, r)
-        path, version = self._ship(ctx, engine, state, r, stats)
+        path, version = self._ship(ctx, policy, state, r, stats)
         val = self._validate(ctx, version, f"round {r} validation")
         return replace(result, train=stats, weights_path=path, resources_version=version, val=val)
 
@@ -262,30 +244,24 @@ class SFT(Algorithm):
                               on_step=on_step)  # fmt: skip
 
     def _ship(
-        self, ctx: TrainContext, engine: Any, state: TrainState, r: int, stats: TrainStats
-    ) -> tuple[Path, int | None]:
-        """Save the weights (Hugging Face format), swap them into the engine, publish a version."""
+        self, ctx: TrainContext, policy: PolicyServer, state: TrainState, r: int, stats: TrainStats
+    ) -> tuple[Path, int]:
+        """Save the weights (Hugging Face format), serve them, publish a version."""
         path = (ctx.run_dir / "sft" / f"round-{r}").resolve()
         fmt = export_weights(state.model, path)
-        if fmt == "lora":
-            engine.update_weights(adapter_path=str(path), version=f"sft-r{r}")
-        else:
-            engine.update_weights(state_dict=merged_state_dict(state.model), version=f"sft-r{r}")
-        metrics = _metrics(stats)
-        meta = {"algorithm": "sft", "round": r, "metrics": metrics}
+        policy.sync(state.model, f"sft-r{r}", saved=path)
+        meta = {"algorithm": "sft", "round": r, "metrics": _metrics(stats)}
         base = getattr(state.model, "name_or_path", None) or str(
             getattr(state.model.config, "_name_or_path", "")
         )
         weights = ModelWeights(path=str(path), base_model=base or None, format=fmt, metadata=meta)
-        return path, self._publish(ctx, engine, weights, meta)
+        return path, self._publish(ctx, policy, meta, weights)
 
-    def _validate(self, ctx: TrainContext, version: int | None, label: str) -> EvalSummary | None:
-        if not ctx.val_tasks:
-            return None
-        batch = run_rollouts(ctx.client, ctx.val_tasks, mode=Mode.VAL, resources_version=version,
-                             timeout=self.round_timeout, rollout_timeout=self.rollout_timeout, console=ctx.console,
-                             label=label)  # fmt: skip
-        return EvalSummary.of(batch)
+    def _validate(self, ctx: TrainContext, version: int, label: str) -> EvalSummary | None:
+        batch = validate(
+            ctx, version, timeout=self.round_timeout, rollout_timeout=self.rollout_timeout, label=label
+        )
+        return EvalSummary.of(batch) if batch is not None else None
 
 
 # ---------------------------------------------------------------------------- helpers

@@ -15,6 +15,7 @@ from agentbolt import Task, emit_event, rollout
 from agentbolt.adapters import to_trajectories
 from agentbolt.algorithms.base import TrainContext
 from agentbolt.algorithms.losses import TrainRow
+from agentbolt.algorithms.policy import EnginePolicy
 from agentbolt.algorithms.sft import SFT, eval_loss, select_rollouts, sft_rows, train_rows
 from agentbolt.algorithms.train_state import TrainConfig, make_train_state
 from agentbolt.client import Client
@@ -160,7 +161,7 @@ def scripted(task: Task) -> float:
 
 
 class _FakeEngine:
-    """Records weight updates; stands in for ModelEngine (no base_url: the LLM resource is left as is)."""
+    """Records weight updates; stands in for ModelEngine behind an EnginePolicy."""
 
     name = "fake"
 
@@ -189,11 +190,12 @@ def test_a_run_trains_publishes_and_swaps_weights(server: Any, client: Client, r
     train = [Task(id=f"t{i}", data={"prompt": [1, 2, 3], "completion": [10 + i, 11, 12], "reward": i % 2})
              for i in range(4)]  # fmt: skip
     val = [Task(id="v", data={"prompt": [1, 2], "completion": [5], "reward": 1})]
-    algo = SFT(rounds=2, rollouts_per_task=2, epochs=2, batch_size=2, bf16=False,
-               train=TrainConfig(lr=1e-2, lora_r=4), round_timeout=60)  # fmt: skip
-    trainer = Trainer(algo, n_runners=0, server_url=server.url, run_dir=tmp_path, console=Console(quiet=True))
     engine = _FakeEngine()
-    trainer.extras.update(engine=engine, policy_model=tiny_model())
+    policy = EnginePolicy(engine, "http://127.0.0.1:9/v1", "")  # type: ignore[arg-type]
+    algo = SFT(rounds=2, rollouts_per_task=2, epochs=2, batch_size=2, bf16=False,
+               train=TrainConfig(lr=1e-2, lora_r=4), round_timeout=60, policy=policy,
+               policy_model=tiny_model())  # fmt: skip
+    trainer = Trainer(algo, n_runners=0, server_url=server.url, run_dir=tmp_path, console=Console(quiet=True))
     result = trainer.fit(scripted, train, val)
 
     assert len(result.rounds) == 2 and result.val_before is not None and result.val_before.count == 1
@@ -239,19 +241,19 @@ def test_end_to_end_through_server_runner_gateway_and_engine(
 ) -> None:
     from agentbolt.engine import EngineServer, ModelEngine, tiny_model_dir
 
-    engine = ModelEngine.from_pretrained(tiny_model_dir(tmp_path / "model"), dtype="float32")
+    model_dir = tiny_model_dir(tmp_path / "model")
+    engine = ModelEngine.from_pretrained(model_dir, dtype="float32")
     runner = Runner(chat_agent, server.url, concurrency=4)
     thread = threading.Thread(target=runner.run_sync, kwargs={"install_signals": False}, daemon=True)
     with EngineServer(engine) as engine_server:
-        engine.base_url = engine_server.base_url  # type: ignore[attr-defined]
         thread.start()
         try:
+            policy = EnginePolicy(engine, engine_server.base_url, str(model_dir))
             algo = SFT(rounds=2, rollouts_per_task=2, min_reward=None, top_fraction=0.5, epochs=1, batch_size=4,
                        bf16=False, train=TrainConfig(lr=1e-2, lora_r=4), round_timeout=120,
-                       sampling={"temperature": 1.0, "max_tokens": 12})  # fmt: skip
+                       sampling={"temperature": 1.0, "max_tokens": 12}, policy=policy)  # fmt: skip
             trainer = Trainer(algo, n_runners=0, server_url=server.url, run_dir=tmp_path / "run",
                               console=Console(quiet=True))  # fmt: skip
-            trainer.extras["engine"] = engine
             tasks = [Task(id=f"t{i}", data={"q": f"What is {i} plus 30?"}) for i in range(4)]
             result = trainer.fit(chat_agent, tasks, [Task(id="v", data={"q": "What is 12 plus 30?"})])
         finally:
