@@ -24,9 +24,8 @@ from pydantic_core import to_json
 
 from agentbolt.schemas import RolloutStatus
 from agentbolt.server.config import ServerConfig
-from agentbolt.store import SqlStore
 
-__all__ = ["STATIC_DIR", "finished_since", "install", "throughput"]
+__all__ = ["STATIC_DIR", "install", "throughput"]
 
 STATIC_DIR = Path(__file__).with_name("static")
 FINAL = (RolloutStatus.SUCCEEDED, RolloutStatus.FAILED, RolloutStatus.CANCELLED)
@@ -54,18 +53,6 @@ class _StaticFiles(StaticFiles):
         response.headers["cache-control"] = "no-cache"
         response.headers["x-content-type-options"] = "nosniff"
         return response
-
-
-def finished_since(store: SqlStore, since: float) -> list[tuple[float, str]]:
-    """``(ended_at, status)`` of rollouts that ended at or after ``since``.
-
-    The store has no time-bucketed query yet; this one read-only statement goes through the
-    store's database interface (portable SQL, ``?`` placeholders) rather than a route. It belongs
-    in :class:`SqlStore` (with an index on ``ended_at``) once that file is open for changes.
-    """
-    with store.db.transaction() as tx:
-        rows = tx.all("SELECT ended_at, status FROM rollouts WHERE ended_at >= ?", (since,))
-    return [(float(ended), str(status)) for ended, status in rows]
 
 
 def throughput(rows: list[tuple[float, str]], end: float, window: float, bucket: float) -> dict[str, Any]:
@@ -108,7 +95,7 @@ def _router(app: FastAPI, config: ServerConfig) -> APIRouter:
         At most 2000 buckets: a smaller ``bucket`` is widened (the answer says which was used)."""
         bucket = max(bucket, window / 2000)
         end = time.time()
-        rows = await app.state.call(finished_since, app.state.store, end - window - bucket)
+        rows = await app.state.call(app.state.store.finished_since, end - window - bucket)
         return Response(to_json(throughput(rows, end, window, bucket)), media_type="application/json")
 
     return api

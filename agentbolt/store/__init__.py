@@ -5,7 +5,8 @@ from __future__ import annotations
 import sqlite3
 
 from agentbolt.errors import StoreUnavailable
-from agentbolt.store.sql import Database, SqlStore
+from agentbolt.store.database import Database
+from agentbolt.store.sql import SqlStore
 from agentbolt.store.sqlite import SqliteDatabase
 
 __all__ = ["Database", "SqlStore", "SqliteDatabase", "open_store"]

@@ -32,7 +32,7 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
 
 from agentbolt.errors import ConfigError, StoreUnavailable
-from agentbolt.store.sql import Database, Tx
+from agentbolt.store.database import Database, Tx
 
 __all__ = ["PostgresDatabase"]
 
@@ -113,6 +113,7 @@ class PostgresDatabase(Database):
     # the claim's subquery reads rollouts alone: only the rollout row is locked (copies of one
     # task, a GRPO group, do not block each other)
     claim_lock = "FOR UPDATE SKIP LOCKED"
+    types = {"real": "DOUBLE PRECISION", "serial": "BIGSERIAL PRIMARY KEY"}
 
     def __init__(self, dsn: str, schema: str | None = None, pool_size: int = 8) -> None:
         if schema is not None and not _SCHEMA_NAME.fullmatch(schema):
@@ -205,23 +206,9 @@ class PostgresDatabase(Database):
         # a transaction-scoped advisory lock, per schema (stores in other schemas do not wait)
         tx.run("SELECT pg_advisory_xact_lock(?, hashtext(current_schema()))", (_SECTION_LOCK + what,))
 
-    def migrate(self, migrations: Sequence[tuple[int, list[str]]]) -> None:
-        """Apply the migrations not yet recorded, all in one transaction. The advisory lock
-        (per schema) makes replicas that start together wait for the first one, then find
-        every version recorded and do nothing."""
-        with self.transaction() as tx:
-            tx.run("SELECT pg_advisory_xact_lock(?, hashtext(current_schema()))", (_MIGRATE_LOCK,))
-            tx.run(
-                "CREATE TABLE IF NOT EXISTS schema_migrations "
-                "(version INTEGER PRIMARY KEY, applied_at DOUBLE PRECISION NOT NULL)"
-            )
-            done = {r[0] for r in tx.all("SELECT version FROM schema_migrations")}
-            for version, statements in migrations:
-                if version in done:
-                    continue
-                for statement in statements:
-                    tx.run(statement.format(real="DOUBLE PRECISION", serial="BIGSERIAL PRIMARY KEY"))
-                tx.run("INSERT INTO schema_migrations VALUES (?, EXTRACT(EPOCH FROM now()))", (version,))
+    def lock_schema(self, tx: Tx) -> None:
+        # per schema: stores in other schemas of the same database do not wait
+        tx.run("SELECT pg_advisory_xact_lock(?, hashtext(current_schema()))", (_MIGRATE_LOCK,))
 
     def close(self) -> None:
         self.pool.close()

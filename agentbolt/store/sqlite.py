@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from agentbolt.store.sql import Database, Tx
+from agentbolt.store.database import Database, Tx
 
 __all__ = ["SqliteDatabase"]
 
@@ -31,6 +31,7 @@ class _SqliteTx(Tx):
 
 class SqliteDatabase(Database):
     name = "sqlite"
+    types = {"real": "REAL", "serial": "INTEGER PRIMARY KEY"}
 
     def __init__(self, path: str | Path = ":memory:") -> None:
         self.path = str(path)
@@ -67,18 +68,8 @@ class SqliteDatabase(Database):
     def serialize(self, tx: Tx, what: int) -> None:
         pass  # BEGIN IMMEDIATE: write transactions run one after another already
 
-    def migrate(self, migrations: Sequence[tuple[int, list[str]]]) -> None:
-        with self.transaction() as tx:
-            tx.run(
-                "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, applied_at REAL)"
-            )
-            done = {r[0] for r in tx.all("SELECT version FROM schema_migrations")}
-            for version, statements in migrations:
-                if version in done:
-                    continue
-                for sql in statements:
-                    tx.run(sql.format(real="REAL", serial="INTEGER PRIMARY KEY"))
-                tx.run("INSERT INTO schema_migrations VALUES (?, strftime('%s','now'))", (version,))
+    def lock_schema(self, tx: Tx) -> None:
+        pass  # BEGIN IMMEDIATE holds the database's one write lock already
 
     def close(self) -> None:
         with self._lock:

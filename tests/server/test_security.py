@@ -139,14 +139,17 @@ def test_secrets_stay_out_of_logs_events_and_answers(tmp_path, all_logs):
     and appear nowhere else: not in any log record (DEBUG), event, or answer of any GET route,
     nor in the gateway's answers, even when the model server echoes the key in an error."""
     with UpstreamDouble() as upstream:
-        config = ServerConfig(db=str(tmp_path / "keys.db"), tokens=TOKENS,
-                              upstream_api_keys={"*": CONFIG_KEY})  # fmt: skip
+        config = ServerConfig(
+            db=str(tmp_path / "keys.db"), tokens=TOKENS, upstream_api_keys={"*": CONFIG_KEY}
+        )
         with ServerThread(config, log_level="debug") as srv, Client(srv.url, ADMIN) as admin:
-            admin.publish_resources({
-                "llm": LLM(base_url=upstream.base_url, model="double", api_key=RESOURCE_KEY),
-                "echoing": LLM(base_url=upstream.base_url + "/", model="error-500"),  # takes CONFIG_KEY
-                "prompt": PromptTemplate(template="hi"),
-            })  # fmt: skip
+            admin.publish_resources(
+                {
+                    "llm": LLM(base_url=upstream.base_url, model="double", api_key=RESOURCE_KEY),
+                    "echoing": LLM(base_url=upstream.base_url + "/", model="error-500"),  # takes CONFIG_KEY
+                    "prompt": PromptTemplate(template="hi"),
+                }
+            )
             [ro] = admin.enqueue([RolloutCreate(task=Task(data={"q": 1}))])
             claim_r = httpx.post(f"{srv.url}/api/dequeue", json={"worker_id": "w"}, headers=_h(RUNNER))
             claim = claim_r.json()
@@ -160,8 +163,11 @@ def test_secrets_stay_out_of_logs_events_and_answers(tmp_path, all_logs):
             sent = {c.headers.get("authorization") for c in upstream.calls}
             assert {f"Bearer {RESOURCE_KEY}", f"Bearer {CONFIG_KEY}"} <= sent  # the keys were used
             aid = claim["attempt"]["id"]
-            httpx.post(f"{srv.url}/api/attempts/{aid}/finish", json={"status": "succeeded", "worker_id": "w"},
-                       headers=_h(RUNNER))  # fmt: skip
+            httpx.post(
+                f"{srv.url}/api/attempts/{aid}/finish",
+                json={"status": "succeeded", "worker_id": "w"},
+                headers=_h(RUNNER),
+            )
             events = httpx.get(f"{srv.url}/api/rollouts/{ro.id}/events", headers=_h(ADMIN)).text
             assert '"llm_call"' in events
             ids = {"rollout_id": ro.id, "attempt_id": aid, "version": "1"}
@@ -181,8 +187,10 @@ def test_secrets_stay_out_of_logs_events_and_answers(tmp_path, all_logs):
 
 def test_cors_is_off_by_default(secure):
     for path in ("/api/rollouts", "/gateway/r/a/v1/chat/completions", "/api/dequeue"):
-        r = httpx.options(f"{secure.url}{path}", headers={"origin": "http://evil.example",
-                          "access-control-request-method": "POST"})  # fmt: skip
+        r = httpx.options(
+            f"{secure.url}{path}",
+            headers={"origin": "http://evil.example", "access-control-request-method": "POST"},
+        )
         assert not any(h.startswith("access-control-") for h in r.headers), (path, r.headers)
         r = httpx.get(f"{secure.url}/api/rollouts", headers={**_h(READER), "origin": "http://evil.example"})
         assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
@@ -208,16 +216,29 @@ _SQL = re.compile(
 # clauses assembled from fixed strings, the backend's row-lock clause. Reviewed by hand; a new
 # entry needs the same review (docs/threat-model.md).
 SQL_FRAGMENTS = {
-    "_ROLLOUT_COLS", "_ROLLOUT_FROM", "_ATTEMPT_COLS", "_RETURNED_ROLLOUT", "_TASK_OF_ROW", "NEXT_QUEUED",  # constants
-    "marks", "', '.join('?' * len(types))",  # placeholders only
-    "' AND '.join(where)", "where",  # conditions built from fixed strings with ? placeholders
+    # constants
+    "ROLLOUT_COLS",
+    "ROLLOUT_FROM",
+    "ATTEMPT_COLS",
+    "RETURNED_ROLLOUT",
+    "TASK_OF_ROW",
+    "NEXT_QUEUED",
+    # placeholders only
+    "marks",
+    "', '.join('?' * len(types))",
+    # conditions built from fixed strings with ? placeholders
+    "' AND '.join(where)",
+    "where",
     "order",  # "ASC" or "DESC"
     "column",  # from a fixed tuple of column names
     "self.db.claim_lock",  # a backend constant: "FOR UPDATE SKIP LOCKED" or ""
     # statuses and modes written as literals so the planner sees them: enum values, checked to be
-    # lower-case words by _sql_literal
-    "_QUEUED", "_RUNNING", "statuses", "_sql_literal(Mode(mode))",
-}  # fmt: skip
+    # lower-case words by sql_literal
+    "QUEUED",
+    "RUNNING",
+    "statuses",
+    "sql_literal(Mode(mode))",
+}
 
 
 def _sql_interpolations() -> list[tuple[str, int, str]]:
@@ -230,8 +251,13 @@ def _sql_interpolations() -> list[tuple[str, int, str]]:
                 if _SQL.search(text):
                     for v in node.values:
                         if isinstance(v, ast.FormattedValue):
-                            found.append((str(path.relative_to(PACKAGE)), node.lineno,
-                                          ast.get_source_segment(src, v.value) or ""))  # fmt: skip
+                            found.append(
+                                (
+                                    str(path.relative_to(PACKAGE)),
+                                    node.lineno,
+                                    ast.get_source_segment(src, v.value) or "",
+                                )
+                            )
             elif (
                 isinstance(node, ast.BinOp)
                 and isinstance(node.op, ast.Mod)
@@ -249,6 +275,36 @@ def test_sql_text_interpolates_no_values():
     assert found, "the scan found no SQL f-strings at all: is it still looking in the right place?"
     unreviewed = [f for f in found if f[2] not in SQL_FRAGMENTS]
     assert unreviewed == [], unreviewed
+
+
+# a string that starts like a statement (docstrings that merely mention SQL words do not)
+_STATEMENT = re.compile(
+    r"^\s*(SELECT|INSERT INTO|UPDATE \w+ SET|DELETE FROM|CREATE (TABLE|INDEX|UNIQUE)|DROP|ALTER)\b"
+)
+
+
+def _statements_by_folder() -> dict[bool, list[str]]:
+    """``{in agentbolt/store/: [where], elsewhere: [where]}`` for each SQL statement's text."""
+    found: dict[bool, list[str]] = {True: [], False: []}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        in_store = path.relative_to(PACKAGE).parts[0] == "store"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.JoinedStr):
+                text = "".join(v.value for v in node.values if isinstance(v, ast.Constant))
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                text = node.value
+            else:
+                continue
+            if _STATEMENT.search(text):
+                found[in_store].append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    return found
+
+
+def test_sql_statements_live_in_the_store():
+    """Routes never touch storage: every statement is written in ``agentbolt/store/``."""
+    found = _statements_by_folder()
+    assert found[True], "the scan found no SQL in agentbolt/store/: is it still looking in the right place?"
+    assert found[False] == []
 
 
 def test_the_server_command_prints_store_urls_without_passwords():

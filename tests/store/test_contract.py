@@ -441,8 +441,9 @@ def test_list_events_of_many_rollouts(store: SqlStore) -> None:
     rollouts = store.enqueue(make(3))
     attempts = [claim(store).attempt for _ in rollouts]
     for n, a in enumerate(attempts):
-        store.add_events(a.id, [ev(i, "reward" if i == 0 else "message", 100.0 + 10 * i + n, n=n)
-                                for i in range(3)])  # fmt: skip
+        store.add_events(
+            a.id, [ev(i, "reward" if i == 0 else "message", 100.0 + 10 * i + n, n=n) for i in range(3)]
+        )
     wanted = [rollouts[2].id, rollouts[0].id, "ro-not-stored"]
     both = store.list_events(rollout_ids=wanted, limit=1000).items
     assert sorted({e.rollout_id for e in both}) == sorted(wanted[:2]) and len(both) == 6
@@ -657,8 +658,12 @@ def test_reopened_store_keeps_everything(store_factory) -> None:
     store_factory.opened.remove(store)
 
     reopened = store_factory.open()  # migrations run again: they must be a no-op
-    after = (reopened.list_rollouts().items, reopened.list_events(done.id).items, reopened.stats(),
-             reopened.list_workers())  # fmt: skip
+    after = (
+        reopened.list_rollouts().items,
+        reopened.list_events(done.id).items,
+        reopened.stats(),
+        reopened.list_workers(),
+    )
     assert after == before
     assert reopened.get_resources(1).resources["prompt"].template == "v1"  # type: ignore[union-attr]
     assert reopened.get_rollout(done.id).reward == 0.25
@@ -699,7 +704,7 @@ def test_postgres_quotes_and_percent_signs_reach_the_server(pg_dsn: str, pg_sche
 
 @pytest.mark.postgres
 def test_replicas_starting_together_migrate_once(pg_dsn: str, pg_schema: str) -> None:
-    from agentbolt.store.sql import MIGRATIONS
+    from agentbolt.store.schema import MIGRATIONS
 
     stores = run_threads(6, lambda i: _pg_store(pg_dsn, pg_schema, pool_size=1))
     try:

@@ -14,7 +14,8 @@ from collections.abc import Iterator
 import pytest
 
 from agentbolt.schemas import RolloutCreate, Task
-from agentbolt.store.sql import LAPSED, NEXT_QUEUED, SqlStore
+from agentbolt.store.sql import SqlStore
+from agentbolt.store.statements import LAPSED, NEXT_QUEUED
 
 pytestmark = pytest.mark.postgres
 

@@ -1,0 +1,72 @@
+"""The versioned schema, and the one loop that brings a database up to date.
+
+Types are portable: REAL and DOUBLE PRECISION differ, so ``{real}`` and ``{serial}`` (an
+auto-increasing integer primary key) are filled in from the backend's ``types``. ``qseq`` is
+the queue order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from agentbolt.schemas import now
+from agentbolt.store.database import Database
+
+__all__ = ["MIGRATIONS", "migrate"]
+
+MIGRATIONS: list[tuple[int, list[str]]] = [
+    (
+        1,
+        [
+            """CREATE TABLE tasks (id TEXT PRIMARY KEY, data TEXT NOT NULL, metadata TEXT NOT NULL)""",
+            """CREATE TABLE rollouts (
+                qseq {serial}, id TEXT NOT NULL UNIQUE, task_id TEXT NOT NULL, mode TEXT NOT NULL,
+                status TEXT NOT NULL, resources_version INTEGER, timeout_seconds {real},
+                max_attempts INTEGER NOT NULL, attempts INTEGER NOT NULL DEFAULT 0,
+                last_attempt INTEGER NOT NULL DEFAULT 0, group_id TEXT,
+                reward {real}, error TEXT, metadata TEXT NOT NULL, created_at {real} NOT NULL,
+                updated_at {real} NOT NULL, started_at {real}, ended_at {real})""",
+            "CREATE INDEX rollouts_status ON rollouts (status, qseq)",
+            "CREATE INDEX rollouts_mode ON rollouts (mode, qseq)",
+            "CREATE INDEX rollouts_version ON rollouts (resources_version, qseq)",
+            "CREATE INDEX rollouts_group ON rollouts (group_id)",
+            """CREATE TABLE attempts (
+                id TEXT PRIMARY KEY, rollout_id TEXT NOT NULL, number INTEGER NOT NULL,
+                worker_id TEXT NOT NULL, status TEXT NOT NULL, started_at {real} NOT NULL,
+                heartbeat_at {real} NOT NULL, lease_expires_at {real} NOT NULL, deadline {real},
+                ended_at {real}, reward {real}, error TEXT)""",
+            "CREATE INDEX attempts_rollout ON attempts (rollout_id, number)",
+            "CREATE INDEX attempts_live ON attempts (status, lease_expires_at)",
+            """CREATE TABLE events (
+                id {serial}, rollout_id TEXT NOT NULL, attempt_id TEXT NOT NULL, sequence BIGINT,
+                type TEXT NOT NULL, timestamp {real} NOT NULL, data TEXT NOT NULL)""",
+            "CREATE UNIQUE INDEX events_seq ON events (attempt_id, sequence)",
+            "CREATE INDEX events_rollout ON events (rollout_id, timestamp, id)",
+            "CREATE INDEX events_type ON events (type, id)",
+            """CREATE TABLE resources (version INTEGER PRIMARY KEY, resources TEXT NOT NULL,
+                metadata TEXT NOT NULL, created_at {real} NOT NULL)""",
+            """CREATE TABLE workers (id TEXT PRIMARY KEY, last_seen {real} NOT NULL,
+                claims INTEGER NOT NULL DEFAULT 0)""",
+        ],
+    ),
+]
+
+_APPLIED = (
+    "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, applied_at {real} NOT NULL)"
+)
+
+
+def migrate(db: Database, migrations: Sequence[tuple[int, list[str]]] = MIGRATIONS) -> None:
+    """Apply the migrations ``db`` has not recorded yet, all in one transaction. Under the
+    backend's schema lock, replicas that start together wait for the first one, then find every
+    version recorded and do nothing."""
+    with db.transaction() as tx:
+        db.lock_schema(tx)
+        tx.run(_APPLIED.format(**db.types))
+        done = {r[0] for r in tx.all("SELECT version FROM schema_migrations")}
+        for version, statements in migrations:
+            if version in done:
+                continue
+            for statement in statements:
+                tx.run(statement.format(**db.types))
+            tx.run("INSERT INTO schema_migrations (version, applied_at) VALUES (?, ?)", (version, now()))
