@@ -138,18 +138,22 @@ class TrajectoryRow:
 
 
 @dataclass(frozen=True)
-class _Choice:
+class _ChoiceTokens:
+    """The completion token ids (and logprobs) of one choice of a recorded call."""
+
     index: int
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...] | None
 
 
 @dataclass(frozen=True)
-class _Call:
+class _CallTokens:
+    """The token ids one ``llm_call`` event recorded: its prompt and each choice's completion."""
+
     event: Event
     call_index: int
     prompt_ids: tuple[int, ...]
-    choices: tuple[_Choice, ...]
+    choices: tuple[_ChoiceTokens, ...]
 
 
 def split_attempts(events: Sequence[Event]) -> list[list[Event]]:
@@ -166,21 +170,21 @@ def latest_attempt(events: Sequence[Event]) -> list[Event]:
     return attempts[-1] if attempts else []
 
 
-def _parse_choice(raw: dict[str, Any]) -> _Choice | None:
+def _parse_choice(raw: dict[str, Any]) -> _ChoiceTokens | None:
     token_ids = raw.get("token_ids")
     if token_ids is None:
         return None
     logprobs = raw.get("logprobs")
     if logprobs is not None and len(logprobs) != len(token_ids):
         logprobs = None  # misaligned: unusable as old log-probs
-    return _Choice(
+    return _ChoiceTokens(
         index=int(raw.get("index", 0)),
         token_ids=tuple(int(t) for t in token_ids),
         logprobs=tuple(float(lp) for lp in logprobs) if logprobs is not None else None,
     )
 
 
-def _parse_call(event: Event, call_index: int) -> _Call | str:
+def _parse_call(event: Event, call_index: int) -> _CallTokens | str:
     """The call, or why it is skipped: ``"failed"`` or ``"no_ids"``."""
     data = event.data
     if data.get("error") or not data.get("choices"):
@@ -190,13 +194,13 @@ def _parse_call(event: Event, call_index: int) -> _Call | str:
     if data.get("prompt_token_ids") is None or not choices:
         return "no_ids"
     prompt_ids = tuple(int(t) for t in data["prompt_token_ids"])
-    return _Call(event=event, call_index=call_index, prompt_ids=prompt_ids, choices=choices)
+    return _CallTokens(event=event, call_index=call_index, prompt_ids=prompt_ids, choices=choices)
 
 
-def _parse_calls(events: Sequence[Event]) -> tuple[list[_Call], AdapterStats]:
+def _parse_calls(events: Sequence[Event]) -> tuple[list[_CallTokens], AdapterStats]:
     llm_events = [e for e in events if e.type == EventType.LLM_CALL]
     parsed = [_parse_call(e, i) for i, e in enumerate(llm_events)]
-    calls = [p for p in parsed if isinstance(p, _Call)]
+    calls = [p for p in parsed if isinstance(p, _CallTokens)]
     stats = AdapterStats(
         calls=len(llm_events),
         skipped_no_ids=parsed.count("no_ids"),
@@ -263,7 +267,7 @@ def to_transitions(
     return rows, stats
 
 
-def _transition(call: _Call, choice: _Choice, reward: float | None) -> TransitionRow:
+def _transition(call: _CallTokens, choice: _ChoiceTokens, reward: float | None) -> TransitionRow:
     return TransitionRow(
         rollout_id=call.event.rollout_id,
         attempt_id=call.event.attempt_id,
@@ -279,7 +283,7 @@ def _transition(call: _Call, choice: _Choice, reward: float | None) -> Transitio
 
 # ---------------------------------------------------------------------------- trajectories
 
-_Step = tuple[_Call, _Choice]
+_Step = tuple[_CallTokens, _ChoiceTokens]
 
 
 def to_trajectories(
@@ -309,14 +313,14 @@ def _is_prefix(prefix: Sequence[Any], sequence: Sequence[Any]) -> bool:
     return len(prefix) <= len(sequence) and list(sequence[: len(prefix)]) == list(prefix)
 
 
-def _followed_choice(call: _Call, next_call: _Call | None) -> _Choice:
+def _followed_choice(call: _CallTokens, next_call: _CallTokens | None) -> _ChoiceTokens:
     """The choice the next prompt continues, else the lowest-index one."""
     next_prompt = next_call.prompt_ids if next_call is not None else ()
     followed = [c for c in call.choices if _is_prefix(call.prompt_ids + c.token_ids, next_prompt)]
     return (followed or list(call.choices))[0]
 
 
-def _segments(calls: Sequence[_Call]) -> tuple[list[list[_Step]], AdapterStats]:
+def _segments(calls: Sequence[_CallTokens]) -> tuple[list[list[_Step]], AdapterStats]:
     """Split calls into chains where each prompt extends the previous prompt + completion."""
     segments: list[list[_Step]] = []
     previous: tuple[int, ...] = ()

@@ -6,7 +6,6 @@ client), so ``import agentbolt`` stays fast for runners that only run agents.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from agentbolt.algorithms.base import Algorithm, BatchResult, TrainContext, run_rollouts
@@ -24,14 +23,19 @@ __all__ = [
     "run_rollouts",
 ]
 
-_LAZY = {
-    "APO": "agentbolt.algorithms.apo",
-    "SFT": "agentbolt.algorithms.sft",
-    "GRPO": "agentbolt.algorithms.grpo",
-}
-
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
+    # imported here, on first use: each pulls in torch or the optimizer client
+    if name == "APO":
+        from agentbolt.algorithms.apo import APO
+
+        return APO
+    if name == "SFT":
+        from agentbolt.algorithms.sft import SFT
+
+        return SFT
+    if name == "GRPO":
+        from agentbolt.algorithms.grpo import GRPO
+
+        return GRPO
     raise AttributeError(f"module 'agentbolt.algorithms' has no attribute {name!r}")
