@@ -91,25 +91,37 @@ class Trainer:
             if self.server_url is None:
                 server = ServerThread(replace(config, lease_seconds=self.lease_seconds or 30.0)).start()
             wait_healthy(url, token=self.token)
-            with Client(url, self.token) as client:
-                if self.resources:
-                    client.publish_resources(self.resources, {"source": "trainer", "initial": True})
-                ctx = TrainContext(client=client, server_url=url, train_tasks=train, val_tasks=val,
-                                   run_dir=self.run_dir, console=self.console, token=self.token)  # fmt: skip
-                return self.algorithm.run(ctx)
+            return self._run_algorithm(url, train, val)
         finally:
             self._stop_runners()
             if server is not None:
                 server.stop()
+
+    def _run_algorithm(self, url: str, train: list[Task], val: list[Task]) -> Any:
+        """Publish the initial resources, then hand the algorithm its context."""
+        with Client(url, self.token) as client:
+            if self.resources:
+                client.publish_resources(self.resources, {"source": "trainer", "initial": True})
+            ctx = TrainContext(
+                client=client,
+                server_url=url,
+                train_tasks=train,
+                val_tasks=val,
+                run_dir=self.run_dir,
+                console=self.console,
+                token=self.token,
+            )
+            return self.algorithm.run(ctx)
 
     def _start_runners(self, agent: LitAgent, url: str) -> None:
         methods = multiprocessing.get_all_start_methods()
         ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
         for _ in range(self.n_runners):
             proc = ctx.Process(  # type: ignore[attr-defined]
-                target=_runner_main, args=(agent, url, self.token, self.runner_concurrency, self.lease_seconds),
+                target=_runner_main,
+                args=(agent, url, self.token, self.runner_concurrency, self.lease_seconds),
                 daemon=True,
-            )  # fmt: skip
+            )
             proc.start()
             self._procs.append(proc)
 

@@ -110,8 +110,16 @@ class OpenAIChatLine(_Strict):
 
 # ---------------------------------------------------------------------------- stored runs
 
-TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.",
-          "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}]  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate arithmetic.",
+            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+        },
+    }
+]
 CALL = {
     "id": "call_1",
     "type": "function",
@@ -134,15 +142,33 @@ def tool_conversation(question: str, answer: str, ids: tuple[int, ...]) -> list[
 def _llm_call(
     messages: list[dict], prompt: list[int], completion: list[int], message: dict
 ) -> dict[str, Any]:
-    choice = {"index": 0, "message": message, "finish_reason": "stop", "token_ids": completion,
-              "logprobs": [-0.5] * len(completion)}  # fmt: skip
-    return {"endpoint": "chat.completions", "request": {"model": "m", "messages": messages, "tools": TOOLS},
-            "response": {}, "stream": False, "prompt_token_ids": prompt, "choices": [choice],
-            "model": "m", "resources_version": 1, "error": None}  # fmt: skip
+    choice = {
+        "index": 0,
+        "message": message,
+        "finish_reason": "stop",
+        "token_ids": completion,
+        "logprobs": [-0.5] * len(completion),
+    }
+    return {
+        "endpoint": "chat.completions",
+        "request": {"model": "m", "messages": messages, "tools": TOOLS},
+        "response": {},
+        "stream": False,
+        "prompt_token_ids": prompt,
+        "choices": [choice],
+        "model": "m",
+        "resources_version": 1,
+        "error": None,
+    }
 
 
-def store_run(client: Client, calls: list[dict], reward: float | None, mode: Mode = Mode.TRAIN,
-              failed_first: list[dict] | None = None) -> str:  # fmt: skip
+def store_run(
+    client: Client,
+    calls: list[dict],
+    reward: float | None,
+    mode: Mode = Mode.TRAIN,
+    failed_first: list[dict] | None = None,
+) -> str:
     """Enqueue a rollout, record ``calls`` as its llm_call events and finish it with ``reward``;
     with ``failed_first``, an earlier attempt records those calls and fails."""
     rollout = client.enqueue([RolloutCreate(task=Task(data={"q": "x"}), mode=mode, max_attempts=2)])[0]
@@ -160,8 +186,12 @@ def store_run(client: Client, calls: list[dict], reward: float | None, mode: Mod
 def runs(client: Client) -> Client:
     store_run(client, tool_conversation("12+30?", "42", (3, 4)), 1.0)
     store_run(client, tool_conversation("12+30?", "42", (3, 4)), 0.9)  # the same conversation again
-    store_run(client, tool_conversation("6*7?", "It is 42.", (5, 6)), 0.8,
-              failed_first=tool_conversation("6*7?", "wrong", (7, 8)))  # fmt: skip
+    store_run(
+        client,
+        tool_conversation("6*7?", "It is 42.", (5, 6)),
+        0.8,
+        failed_first=tool_conversation("6*7?", "wrong", (7, 8)),
+    )
     store_run(client, tool_conversation("1+1?", "3", (9, 9)), 0.1)  # below the threshold
     store_run(client, tool_conversation("2+2?", "4", (8, 8)), 1.0, mode=Mode.VAL)  # not train
     return client
@@ -189,8 +219,14 @@ def test_openai_schema_rejects_malformed_lines() -> None:
     with pytest.raises(ValueError):
         OpenAIChatLine.model_validate({"messages": [{"role": "assistant", "content": "x"}], "extra": 1})
     with pytest.raises(ValueError):
-        OpenAIChatLine.model_validate({"messages": [{"role": "tool", "content": "42", "tool_call_id": "c9"},
-                                                    {"role": "assistant", "content": "x"}]})  # fmt: skip
+        OpenAIChatLine.model_validate(
+            {
+                "messages": [
+                    {"role": "tool", "content": "42", "tool_call_id": "c9"},
+                    {"role": "assistant", "content": "x"},
+                ]
+            }
+        )
 
 
 def test_hf_export_loads_back_with_datasets(runs: Client, tmp_path: Path) -> None:
@@ -234,8 +270,15 @@ def test_card_reports_counts_rewards_and_versions(runs: Client, tmp_path: Path) 
     assert (tmp_path / "README.md").read_text() == "my own notes"  # never overwritten
     assert summary.card == tmp_path / "a.jsonl.README.md"
     card = summary.card.read_text()
-    for text in ("| rollouts matching the filters | 3 |", "| duplicate rows dropped | 1 |", "min 0.8", "max 1",
-                 "min_reward=0.5", "mode=train", "## Source resources versions"):  # fmt: skip
+    for text in (
+        "| rollouts matching the filters | 3 |",
+        "| duplicate rows dropped | 1 |",
+        "min 0.8",
+        "max 1",
+        "min_reward=0.5",
+        "mode=train",
+        "## Source resources versions",
+    ):
         assert text in card, text
     first = export_dataset(runs, tmp_path / "sub" / "b.jsonl", "openai")
     second = export_dataset(runs, tmp_path / "sub" / "c.jsonl", "openai")
@@ -304,8 +347,9 @@ def test_adapter_export_loads_with_peft(adapter: tuple[Path, Path, torch.nn.Modu
     assert torch.allclose(_logits(loaded.eval()), _logits(trained), atol=1e-5)
 
 
-def test_merged_export_is_a_plain_transformers_model(adapter: tuple[Path, Path, torch.nn.Module],
-                                                     tmp_path: Path) -> None:  # fmt: skip
+def test_merged_export_is_a_plain_transformers_model(
+    adapter: tuple[Path, Path, torch.nn.Module], tmp_path: Path
+) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     base, path, trained = adapter
@@ -319,8 +363,9 @@ def test_merged_export_is_a_plain_transformers_model(adapter: tuple[Path, Path, 
     )
 
 
-def test_cli_exports_the_weights_of_a_resources_version(client: Client, adapter: tuple[Path, Path, torch.nn.Module],
-                                                        tmp_path: Path) -> None:  # fmt: skip
+def test_cli_exports_the_weights_of_a_resources_version(
+    client: Client, adapter: tuple[Path, Path, torch.nn.Module], tmp_path: Path
+) -> None:
     from agentbolt.cli.export import export_app
 
     base, path, trained = adapter

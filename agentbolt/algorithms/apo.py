@@ -212,8 +212,15 @@ class APO(Algorithm):
         return result
 
     def _check_config(self, ctx: TrainContext) -> None:
-        sizes = (self.rounds >= 0, self.beam_width >= 1, self.branch_factor >= 1, self.train_batch_size >= 1,
-                 (self.val_batch_size or 1) >= 1, self.max_prompt_chars >= 1, self.optimizer_retries >= 0)  # fmt: skip
+        sizes = (
+            self.rounds >= 0,
+            self.beam_width >= 1,
+            self.branch_factor >= 1,
+            self.train_batch_size >= 1,
+            (self.val_batch_size or 1) >= 1,
+            self.max_prompt_chars >= 1,
+            self.optimizer_retries >= 0,
+        )
         if not all(sizes):
             raise ConfigError("APO: rounds and retries must be >= 0; widths, sizes and limits >= 1")
         if self.strategy not in ("beam", "pareto"):
@@ -232,10 +239,17 @@ class APO(Algorithm):
             )
         key = self.optimizer_api_key or os.environ.get("OPENAI_API_KEY") or "none"
         return Optimizer(
-            base_url, model, key, timeout=self.optimizer_timeout, retries=self.optimizer_retries,
-            backoff=self.optimizer_backoff, max_prompt_chars=self.max_prompt_chars,
-            temperature=self.optimizer_temperature, max_tokens=self.optimizer_max_tokens, stats=APOStats(),
-        )  # fmt: skip
+            base_url,
+            model,
+            key,
+            timeout=self.optimizer_timeout,
+            retries=self.optimizer_retries,
+            backoff=self.optimizer_backoff,
+            max_prompt_chars=self.max_prompt_chars,
+            temperature=self.optimizer_temperature,
+            max_tokens=self.optimizer_max_tokens,
+            stats=APOStats(),
+        )
 
 
 class _Search:
@@ -264,8 +278,11 @@ class _Search:
     def round(self, r: int) -> bool:
         """One round of expansion; False when the budget ran out."""
         batch = self._batch(r)
-        parents = (select_beam(self.pool, self.apo.beam_width) if self.apo.strategy == "beam"
-                   else _sample_front(pareto_front(self.pool), self.apo.beam_width, self.rng))  # fmt: skip
+        parents = (
+            select_beam(self.pool, self.apo.beam_width)
+            if self.apo.strategy == "beam"
+            else _sample_front(pareto_front(self.pool), self.apo.beam_width, self.rng)
+        )
         return all(self._expand(parent, batch, r) for parent in parents)
 
     def _expand(self, parent: Candidate, batch: list[Task], r: int) -> bool:
@@ -316,10 +333,16 @@ class _Search:
         self.stats.rollouts += len(tasks)
         console = self.ctx.console if self.ctx.console.is_terminal else None  # no bars in a log file
         batch = run_rollouts(
-            self.client, tasks, mode=mode, resources_version=cand.version, timeout=self.apo.batch_timeout,
-            rollout_timeout=self.apo.rollout_timeout, console=console, label=f"v{cand.version} {mode.value}",
+            self.client,
+            tasks,
+            mode=mode,
+            resources_version=cand.version,
+            timeout=self.apo.batch_timeout,
+            rollout_timeout=self.apo.rollout_timeout,
+            console=console,
+            label=f"v{cand.version} {mode.value}",
             metadata={"algorithm": "apo", "run": self.run_id, "round": cand.round},
-        )  # fmt: skip
+        )
         return batch.rollouts
 
     def _train(self, cand: Candidate, batch: list[Task], force: bool = False) -> list[Rollout] | None:
@@ -351,15 +374,27 @@ class _Search:
         return self.client.publish_resources(resources, meta).version
 
     def _scores_meta(self, cand: Candidate, stage: str) -> dict[str, Any]:
-        return {"stage": stage, "round": cand.round, "parent": cand.parent, "candidate": cand.version,
-                "scores": {"train": cand.train, "val": cand.val}}  # fmt: skip
+        return {
+            "stage": stage,
+            "round": cand.round,
+            "parent": cand.parent,
+            "candidate": cand.version,
+            "scores": {"train": cand.train, "val": cand.val},
+        }
 
     def _record(self, cand: Candidate) -> None:
         cand.record_version = self._publish(cand.prompt, self._scores_meta(cand, "scored"))
         self._row(str(cand.version), str(cand.parent or "-"), cand.train, cand.val, cand.note, cand.round)
 
-    def _row(self, version: str, parent: str, train: float | None = None, val: float | None = None,
-             note: str = "", r: int = 0) -> None:  # fmt: skip
+    def _row(
+        self,
+        version: str,
+        parent: str,
+        train: float | None = None,
+        val: float | None = None,
+        note: str = "",
+        r: int = 0,
+    ) -> None:
         best = max(self.pool, key=Candidate.rank)
         cells = (str(r), version, parent, _fmt(train), _fmt(val), f"{_fmt(best.val)} (v{best.version})", note)
         self.table.add_row(*cells)
@@ -372,10 +407,17 @@ class _Search:
         beam = self.apo.strategy == "beam"
         front = select_beam(self.pool, self.apo.beam_width) if beam else pareto_front(self.pool)
         return APOResult(
-            best_prompt=best.prompt, best_version=best.version, published_version=published,
-            seed_prompt=seed.prompt, seed_version=seed.version, seed_val=seed.val or 0.0, best_val=best.val or 0.0,
-            history=list(self.pool), front=[c.version for c in front], stats=self.stats,
-        )  # fmt: skip
+            best_prompt=best.prompt,
+            best_version=best.version,
+            published_version=published,
+            seed_prompt=seed.prompt,
+            seed_version=seed.version,
+            seed_val=seed.val or 0.0,
+            best_val=best.val or 0.0,
+            history=list(self.pool),
+            front=[c.version for c in front],
+            stats=self.stats,
+        )
 
 
 def _fmt(value: float | None) -> str:

@@ -121,10 +121,14 @@ def run_record(client: Client, rollout: Rollout) -> RunRecord:
     ]
     failed = rollout.status != RolloutStatus.SUCCEEDED
     return RunRecord(
-        task_id=rollout.task.id, task_input=rollout.task.data, reward=score_of(rollout), failed=failed,
+        task_id=rollout.task.id,
+        task_input=rollout.task.data,
+        reward=score_of(rollout),
+        failed=failed,
         error=(errors[-1] if errors else rollout.error) if failed else None,
-        messages=rows[-1]["messages"] if rows else [], final_response=finals[-1] if finals else None,
-    )  # fmt: skip
+        messages=rows[-1]["messages"] if rows else [],
+        final_response=finals[-1] if finals else None,
+    )
 
 
 def score_of(rollout: Rollout) -> float:
@@ -162,8 +166,10 @@ def render_runs(records: Sequence[RunRecord], prompt: str, max_chars: int) -> st
     parts = []
     for i, run in enumerate(records, 1):
         status = f"FAILED ({run.error})" if run.failed else "succeeded"
-        lines = [f"### Run {i}: task {run.task_id}, reward {run.reward:.3f}, {status}",
-                 f"Task input: {json.dumps(run.task_input, ensure_ascii=False)}"]  # fmt: skip
+        lines = [
+            f"### Run {i}: task {run.task_id}, reward {run.reward:.3f}, {status}",
+            f"Task input: {json.dumps(run.task_input, ensure_ascii=False)}",
+        ]
         lines += [_render_message(m, prompt) for m in run.messages]
         if run.final_response is not None:
             lines.append(f"Final response: {run.final_response}")
@@ -186,9 +192,20 @@ def extract_prompt(text: str) -> str | None:
 class Optimizer:
     """Critique and rewrite calls to an OpenAI-compatible model, with checks and counted retries."""
 
-    def __init__(self, base_url: str, model: str, api_key: str, *, timeout: float, retries: int,
-                 backoff: float, max_prompt_chars: int, temperature: float, max_tokens: int,
-                 stats: APOStats) -> None:  # fmt: skip
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key: str,
+        *,
+        timeout: float,
+        retries: int,
+        backoff: float,
+        max_prompt_chars: int,
+        temperature: float,
+        max_tokens: int,
+        stats: APOStats,
+    ) -> None:
         self.client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=0)
         self.model, self.retries, self.backoff = model, retries, backoff
         self.max_prompt_chars, self.temperature, self.max_tokens = max_prompt_chars, temperature, max_tokens

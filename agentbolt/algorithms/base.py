@@ -83,13 +83,17 @@ def run_rollouts(
     """
     items = [
         RolloutCreate(
-            task=task, mode=mode, resources_version=resources_version, timeout_seconds=rollout_timeout,
-            max_attempts=max_attempts, group_id=f"{group_prefix}:{task.id}" if group_prefix else None,
+            task=task,
+            mode=mode,
+            resources_version=resources_version,
+            timeout_seconds=rollout_timeout,
+            max_attempts=max_attempts,
+            group_id=f"{group_prefix}:{task.id}" if group_prefix else None,
             metadata=metadata or {},
         )
         for task in tasks
         for _ in range(repeat)
-    ]  # fmt: skip
+    ]
     ids = [r.id for r in client.enqueue(items)] if items else []
     final = _wait_all(client, ids, timeout, console, label, progress)
     pending = [rid for rid in ids if rid not in final]
@@ -127,16 +131,26 @@ def validate(
 
 
 def _wait_all(
-    client: Client, ids: list[str], timeout: float, console: Console | None, label: str,
+    client: Client,
+    ids: list[str],
+    timeout: float,
+    console: Console | None,
+    label: str,
     shared: Progress | None = None,
-) -> dict[str, Rollout]:  # fmt: skip
+) -> dict[str, Rollout]:
     """Wait for ``ids``; shows a bar on ``shared`` (a display the caller runs) or its own."""
     final: dict[str, Rollout] = {}
     deadline = time.monotonic() + timeout
     progress = shared or Progress(
-        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-        TimeElapsedColumn(), console=console or Console(), transient=True, disable=console is None,
-    )  # fmt: skip
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        console=console or Console(),
+        transient=True,
+        disable=console is None,
+    )
     with contextlib.nullcontext() if shared else progress:
         bar = progress.add_task(label, total=len(ids), info="")
         while len(final) < len(ids) and time.monotonic() < deadline:

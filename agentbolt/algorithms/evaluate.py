@@ -25,10 +25,13 @@ class EvalSummary:
     def of(batch: BatchResult) -> EvalSummary:
         versions = {r.resources_version for r in batch.rollouts if r.resources_version is not None}
         return EvalSummary(
-            count=len(batch.rollouts), succeeded=len(batch.succeeded), failed=len(batch.failed),
-            mean_reward=batch.mean_reward, timed_out=batch.timed_out,
+            count=len(batch.rollouts),
+            succeeded=len(batch.succeeded),
+            failed=len(batch.failed),
+            mean_reward=batch.mean_reward,
+            timed_out=batch.timed_out,
             resources_version=max(versions) if versions else None,
-        )  # fmt: skip
+        )
 
 
 def summary_table(rows: dict[str, EvalSummary], title: str = "evaluation") -> Table:
@@ -55,9 +58,15 @@ class Evaluate(Algorithm):
     def run(self, ctx: TrainContext) -> EvalSummary:
         tasks, mode = (ctx.val_tasks, Mode.VAL) if ctx.val_tasks else (ctx.train_tasks, Mode.TRAIN)
         batch = run_rollouts(
-            ctx.client, tasks, mode=mode, timeout=self.timeout, rollout_timeout=self.rollout_timeout,
-            max_attempts=self.max_attempts, console=ctx.console, label="evaluating",
-        )  # fmt: skip
+            ctx.client,
+            tasks,
+            mode=mode,
+            timeout=self.timeout,
+            rollout_timeout=self.rollout_timeout,
+            max_attempts=self.max_attempts,
+            console=ctx.console,
+            label="evaluating",
+        )
         summary = EvalSummary.of(batch)
         ctx.console.print(summary_table({mode.value: summary}))
         return summary

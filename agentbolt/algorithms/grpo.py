@@ -198,29 +198,46 @@ class GRPO(Algorithm):
         table = _metrics_table()
         for row in history:
             _add_row(table, row)
-        progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=ctx.console)  # fmt: skip
-        val_before = next(
-            (h["val_success"] for h in history if h.get("step") == 0 and "val_success" in h), None
+        progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            console=ctx.console,
         )
+
+        def record(row: dict[str, Any]) -> None:
+            history.append(row)
+            log.write(row)
+            _add_row(table, row)
+
         with Live(Group(table, progress), console=ctx.console, refresh_per_second=4, transient=False):
             if start == 0:
                 val_before = self._validate(ctx, version, progress)
-                row = {"step": 0, "val_success": val_before, "resources_version": version}
-                history.append(row)
-                log.write(row)
-                _add_row(table, row)
+                record({"step": 0, "val_success": val_before, "resources_version": version})
             for step in range(start + 1, self.steps + 1):
                 row, version = self._step(ctx, policy, state, step, version, progress)
                 if self._validate_now(step):
                     row["val_success"] = self._validate(ctx, version, progress)
-                history.append(row)
-                log.write(row)
-                _add_row(table, row)
+                record(row)
                 if self.checkpoint_every and (step % self.checkpoint_every == 0 or step == self.steps):
-                    save_checkpoint(ctx.run_dir / "checkpoint", state.model, state.optimizer, step,
-                                    extra={"history": _jsonable(history)})  # fmt: skip
+                    save_checkpoint(
+                        ctx.run_dir / "checkpoint",
+                        state.model,
+                        state.optimizer,
+                        step,
+                        extra={"history": _jsonable(history)},
+                    )
         log.close()
+        return self._result(ctx, history, version, log)
+
+    def _result(
+        self, ctx: TrainContext, history: list[dict[str, Any]], version: int, log: MetricsLog
+    ) -> GRPOResult:
+        val_before = next(
+            (h["val_success"] for h in history if h.get("step") == 0 and "val_success" in h), None
+        )
         val_after = next((h["val_success"] for h in reversed(history) if "val_success" in h), None)
         plot = plot_history(history, ctx.run_dir / "grpo.png") if self.plot else None
         return GRPOResult(history, val_before, val_after, plot, version, log.path)
@@ -243,13 +260,8 @@ class GRPO(Algorithm):
         version: int,
         progress: Progress,
     ) -> tuple[dict[str, Any], int]:
-        rng = random.Random(self.seed * 100_003 + step)
-        tasks = rng.sample(ctx.train_tasks, min(self.tasks_per_step, len(ctx.train_tasks)))
         t0 = time.perf_counter()
-        batch = run_rollouts(ctx.client, tasks, mode=Mode.TRAIN, resources_version=version, repeat=self.group_size,
-                             group_prefix=f"{ctx.run_dir.name}:s{step}", timeout=self.step_timeout,
-                             rollout_timeout=self.rollout_timeout, progress=progress,
-                             label=f"step {step} rollouts")  # fmt: skip
+        tasks, batch = self._sample(ctx, step, version, progress)
         t_rollouts = time.perf_counter() - t0
         rows, gen_tokens, data = self._rows(ctx, batch, tasks)
         t1 = time.perf_counter()
@@ -260,40 +272,73 @@ class GRPO(Algorithm):
             policy.sync(state.model, step)
         version = self._publish(ctx, policy, step, metrics)
         t_sync = time.perf_counter() - t2
-        rewards = [r.reward for r in batch.succeeded if r.reward is not None]
-        mean = sum(rewards) / len(rewards) if rewards else 0.0
-        std = (sum((x - mean) ** 2 for x in rewards) / len(rewards)) ** 0.5 if rewards else 0.0
+        train_tokens = metrics.get("num_tokens", 0.0)
         row = {
-            "step": step, "resources_version": version, "reward_mean": mean, "reward_std": std,
-            "success": success_rate(batch, self.success_threshold), "rollouts": len(batch.rollouts),
-            "failed": len(batch.failed), **data, **{k: v for k, v in metrics.items() if k != "num_tokens"},
-            "train_tokens": metrics.get("num_tokens", 0.0), "gen_tokens_per_s": gen_tokens / max(t_rollouts, 1e-9),
-            "train_tokens_per_s": metrics.get("num_tokens", 0.0) / max(t_update, 1e-9),
-            "t_rollouts": t_rollouts, "t_update": t_update, "t_sync": t_sync, "t_step": time.perf_counter() - t0,
-        }  # fmt: skip
+            "step": step,
+            "resources_version": version,
+            **_reward_stats(batch, self.success_threshold),
+            **data,
+            **{k: v for k, v in metrics.items() if k != "num_tokens"},
+            "train_tokens": train_tokens,
+            "gen_tokens_per_s": gen_tokens / max(t_rollouts, 1e-9),
+            "train_tokens_per_s": train_tokens / max(t_update, 1e-9),
+            "t_rollouts": t_rollouts,
+            "t_update": t_update,
+            "t_sync": t_sync,
+            "t_step": time.perf_counter() - t0,
+        }
         return row, version
 
-    def _rows(
-        self, ctx: TrainContext, batch: BatchResult, tasks: list[Task]
-    ) -> tuple[list[TrainRow], int, dict[str, Any]]:
+    def _sample(
+        self, ctx: TrainContext, step: int, version: int, progress: Progress
+    ) -> tuple[list[Task], BatchResult]:
+        """This step's tasks, each run ``group_size`` times with the policy at ``version``."""
+        rng = random.Random(self.seed * 100_003 + step)
+        tasks = rng.sample(ctx.train_tasks, min(self.tasks_per_step, len(ctx.train_tasks)))
+        batch = run_rollouts(
+            ctx.client,
+            tasks,
+            mode=Mode.TRAIN,
+            resources_version=version,
+            repeat=self.group_size,
+            group_prefix=f"{ctx.run_dir.name}:s{step}",
+            timeout=self.step_timeout,
+            rollout_timeout=self.rollout_timeout,
+            progress=progress,
+            label=f"step {step} rollouts",
+        )
+        return tasks, batch
+
+    def _groups(self, batch: BatchResult) -> dict[str, list[Rollout]]:
+        """The succeeded, rewarded rollouts of each group that has at least ``min_group_size``."""
         finished: dict[str, list[Rollout]] = defaultdict(list)
         for r in batch.rollouts:
             if r.status == RolloutStatus.SUCCEEDED and r.reward is not None and r.group_id:
                 finished[r.group_id].append(r)
-        kept = {g: rs for g, rs in finished.items() if len(rs) >= self.min_group_size}
+        return {g: rs for g, rs in finished.items() if len(rs) >= self.min_group_size}
+
+    def _rows(
+        self, ctx: TrainContext, batch: BatchResult, tasks: list[Task]
+    ) -> tuple[list[TrainRow], int, dict[str, Any]]:
+        kept = self._groups(batch)
         traj_rows: list[TrajectoryRow] = []
         gen_tokens = mismatches = 0
         events = ctx.client.events_of([r.id for rs in kept.values() for r in rs], type=["llm_call", "reward"])
         for rollouts in kept.values():
             for r in rollouts:
-                rows, stats = to_trajectories(events[r.id], reward=r.reward, group_id=r.group_id,
-                                              task_id=r.task.id)  # fmt: skip
+                rows, stats = to_trajectories(
+                    events[r.id], reward=r.reward, group_id=r.group_id, task_id=r.task.id
+                )
                 traj_rows += rows
                 mismatches += stats.prefix_mismatches
                 gen_tokens += sum(row.num_model_tokens for row in rows)
         train_rows, adv = grouped_advantages(traj_rows)
-        data = {"groups": adv.groups, "zero_spread_groups": adv.zero_spread_groups,
-                "dropped_groups": len(tasks) - len(kept), "prefix_mismatches": mismatches}  # fmt: skip
+        data = {
+            "groups": adv.groups,
+            "zero_spread_groups": adv.zero_spread_groups,
+            "dropped_groups": len(tasks) - len(kept),
+            "prefix_mismatches": mismatches,
+        }
         return train_rows, gen_tokens, data
 
     def _update(self, state: TrainState, rows: list[TrainRow]) -> dict[str, float]:
@@ -312,6 +357,19 @@ class GRPO(Algorithm):
             return optimizer_step(state, batches, loss)
 
 
+def _reward_stats(batch: BatchResult, threshold: float) -> dict[str, Any]:
+    rewards = [r.reward for r in batch.succeeded if r.reward is not None]
+    mean = sum(rewards) / len(rewards) if rewards else 0.0
+    std = (sum((x - mean) ** 2 for x in rewards) / len(rewards)) ** 0.5 if rewards else 0.0
+    return {
+        "reward_mean": mean,
+        "reward_std": std,
+        "success": success_rate(batch, threshold),
+        "rollouts": len(batch.rollouts),
+        "failed": len(batch.failed),
+    }
+
+
 def _to_device(batch: Batch, device: torch.device) -> Batch:
     tensors = {f.name: getattr(batch, f.name) for f in fields(batch)}
     return replace(batch, **{k: v.to(device) for k, v in tensors.items() if isinstance(v, torch.Tensor)})
@@ -321,9 +379,19 @@ def _with_ref(batch: Batch, ref_BT: torch.Tensor) -> Batch:
     return replace(batch, ref_logprobs_BT=ref_BT)
 
 
-_COLUMNS = (("step", "{}"), ("success", "{:.0%}"), ("reward_mean", "{:.3f}"), ("val_success", "{:.0%}"),
-            ("loss", "{:+.4f}"), ("clip_fraction", "{:.3f}"), ("entropy", "{:.2f}"),
-            ("zero_spread_groups", "{}"), ("t_rollouts", "{:.1f}s"), ("t_update", "{:.1f}s"), ("t_sync", "{:.1f}s"))  # fmt: skip
+_COLUMNS = (
+    ("step", "{}"),
+    ("success", "{:.0%}"),
+    ("reward_mean", "{:.3f}"),
+    ("val_success", "{:.0%}"),
+    ("loss", "{:+.4f}"),
+    ("clip_fraction", "{:.3f}"),
+    ("entropy", "{:.2f}"),
+    ("zero_spread_groups", "{}"),
+    ("t_rollouts", "{:.1f}s"),
+    ("t_update", "{:.1f}s"),
+    ("t_sync", "{:.1f}s"),
+)
 
 
 def _metrics_table() -> Table:

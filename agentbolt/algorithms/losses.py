@@ -241,8 +241,9 @@ def suffix_logits(model: nn.Module, batch: Batch, prefix_len: int) -> Tensor:
 
 def logprobs_from_suffix(logits_BSV: Tensor, input_ids_BT: Tensor, prefix_len: int) -> Tensor:
     """Like :func:`logprobs_from_logits` for suffix logits; positions up to ``prefix_len`` are 0."""
-    return torch.nn.functional.pad(logprobs_from_logits(logits_BSV, input_ids_BT[:, prefix_len:])[:, 1:],
-                                   (prefix_len + 1, 0))  # fmt: skip
+    return torch.nn.functional.pad(
+        logprobs_from_logits(logits_BSV, input_ids_BT[:, prefix_len:])[:, 1:], (prefix_len + 1, 0)
+    )
 
 
 def token_logprobs(model: nn.Module, input_ids_BT: Tensor, attention_mask_BT: Tensor) -> Tensor:
@@ -336,8 +337,11 @@ class PolicyLoss:
     def __call__(self, model: nn.Module, batch: Batch, num_tokens: float) -> tuple[Tensor, dict[str, float]]:
         P = shared_prefix_len(batch) if self.share_prefix else 0
         logits_BSV = suffix_logits(model, batch, P)
-        new_BT = logprobs_from_suffix(logits_BSV, batch.input_ids_BT, P) if P else logprobs_from_logits(
-            logits_BSV, batch.input_ids_BT)  # fmt: skip
+        new_BT = (
+            logprobs_from_suffix(logits_BSV, batch.input_ids_BT, P)
+            if P
+            else logprobs_from_logits(logits_BSV, batch.input_ids_BT)
+        )
         with torch.no_grad():
             entropy_BT = None
             if self.entropy:

@@ -41,7 +41,7 @@ from rich.table import Table
 from torch import nn
 
 from agentbolt.adapters import AdapterStats, TrajectoryRow, latest_attempt, to_trajectories
-from agentbolt.algorithms.base import Algorithm, TrainContext, run_rollouts, validate
+from agentbolt.algorithms.base import Algorithm, BatchResult, TrainContext, run_rollouts, validate
 from agentbolt.algorithms.evaluate import EvalSummary
 from agentbolt.algorithms.losses import TrainRow
 from agentbolt.algorithms.policy import PolicyServer, publish, serve_policy
@@ -198,15 +198,23 @@ class SFT(Algorithm):
     def _round(
         self, ctx: TrainContext, policy: PolicyServer, state: TrainState, r: int, version: int
     ) -> RoundResult:
-        batch = run_rollouts(ctx.client, ctx.train_tasks, mode=Mode.TRAIN, resources_version=version,
-                             repeat=self.rollouts_per_task, group_prefix=f"{ctx.run_dir.name}:sft{r}",
-                             timeout=self.round_timeout, rollout_timeout=self.rollout_timeout, console=ctx.console,
-                             label=f"round {r} rollouts")  # fmt: skip
+        batch = self._sample(ctx, r, version)
         kept = select_rollouts(batch.rollouts, self.min_reward, self.top_fraction)
         rows, duplicates, adapter = self._rows(ctx, kept)
-        result = RoundResult(round=r, rollouts=len(batch.rollouts), succeeded=len(batch.succeeded),
-                             train_reward=batch.mean_reward, kept=len(kept), rows=len(rows), duplicates=duplicates,
-                             adapter=adapter, train=None, weights_path=None, resources_version=version, val=None)  # fmt: skip
+        result = RoundResult(
+            round=r,
+            rollouts=len(batch.rollouts),
+            succeeded=len(batch.succeeded),
+            train_reward=batch.mean_reward,
+            kept=len(kept),
+            rows=len(rows),
+            duplicates=duplicates,
+            adapter=adapter,
+            train=None,
+            weights_path=None,
+            resources_version=version,
+            val=None,
+        )
         if not rows:
             ctx.console.print(f"[yellow]round {r}: no run passed the filter; nothing to train on[/]")
             return result
@@ -214,6 +222,21 @@ class SFT(Algorithm):
         path, version = self._ship(ctx, policy, state, r, stats)
         val = self._validate(ctx, version, f"round {r} validation")
         return replace(result, train=stats, weights_path=path, resources_version=version, val=val)
+
+    def _sample(self, ctx: TrainContext, r: int, version: int) -> BatchResult:
+        """Every training task, ``rollouts_per_task`` times, with the policy at ``version``."""
+        return run_rollouts(
+            ctx.client,
+            ctx.train_tasks,
+            mode=Mode.TRAIN,
+            resources_version=version,
+            repeat=self.rollouts_per_task,
+            group_prefix=f"{ctx.run_dir.name}:sft{r}",
+            timeout=self.round_timeout,
+            rollout_timeout=self.rollout_timeout,
+            console=ctx.console,
+            label=f"round {r} rollouts",
+        )
 
     def _rows(self, ctx: TrainContext, kept: Sequence[Rollout]) -> tuple[list[TrainRow], int, AdapterStats]:
         trajectories: list[TrajectoryRow] = []
@@ -229,19 +252,33 @@ class SFT(Algorithm):
 
     def _train(self, ctx: TrainContext, state: TrainState, rows: list[TrainRow], r: int) -> TrainStats:
         total = self.epochs * math.ceil(len(rows) / self.batch_size)
-        progress = Progress(TextColumn(f"[bold]round {r} training"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), console=ctx.console,
-                            transient=True)  # fmt: skip
+        progress = Progress(
+            TextColumn(f"[bold]round {r} training"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TimeElapsedColumn(),
+            console=ctx.console,
+            transient=True,
+        )
         with progress:
             bar = progress.add_task("train", total=total, loss="-")
 
             def on_step(m: dict[str, float]) -> None:
                 progress.update(bar, advance=1, loss=f"{m.get('loss', float('nan')):.4f}")
 
-            return train_rows(state, rows, epochs=self.epochs, batch_size=self.batch_size,
-                              max_tokens=self.max_tokens_per_micro_batch, max_len=self.max_len,
-                              pad_id=_pad_id(state.model), seed=self.seed * 1000 + r, bf16=self.bf16,
-                              on_step=on_step)  # fmt: skip
+            return train_rows(
+                state,
+                rows,
+                epochs=self.epochs,
+                batch_size=self.batch_size,
+                max_tokens=self.max_tokens_per_micro_batch,
+                max_len=self.max_len,
+                pad_id=_pad_id(state.model),
+                seed=self.seed * 1000 + r,
+                bf16=self.bf16,
+                on_step=on_step,
+            )
 
     def _ship(
         self, ctx: TrainContext, policy: PolicyServer, state: TrainState, r: int, stats: TrainStats
@@ -273,37 +310,59 @@ def _pad_id(model: nn.Module) -> int:
 
 
 def _metrics(stats: TrainStats) -> dict[str, Any]:
-    return {"steps": stats.steps, "model_tokens": stats.model_tokens, "loss_first": stats.loss_first,
-            "loss_last": stats.loss_last, "tokens_per_s": round(stats.tokens_per_s, 1)}  # fmt: skip
+    return {
+        "steps": stats.steps,
+        "model_tokens": stats.model_tokens,
+        "loss_first": stats.loss_first,
+        "loss_last": stats.loss_last,
+        "tokens_per_s": round(stats.tokens_per_s, 1),
+    }
 
 
 def _fmt(value: float | None, spec: str = ".3f") -> str:
     return format(value, spec) if value is not None else "-"
 
 
+_ROUND_COLUMNS = (
+    "rollouts",
+    "train reward",
+    "kept",
+    "rows",
+    "dupes",
+    "loss",
+    "tokens/s",
+    "version",
+    "val reward",
+)
+
+
 def _log_round(ctx: TrainContext, r: RoundResult, val_before: EvalSummary | None) -> None:
     """Print the round's summary and append it to ``<run_dir>/sft/rounds.jsonl``."""
     table = Table(title=f"SFT round {r.round}")
-    for column in (
-        "rollouts",
-        "train reward",
-        "kept",
-        "rows",
-        "dupes",
-        "loss",
-        "tokens/s",
-        "version",
-        "val reward",
-    ):
+    for column in _ROUND_COLUMNS:
         table.add_column(column, justify="right")
-    loss = f"{_fmt(r.train.loss_first)} → {_fmt(r.train.loss_last)}" if r.train else "-"
-    val = _fmt(r.val.mean_reward if r.val else None)
-    if val_before is not None:
-        val += f" (start {_fmt(val_before.mean_reward)})"
-    table.add_row(f"{r.succeeded}/{r.rollouts}", _fmt(r.train_reward), str(r.kept), str(r.rows), str(r.duplicates),
-                  loss, _fmt(r.train.tokens_per_s if r.train else None, ".0f"), str(r.resources_version or "-"), val)  # fmt: skip
+    table.add_row(*_round_cells(r, val_before))
     ctx.console.print(table)
     log = ctx.run_dir / "sft" / "rounds.jsonl"
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("a") as f:
         f.write(json.dumps(asdict(r), default=str) + "\n")
+
+
+def _round_cells(r: RoundResult, val_before: EvalSummary | None) -> list[str]:
+    loss = f"{_fmt(r.train.loss_first)} → {_fmt(r.train.loss_last)}" if r.train else "-"
+    val = _fmt(r.val.mean_reward if r.val else None)
+    if val_before is not None:
+        val += f" (start {_fmt(val_before.mean_reward)})"
+    tokens_per_s = _fmt(r.train.tokens_per_s if r.train else None, ".0f")
+    return [
+        f"{r.succeeded}/{r.rollouts}",
+        _fmt(r.train_reward),
+        str(r.kept),
+        str(r.rows),
+        str(r.duplicates),
+        loss,
+        tokens_per_s,
+        str(r.resources_version or "-"),
+        val,
+    ]

@@ -100,9 +100,16 @@ class ScriptedOptimizer:
 
 def _answer(body: dict[str, Any], text: str) -> JSONResponse:
     choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
-    return JSONResponse({"id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": body["model"],
-                         "choices": [choice], "usage": {"prompt_tokens": 1, "completion_tokens": 1,
-                                                        "total_tokens": 2}})  # fmt: skip
+    return JSONResponse(
+        {
+            "id": "chatcmpl-1",
+            "object": "chat.completion",
+            "created": 0,
+            "model": body["model"],
+            "choices": [choice],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }
+    )
 
 
 class KeywordAgent(LitAgent):
@@ -133,11 +140,20 @@ def rig(tmp_path: Path) -> Iterator[ServerThread]:
         thread.join(10)
 
 
-def _fit(apo: APO, server_url: str | None, double: ScriptedOptimizer, seed: str, train: list[dict[str, Any]],
-         val: list[dict[str, Any]] | None = None, **kw: Any) -> tuple[APOResult, str]:  # fmt: skip
+def _fit(
+    apo: APO,
+    server_url: str | None,
+    double: ScriptedOptimizer,
+    seed: str,
+    train: list[dict[str, Any]],
+    val: list[dict[str, Any]] | None = None,
+    **kw: Any,
+) -> tuple[APOResult, str]:
     out = io.StringIO()
-    resources: dict[str, Any] = {"system_prompt": PromptTemplate(template=seed),
-                                 "llm": LLM(base_url=double.base_url, model="scripted")}  # fmt: skip
+    resources: dict[str, Any] = {
+        "system_prompt": PromptTemplate(template=seed),
+        "llm": LLM(base_url=double.base_url, model="scripted"),
+    }
     trainer = Trainer(
         apo, server_url=server_url, resources=resources, console=Console(file=out, width=140), **kw
     )
@@ -149,8 +165,10 @@ def _fast(**kw: Any) -> APO:
 
 
 def _tasks(*kws: str, start: int = 0, **extra: Any) -> list[dict[str, Any]]:
-    return [{"id": f"{kw}-{i}", "q": f"Question {i} about {kw}?", "kw": kw, **extra}
-            for i, kw in enumerate(kws, start)]  # fmt: skip
+    return [
+        {"id": f"{kw}-{i}", "q": f"Question {i} about {kw}?", "kw": kw, **extra}
+        for i, kw in enumerate(kws, start)
+    ]
 
 
 def test_apo_finds_the_keyword_through_trainer_runners_and_gateway(tmp_path: Path) -> None:
@@ -159,8 +177,17 @@ def test_apo_finds_the_keyword_through_trainer_runners_and_gateway(tmp_path: Pat
     ) as double:
         train = _tasks("KEYWORD", "KEYWORD") + _tasks("KEYWORD", start=2, fail=True)
         apo = _fast(rounds=2, beam_width=2, branch_factor=1, train_batch_size=2)
-        result, shown = _fit(apo, None, double, "You are helpful.", train, _tasks("KEYWORD", "KEYWORD"),
-                             n_runners=1, runner_concurrency=4, run_dir=tmp_path / "run")  # fmt: skip
+        result, shown = _fit(
+            apo,
+            None,
+            double,
+            "You are helpful.",
+            train,
+            _tasks("KEYWORD", "KEYWORD"),
+            n_runners=1,
+            runner_concurrency=4,
+            run_dir=tmp_path / "run",
+        )
     assert (result.seed_val, result.best_val) == (0.0, 1.0)
     assert result.best_prompt == "You are helpful. Always mention KEYWORD (0)."
     assert [c.round for c in result.history] == [0, 1, 2, 2] and result.stats.skipped_candidates == 0
@@ -224,12 +251,23 @@ def test_malformed_optimizer_output_is_counted_and_skipped(rig: ServerThread, tm
         ("raw", "{not json"),
         ("pass", ""),
     ]
-    rewrite_faults: list[Fault] = [("text", ""), ("text", "no tags"), ("text", f"<prompt>{'x' * 200}</prompt>"),
-                      ("text", "<prompt>Seed.</prompt>"), ("text", "<prompt> </prompt>")]  # fmt: skip
+    rewrite_faults: list[Fault] = [
+        ("text", ""),
+        ("text", "no tags"),
+        ("text", f"<prompt>{'x' * 200}</prompt>"),
+        ("text", "<prompt>Seed.</prompt>"),
+        ("text", "<prompt> </prompt>"),
+    ]
     rewrite = "<prompt>Answer with KEYWORD.</prompt>"
     with ScriptedOptimizer(rewrite=lambda p, n: rewrite, faults=critique_faults + rewrite_faults) as double:
-        apo = _fast(rounds=1, beam_width=1, branch_factor=2, optimizer_retries=4, optimizer_timeout=0.5,
-                    max_prompt_chars=100)  # fmt: skip
+        apo = _fast(
+            rounds=1,
+            beam_width=1,
+            branch_factor=2,
+            optimizer_retries=4,
+            optimizer_timeout=0.5,
+            max_prompt_chars=100,
+        )
         result, _ = _fit(apo, rig.url, double, "Seed.", _tasks("KEYWORD"), n_runners=0, run_dir=tmp_path)
     stats = result.stats
     assert (stats.optimizer_calls, stats.optimizer_errors, stats.timeouts, stats.retries) == (12, 4, 1, 8)
@@ -263,8 +301,13 @@ def _cand(order: int, scores: dict[str, float]) -> Candidate:
 
 
 def test_pareto_front_and_beam_selection() -> None:
-    scores: list[dict[str, float]] = [{"x": 0, "y": 0}, {"x": 1, "y": 0}, {"x": 0, "y": 1}, {"x": 1, "y": 0},
-                                      {"x": 0.5, "y": 0.5}]  # fmt: skip
+    scores: list[dict[str, float]] = [
+        {"x": 0, "y": 0},
+        {"x": 1, "y": 0},
+        {"x": 0, "y": 1},
+        {"x": 1, "y": 0},
+        {"x": 0.5, "y": 0.5},
+    ]
     seed, a, b, ab, c = (_cand(i, s) for i, s in enumerate(scores))
     assert pareto_front([seed, a, b, c]) == [a, b]
     assert pareto_front([seed, a, ab]) == [a, ab]  # equal on every task: both kept
@@ -293,12 +336,27 @@ def test_one_round_with_the_embedded_engine(rig: ServerThread, tmp_path: Path, t
 
     engine = ModelEngine.from_pretrained(tiny_model, default_max_tokens=8)
     with EngineServer(engine) as llm_server:
-        resources: dict[str, Any] = {"system_prompt": PromptTemplate(template="Be brief."),
-                                     "llm": LLM(base_url=llm_server.base_url, model=engine.name)}  # fmt: skip
-        apo = _fast(rounds=1, beam_width=1, branch_factor=1, train_batch_size=2, optimizer_retries=0,
-                    optimizer_max_tokens=16, optimizer_temperature=0.0, max_example_chars=400)  # fmt: skip
-        trainer = Trainer(apo, server_url=rig.url, resources=resources, run_dir=tmp_path,
-                          console=Console(file=io.StringIO()))  # fmt: skip
+        resources: dict[str, Any] = {
+            "system_prompt": PromptTemplate(template="Be brief."),
+            "llm": LLM(base_url=llm_server.base_url, model=engine.name),
+        }
+        apo = _fast(
+            rounds=1,
+            beam_width=1,
+            branch_factor=1,
+            train_batch_size=2,
+            optimizer_retries=0,
+            optimizer_max_tokens=16,
+            optimizer_temperature=0.0,
+            max_example_chars=400,
+        )
+        trainer = Trainer(
+            apo,
+            server_url=rig.url,
+            resources=resources,
+            run_dir=tmp_path,
+            console=Console(file=io.StringIO()),
+        )
         result = trainer.fit(KeywordAgent(), _tasks("Be", "nope"))
     assert result.best_val >= result.seed_val == 0.5 and result.stats.optimizer_calls >= 1
     with Client(rig.url) as client:
@@ -317,6 +375,12 @@ def test_the_example_runs_offline_on_a_tiny_model(tiny_model: Path, tmp_path: Pa
     assert spec and spec.loader
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    result = example.main(model=str(tiny_model), rounds=1, branch_factor=1, optimizer_max_tokens=16,
-                          optimizer_retries=0, max_example_chars=300)  # fmt: skip
+    result = example.main(
+        model=str(tiny_model),
+        rounds=1,
+        branch_factor=1,
+        optimizer_max_tokens=16,
+        optimizer_retries=0,
+        max_example_chars=300,
+    )
     assert result.best_val >= result.seed_val and result.stats.optimizer_calls >= 1

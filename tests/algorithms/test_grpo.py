@@ -25,9 +25,11 @@ class VowelAgent(LitAgent):
             base_url=llm.base_url, api_key=llm.api_key or "x", max_retries=0
         ) as client:
             response = await client.chat.completions.create(
-                model=llm.model, messages=[{"role": "user", "content": task.data["q"]}], max_tokens=8,
+                model=llm.model,
+                messages=[{"role": "user", "content": task.data["q"]}],
+                max_tokens=8,
                 temperature=1.0,
-            )  # fmt: skip
+            )
         text = response.choices[0].message.content or ""
         letters = [c for c in text.lower() if c.isalpha()]
         return letters.count("a") / len(letters) if letters else 0.0
@@ -39,9 +41,21 @@ def tiny(tmp_path_factory):
 
 
 def _grpo(model: str, steps: int, resume: bool = False) -> GRPO:
-    return GRPO(model=model, steps=steps, tasks_per_step=2, group_size=4, lr=1e-3, val_every=1,
-                checkpoint_every=1, resume=resume, engine_dtype="float32", bf16=False, success_threshold=0.3,
-                step_timeout=120, plot=True)  # fmt: skip
+    return GRPO(
+        model=model,
+        steps=steps,
+        tasks_per_step=2,
+        group_size=4,
+        lr=1e-3,
+        val_every=1,
+        checkpoint_every=1,
+        resume=resume,
+        engine_dtype="float32",
+        bf16=False,
+        success_threshold=0.3,
+        step_timeout=120,
+        plot=True,
+    )
 
 
 def test_grpo_smoke_run_and_resume(tiny, tmp_path):

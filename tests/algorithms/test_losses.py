@@ -221,15 +221,18 @@ def test_shared_prefix_pass_equals_the_plain_pass_in_values_and_gradients(tmp_pa
     from agentbolt.engine import tiny_model_dir
 
     torch.manual_seed(0)
-    model = make_trainable(AutoModelForCausalLM.from_pretrained(tiny_model_dir(tmp_path / "m")),
-                           TrainConfig(lora_r=4))  # fmt: skip
+    model = make_trainable(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir(tmp_path / "m")), TrainConfig(lora_r=4)
+    )
     with torch.no_grad():  # LoRA B starts at zero; give it values so its gradients are non-trivial
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.05)
     prefix = list(range(5, 25))
-    rows = [TrainRow(tuple(prefix + tail), tuple([0] * 21 + [1] * (len(tail) - 1)), None, adv)
-            for tail, adv in (([30, 31, 32, 33], 1.0), ([40, 41], -1.0), ([50, 51, 52], 0.5))]  # fmt: skip
+    rows = [
+        TrainRow(tuple(prefix + tail), tuple([0] * 21 + [1] * (len(tail) - 1)), None, adv)
+        for tail, adv in (([30, 31, 32, 33], 1.0), ([40, 41], -1.0), ([50, 51, 52], 0.5))
+    ]
     batch = pad_batch(rows)
     assert shared_prefix_len(batch) == 20
 

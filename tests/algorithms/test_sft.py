@@ -36,32 +36,66 @@ _ids = itertools.count(1)
 
 
 def event(type_: str, data: dict[str, Any], attempt: str = "at-1", rollout_id: str = "ro-1") -> Event:
-    return Event(id=next(_ids), rollout_id=rollout_id, attempt_id=attempt, sequence=None, type=type_,
-                 timestamp=0.0, data=data)  # fmt: skip
+    return Event(
+        id=next(_ids),
+        rollout_id=rollout_id,
+        attempt_id=attempt,
+        sequence=None,
+        type=type_,
+        timestamp=0.0,
+        data=data,
+    )
 
 
 def llm_call(
     prompt: list[int], completion: list[int], attempt: str = "at-1", rollout_id: str = "ro-1"
 ) -> Event:
-    choice = {"index": 0, "message": {"role": "assistant", "content": "x"}, "finish_reason": "stop",
-              "token_ids": completion, "logprobs": [-0.5] * len(completion)}  # fmt: skip
-    data = {"endpoint": "chat.completions", "request": {"messages": [{"role": "user", "content": "q"}]},
-            "prompt_token_ids": prompt, "choices": [choice], "error": None}  # fmt: skip
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": "x"},
+        "finish_reason": "stop",
+        "token_ids": completion,
+        "logprobs": [-0.5] * len(completion),
+    }
+    data = {
+        "endpoint": "chat.completions",
+        "request": {"messages": [{"role": "user", "content": "q"}]},
+        "prompt_token_ids": prompt,
+        "choices": [choice],
+        "error": None,
+    }
     return event("llm_call", data, attempt, rollout_id)
 
 
 def make_rollout(
     rid: str, task: str, reward: float | None, status: RolloutStatus = RolloutStatus.SUCCEEDED
 ) -> Rollout:
-    return Rollout(id=rid, task=Task(id=task), mode=Mode.TRAIN, status=status, resources_version=1,
-                   timeout_seconds=None, max_attempts=1, attempts=1, reward=reward, created_at=0.0,
-                   updated_at=0.0)  # fmt: skip
+    return Rollout(
+        id=rid,
+        task=Task(id=task),
+        mode=Mode.TRAIN,
+        status=status,
+        resources_version=1,
+        timeout_seconds=None,
+        max_attempts=1,
+        attempts=1,
+        reward=reward,
+        created_at=0.0,
+        updated_at=0.0,
+    )
 
 
 def tiny_model(vocab: int = 64, seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -70,11 +104,15 @@ def tiny_model(vocab: int = 64, seed: int = 0) -> LlamaForCausalLM:
 
 def test_select_keeps_passing_runs_within_the_top_fraction_of_each_task() -> None:
     runs = [
-        make_rollout("a1", "a", 1.0), make_rollout("a2", "a", 0.2), make_rollout("a3", "a", 0.9),
+        make_rollout("a1", "a", 1.0),
+        make_rollout("a2", "a", 0.2),
+        make_rollout("a3", "a", 0.9),
         make_rollout("a4", "a", 1.0),
-        make_rollout("b1", "b", 0.1), make_rollout("b2", "b", 0.8), make_rollout("b3", "b", None),
+        make_rollout("b1", "b", 0.1),
+        make_rollout("b2", "b", 0.8),
+        make_rollout("b3", "b", None),
         make_rollout("b4", "b", 1.0, status=RolloutStatus.FAILED),
-    ]  # fmt: skip
+    ]
     assert {r.id for r in select_rollouts(runs, 0.5)} == {"a1", "a3", "a4", "b2"}
     # top half of 4 runs = 2 per task; ties keep the earlier run
     assert [r.id for r in select_rollouts(runs, 0.5, top_fraction=0.5)] == ["a1", "a4", "b2"]
@@ -116,8 +154,13 @@ class _FakeClient:
 
 def test_rows_come_from_the_last_attempt_only(tmp_path: Path) -> None:
     events = {"ro-1": [llm_call([1, 2], [9, 9, 9], attempt="at-1"), llm_call([1, 2], [5, 6], attempt="at-2")]}
-    ctx = TrainContext(client=_FakeClient(events), server_url="", train_tasks=[], val_tasks=[],  # type: ignore[arg-type]
-                       run_dir=tmp_path)  # fmt: skip
+    ctx = TrainContext(
+        client=_FakeClient(events),
+        server_url="",
+        train_tasks=[],
+        val_tasks=[],  # type: ignore[arg-type]
+        run_dir=tmp_path,
+    )
     rows, duplicates, stats = SFT()._rows(ctx, [make_rollout("ro-1", "t", 1.0)])
     assert [r.input_ids for r in rows] == [(1, 2, 5, 6)] and stats.calls == 1
 
@@ -153,10 +196,21 @@ def scripted(task: Task) -> float:
     """Pretends to be an agent whose model calls went through the gateway: records the call the
     task describes and returns the task's reward."""
     prompt, completion = task.data["prompt"], task.data["completion"]
-    choice = {"index": 0, "message": {"role": "assistant", "content": "c"}, "token_ids": completion,
-              "logprobs": [-1.0] * len(completion)}  # fmt: skip
-    emit_event("llm_call", {"endpoint": "chat.completions", "request": {"messages": []},
-                            "prompt_token_ids": prompt, "choices": [choice]})  # fmt: skip
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": "c"},
+        "token_ids": completion,
+        "logprobs": [-1.0] * len(completion),
+    }
+    emit_event(
+        "llm_call",
+        {
+            "endpoint": "chat.completions",
+            "request": {"messages": []},
+            "prompt_token_ids": prompt,
+            "choices": [choice],
+        },
+    )
     return float(task.data["reward"])
 
 
@@ -185,16 +239,27 @@ def runner_thread(server: Any) -> Iterator[Runner]:
     thread.join(20)
 
 
-def test_a_run_trains_publishes_and_swaps_weights(server: Any, client: Client, runner_thread: Runner,
-                                                  tmp_path: Path) -> None:  # fmt: skip
-    train = [Task(id=f"t{i}", data={"prompt": [1, 2, 3], "completion": [10 + i, 11, 12], "reward": i % 2})
-             for i in range(4)]  # fmt: skip
+def test_a_run_trains_publishes_and_swaps_weights(
+    server: Any, client: Client, runner_thread: Runner, tmp_path: Path
+) -> None:
+    train = [
+        Task(id=f"t{i}", data={"prompt": [1, 2, 3], "completion": [10 + i, 11, 12], "reward": i % 2})
+        for i in range(4)
+    ]
     val = [Task(id="v", data={"prompt": [1, 2], "completion": [5], "reward": 1})]
     engine = _FakeEngine()
     policy = EnginePolicy(engine, "http://127.0.0.1:9/v1", "")  # type: ignore[arg-type]
-    algo = SFT(rounds=2, rollouts_per_task=2, epochs=2, batch_size=2, bf16=False,
-               train=TrainConfig(lr=1e-2, lora_r=4), round_timeout=60, policy=policy,
-               policy_model=tiny_model())  # fmt: skip
+    algo = SFT(
+        rounds=2,
+        rollouts_per_task=2,
+        epochs=2,
+        batch_size=2,
+        bf16=False,
+        train=TrainConfig(lr=1e-2, lora_r=4),
+        round_timeout=60,
+        policy=policy,
+        policy_model=tiny_model(),
+    )
     trainer = Trainer(algo, n_runners=0, server_url=server.url, run_dir=tmp_path, console=Console(quiet=True))
     result = trainer.fit(scripted, train, val)
 
@@ -230,8 +295,10 @@ def chat_agent(task: Task, llm: LLM) -> float:
         {"role": "user", "content": task.data["q"]},
     ]
     first = client.chat.completions.create(model=llm.model, messages=messages, **llm.sampling_parameters)
-    messages += [{"role": "assistant", "content": first.choices[0].message.content or ""},
-                 {"role": "user", "content": "The calculator says 42."}]  # fmt: skip
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content or ""},
+        {"role": "user", "content": "The calculator says 42."},
+    ]
     second = client.chat.completions.create(model=llm.model, messages=messages, **llm.sampling_parameters)
     return 1.0 if len(second.choices[0].message.content or "") % 2 == 0 else 0.0
 
@@ -249,11 +316,26 @@ def test_end_to_end_through_server_runner_gateway_and_engine(
         thread.start()
         try:
             policy = EnginePolicy(engine, engine_server.base_url, str(model_dir))
-            algo = SFT(rounds=2, rollouts_per_task=2, min_reward=None, top_fraction=0.5, epochs=1, batch_size=4,
-                       bf16=False, train=TrainConfig(lr=1e-2, lora_r=4), round_timeout=120,
-                       sampling={"temperature": 1.0, "max_tokens": 12}, policy=policy)  # fmt: skip
-            trainer = Trainer(algo, n_runners=0, server_url=server.url, run_dir=tmp_path / "run",
-                              console=Console(quiet=True))  # fmt: skip
+            algo = SFT(
+                rounds=2,
+                rollouts_per_task=2,
+                min_reward=None,
+                top_fraction=0.5,
+                epochs=1,
+                batch_size=4,
+                bf16=False,
+                train=TrainConfig(lr=1e-2, lora_r=4),
+                round_timeout=120,
+                sampling={"temperature": 1.0, "max_tokens": 12},
+                policy=policy,
+            )
+            trainer = Trainer(
+                algo,
+                n_runners=0,
+                server_url=server.url,
+                run_dir=tmp_path / "run",
+                console=Console(quiet=True),
+            )
             tasks = [Task(id=f"t{i}", data={"q": f"What is {i} plus 30?"}) for i in range(4)]
             result = trainer.fit(chat_agent, tasks, [Task(id="v", data={"q": "What is 12 plus 30?"})])
         finally:
