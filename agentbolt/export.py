@@ -25,7 +25,6 @@ import json
 import shutil
 import statistics
 import time
-import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -368,9 +367,9 @@ def _bin_to_safetensors(src: Path, out: Path) -> None:
 
 
 def _merge_adapter(adapter: Path, out: Path, base_model: str | None) -> Path:
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from agentbolt.algorithms.train_state import export_weights, load_adapter, merge_lora
     from agentbolt.engine.model_files import ensure_model
 
     config = json.loads((adapter / "adapter_config.json").read_text())
@@ -379,9 +378,6 @@ def _merge_adapter(adapter: Path, out: Path, base_model: str | None) -> Path:
         raise ConfigError(f"{adapter} does not name its base model; pass --base-model")
     base = ensure_model(base_name)
     model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")
-    with warnings.catch_warnings():  # peft reads transformers' deprecated alias; not ours to fix
-        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
-        merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
-    merged.save_pretrained(str(out), safe_serialization=True)
+    export_weights(merge_lora(load_adapter(model, adapter), in_place=True), out)
     AutoTokenizer.from_pretrained(base).save_pretrained(str(out))
     return out
