@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from agentbolt.errors import AgentboltError
+from agentbolt.web import error_body
 
 __all__ = [
     "ChatCompletionRequest",
@@ -47,7 +48,7 @@ class EngineRequestError(AgentboltError, ValueError):
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return error_body(self.message, self.type, param=self.param, code=self.code)
 
 
 class _Request(BaseModel):

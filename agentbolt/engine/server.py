@@ -23,17 +23,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agentbolt.engine.engine import ModelEngine
 from agentbolt.engine.protocol import EngineRequestError
+from agentbolt.web import FASTAPI_TELEMETRY_OFF, error_body
 
 __all__ = ["EngineServer", "create_engine_app"]
 
 log = logging.getLogger(__name__)
-
-
-def _error(
-    status: int, message: str, type_: str = "invalid_request_error", param=None, code=None
-) -> JSONResponse:
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
 
 
 async def _json_body(request: Request) -> Any:
@@ -44,24 +38,31 @@ async def _json_body(request: Request) -> Any:
         raise EngineRequestError(f"the body is not valid JSON: {exc}") from None
 
 
+def _answer(exc: EngineRequestError) -> JSONResponse:
+    return JSONResponse(exc.to_dict(), status_code=exc.status_code)
+
+
 def _install_error_handlers(app: FastAPI) -> None:
+    """Every error in the OpenAI shape of :class:`EngineRequestError`, whatever raised it."""
+
     @app.exception_handler(EngineRequestError)
     async def _engine_error(_: Request, exc: EngineRequestError) -> JSONResponse:
-        return JSONResponse(exc.to_dict(), status_code=exc.status_code)
+        return _answer(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error(400, str(exc.errors()[0].get("msg", exc)))
+        return _answer(EngineRequestError(str(exc.errors()[0].get("msg", exc))))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = "not_found" if exc.status_code == 404 else None
-        return _error(exc.status_code, str(exc.detail), param=None, code=code)
+        return _answer(EngineRequestError(str(exc.detail), status_code=exc.status_code, code=code))
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
         log.exception("engine request failed")
-        return _error(500, f"{type(exc).__name__}: {exc}", type_="server_error")
+        message = f"{type(exc).__name__}: {exc}"
+        return _answer(EngineRequestError(message, status_code=500, type="server_error"))
 
 
 def _sse(chunks) -> StreamingResponse:
@@ -71,7 +72,7 @@ def _sse(chunks) -> StreamingResponse:
                 yield f"data: {json.dumps(chunk)}\n\n"
         except Exception as exc:  # the status line is gone; report in-band like OpenAI
             log.exception("stream failed")
-            yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'server_error'}})}\n\n"
+            yield f"data: {json.dumps(error_body(str(exc), 'server_error'))}\n\n"
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")
@@ -79,8 +80,6 @@ def _sse(chunks) -> StreamingResponse:
 
 def create_engine_app(engine: ModelEngine) -> FastAPI:
     """FastAPI app serving ``engine`` under ``/v1`` (plus ``/health``)."""
-    from agentbolt.server.config import FASTAPI_TELEMETRY_OFF
-
     app = FastAPI(title="agentbolt model engine", version="1", telemetry=FASTAPI_TELEMETRY_OFF)  # type: ignore[arg-type]
     _install_error_handlers(app)
 

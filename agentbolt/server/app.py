@@ -47,10 +47,11 @@ from agentbolt.schemas import (
     WaitResult,
     Worker,
 )
-from agentbolt.server.config import FASTAPI_TELEMETRY_OFF, Role, ServerConfig
+from agentbolt.server.config import Role, ServerConfig
 from agentbolt.server.middleware import AuthMiddleware, BodyLimitMiddleware
 from agentbolt.server.openapi import document, http_error
 from agentbolt.store import SqlStore, open_store
+from agentbolt.web import FASTAPI_TELEMETRY_OFF, error_response
 
 __all__ = ["REDACTED", "create_app", "redact"]
 
@@ -125,14 +126,10 @@ def _json(model: BaseModel | list[Any] | dict[str, Any] | None, status: int = 20
     return Response(content=body, status_code=status, media_type="application/json")
 
 
-def _error(status: int, kind: str, message: str, **extra: Any) -> JSONResponse:
-    return JSONResponse({"error": {"type": kind, "message": message, **extra}}, status_code=status)
-
-
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(AgentboltError)
     async def _agentbolt_error(request: Request, exc: AgentboltError) -> JSONResponse:
-        return _error(exc.status_code, type(exc).__name__, str(exc))
+        return error_response(exc.status_code, str(exc), type(exc).__name__)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -142,18 +139,18 @@ def _install_error_handlers(app: FastAPI) -> None:
         ]
         first = details[0] if details else {"loc": [], "msg": "invalid request"}
         where = ".".join(str(p) for p in first["loc"])
-        return _error(422, "validation_error", f"{where}: {first['msg']}", details=details)
+        return error_response(422, f"{where}: {first['msg']}", "validation_error", details=details)
 
     app.add_exception_handler(StarletteHTTPException, http_error)  # type: ignore[arg-type]
 
     @app.exception_handler(ValueError)
     async def _value_error(request: Request, exc: ValueError) -> JSONResponse:
-        return _error(400, "bad_request", str(exc))
+        return error_response(400, str(exc), "bad_request")
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return _error(500, "internal_error", "internal server error (see the server log)")
+        return error_response(500, "internal server error (see the server log)", "internal_error")
 
 
 def _holder_named(request: Request, worker_id: str | None) -> None:

@@ -6,11 +6,7 @@ import secrets
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-__all__ = ["FASTAPI_TELEMETRY_OFF", "Role", "ServerConfig"]
-
-# FastAPI's built-in OpenTelemetry instrumentation (on whenever opentelemetry is installed)
-# costs about 1 ms per request here; agentbolt's apps record what they need themselves.
-FASTAPI_TELEMETRY_OFF = {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}
+__all__ = ["Role", "ServerConfig"]
 
 
 class Role(StrEnum):

@@ -54,8 +54,8 @@ from agentbolt.server.openai_format import (
     Wants,
     check_request,
     count_usage,
-    error_body,
     extract,
+    openai_error,
     prepare,
     strip,
 )
@@ -77,7 +77,7 @@ class _Refused(Exception):
         self.status, self.type = status, type
 
     def response(self) -> Response:
-        return _json(error_body(str(self), self.type, self.status), self.status)
+        return _json(openai_error(str(self), self.type, self.status), self.status)
 
 
 def _json(body: Any, status: int = 200) -> Response:
@@ -189,10 +189,10 @@ class Gateway:
         except orjson.JSONDecodeError:
             body = None
         if not isinstance(body, dict):
-            return _json(error_body("the request body must be a JSON object", "invalid_request_error"), 400)
+            return _json(openai_error("the request body must be a JSON object", "invalid_request_error"), 400)
         malformed = check_request(endpoint, body)
         if malformed is not None:
-            return _json(error_body(malformed[0], "invalid_request_error", param=malformed[1]), 400)
+            return _json(openai_error(malformed[0], "invalid_request_error", param=malformed[1]), 400)
         try:
             target = await self.target(rollout_id, attempt_id)
             resource, llm = target.pick(body.get("model"))
@@ -307,7 +307,7 @@ class Gateway:
                     error = (
                         chunk
                         if isinstance(chunk["error"], dict)
-                        else error_body(str(chunk["error"]), "upstream_error")
+                        else openai_error(str(chunk["error"]), "upstream_error")
                     )
                     yield b"data: " + orjson.dumps(error) + b"\n\n"
                     continue
@@ -318,12 +318,12 @@ class Gateway:
                 if out is not None:
                     yield b"data: " + orjson.dumps(out) + b"\n\n"
         except (httpx.HTTPError, orjson.JSONDecodeError) as exc:
-            error = error_body(
+            error = openai_error(
                 f"the model server's stream broke: {call.scrub(str(exc))}", "upstream_stream_error", 502
             )
             yield b"data: " + orjson.dumps(error) + b"\n\n"
         except BaseException:  # the agent went away: still record what came
-            error = error_body("the client disconnected before the stream ended", "client_disconnected")
+            error = openai_error("the client disconnected before the stream ended", "client_disconnected")
             raise
         else:
             recorded = True
@@ -392,7 +392,7 @@ class Gateway:
     async def _failed(
         self, call: _Call, status: int, type: str, message: str, upstream_status: int | None = None
     ) -> Response:
-        body = error_body(call.scrub(message), type, status)
+        body = openai_error(call.scrub(message), type, status)
         log.warning(
             "gateway call for attempt %s failed: %s", call.target.attempt_id, body["error"]["message"]
         )
@@ -412,7 +412,7 @@ class Gateway:
         if not (isinstance(body, dict) and isinstance(body.get("error"), dict)):
             message = (body.get("message") or body.get("detail")) if isinstance(body, dict) else None
             message = message or raw[:2000]
-            body = error_body(f"model server error: {message}", "upstream_error", upstream.status_code)
+            body = openai_error(f"model server error: {message}", "upstream_error", upstream.status_code)
         log.warning("model server answered %d for attempt %s", upstream.status_code, call.target.attempt_id)
         await self._record(call, self._error_data(call, upstream.status_code, body))
         return _json(body, upstream.status_code)
@@ -533,7 +533,7 @@ class _FastPath:
                 except Exception:
                     log.exception("gateway call on %s failed", path)
                     response = _json(
-                        error_body("internal gateway error (see the server log)", "internal_error"), 500
+                        openai_error("internal gateway error (see the server log)", "internal_error"), 500
                     )
                 await response(scope, receive, send)
                 return

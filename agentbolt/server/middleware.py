@@ -9,6 +9,7 @@ from typing import Any
 import orjson
 
 from agentbolt.server.config import Role
+from agentbolt.web import error_body
 
 __all__ = ["AuthMiddleware", "BodyLimitMiddleware", "role_allows"]
 
@@ -37,10 +38,6 @@ async def _send_json(
     await send({"type": "http.response.body", "body": payload})
 
 
-def _error(message: str, kind: str) -> dict[str, Any]:
-    return {"error": {"type": kind, "message": message}}
-
-
 class BodyLimitMiddleware:
     """Answer 413 when the declared or actual body is larger than ``max_bytes``."""
 
@@ -53,7 +50,7 @@ class BodyLimitMiddleware:
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
                 return await _send_json(
-                    send, 413, _error(f"body larger than {self.max_bytes} bytes", "too_large")
+                    send, 413, error_body(f"body larger than {self.max_bytes} bytes", "too_large")
                 )
         seen = 0
 
@@ -68,7 +65,7 @@ class BodyLimitMiddleware:
         try:
             await self.app(scope, limited, send)
         except _TooLarge:
-            await _send_json(send, 413, _error(f"body larger than {self.max_bytes} bytes", "too_large"))
+            await _send_json(send, 413, error_body(f"body larger than {self.max_bytes} bytes", "too_large"))
 
 
 class _TooLarge(BaseException):  # not Exception: request parsing must not swallow it
@@ -108,12 +105,12 @@ class AuthMiddleware:
         role = self._role(scope)
         if role is None and not (method == "GET" and (path in OPEN_PATHS or path.startswith("/static/"))):
             return await _send_json(
-                send, 401, _error("missing or invalid bearer token", "unauthorized"),
+                send, 401, error_body("missing or invalid bearer token", "unauthorized"),
                 ((b"www-authenticate", b"Bearer"),),
             )  # fmt: skip
         if role is not None and not role_allows(role, method, path):
             return await _send_json(
-                send, 403, _error(f"role {role.value!r} may not {method} {path}", "forbidden")
+                send, 403, error_body(f"role {role.value!r} may not {method} {path}", "forbidden")
             )
         scope["agentbolt.role"] = role
         await self.app(scope, receive, send)

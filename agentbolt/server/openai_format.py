@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from agentbolt.web import error_body
+
 __all__ = [
     "CHAT",
     "COMPLETIONS",
@@ -24,7 +26,7 @@ __all__ = [
     "check_request",
     "count_usage",
     "Wants",
-    "error_body",
+    "openai_error",
     "extract",
     "prepare",
     "strip",
@@ -50,11 +52,11 @@ class Wants:
     usage: bool  # streams only: ``stream_options.include_usage``
 
 
-def error_body(
+def openai_error(
     message: str, type: str, code: str | int | None = None, param: str | None = None
 ) -> dict[str, Any]:
-    """An OpenAI-style error body."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    """An error body with the fields OpenAI's clients read: ``param`` and ``code`` always there."""
+    return error_body(message, type, param=param, code=code)
 
 
 def _is_int(value: Any, low: int = 0) -> bool:

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from agentbolt.schemas import ErrorBody
+from agentbolt.web import error_response
 
 __all__ = ["document", "http_error"]
 
@@ -97,5 +98,4 @@ async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
             if regex is not None and methods and regex.match(request.url.path):
                 allowed |= methods
         headers["allow"] = ", ".join(sorted(allowed))
-    body = {"error": {"type": "http_error", "message": str(exc.detail)}}
-    return JSONResponse(body, status_code=exc.status_code, headers=headers)
+    return error_response(exc.status_code, str(exc.detail), "http_error", headers=headers)

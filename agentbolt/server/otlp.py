@@ -28,6 +28,7 @@ from agentbolt.errors import NotFound
 from agentbolt.schemas import EventCreate, EventType
 from agentbolt.server.app import StoreCaller
 from agentbolt.server.config import ServerConfig
+from agentbolt.web import error_response
 
 __all__ = ["ROLLOUT_ATTR", "ATTEMPT_ATTR", "install", "spans_from_otlp"]
 
@@ -280,18 +281,15 @@ def install(app: FastAPI, config: ServerConfig) -> None:
         content_type = request.headers.get("content-type", "").lower()
         protobuf = content_type.startswith(PROTOBUF)
         if not (protobuf or content_type.startswith("application/json")):  # OTLP/HTTP names one
-            return Response(orjson.dumps({"error": {"type": "unsupported_media_type", "message":
-                            f"content-type must be {PROTOBUF} or application/json"}}), 415,
-                            media_type="application/json")  # fmt: skip
+            message = f"content-type must be {PROTOBUF} or application/json"
+            return error_response(415, message, "unsupported_media_type")
         try:
             body, from_protobuf = _decode(await request.body(), content_type,
                                           request.headers.get("content-encoding", "").lower(), config.max_body_bytes)  # fmt: skip
         except (BadPayload, zlib.error) as exc:
-            return Response(orjson.dumps({"error": {"type": "bad_request", "message": str(exc)}}), 400,
-                            media_type="application/json")  # fmt: skip
+            return error_response(400, str(exc), "bad_request")
         try:
             rejected, why = await ingest.ingest(body, from_protobuf)
         except BadPayload as exc:
-            return Response(orjson.dumps({"error": {"type": "bad_request", "message": str(exc)}}), 400,
-                            media_type="application/json")  # fmt: skip
+            return error_response(400, str(exc), "bad_request")
         return _answer(rejected, why, protobuf)
