@@ -3,8 +3,9 @@
 Every call has a timeout. Connection errors and 5xx answers are retried with exponential
 backoff and full jitter; 4xx answers are never retried and raise the matching error
 (404 :class:`NotFound`, 409 :class:`LeaseLost`/:class:`InvalidTransition`, else
-:class:`RequestError`). Each endpoint is described once (:class:`_Call`) and sent by either
-transport, so the two clients cannot drift apart.
+:class:`RequestError`). Each endpoint's request is described once (:class:`_Request`) and sent
+by either transport, so the two clients cannot drift apart. :meth:`Client.pages` follows a paged
+endpoint's cursors.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -68,7 +69,9 @@ class RetryPolicy:
 
 
 @dataclass
-class _Call(Generic[T]):
+class _Request(Generic[T]):
+    """One request to the server: what to send, and how to parse the answer."""
+
     method: str
     path: str
     parse: Callable[[Any], T]
@@ -128,64 +131,68 @@ class _Api:
     """Endpoint descriptions shared by both clients."""
 
     @staticmethod
-    def enqueue(items: Sequence[RolloutCreate]) -> _Call[list[Rollout]]:
+    def enqueue(items: Sequence[RolloutCreate]) -> _Request[list[Rollout]]:
         body = {"rollouts": [i.model_dump(mode="json", exclude_none=True) for i in items]}
-        return _Call("POST", "/api/rollouts", _rollouts, json=body)
+        return _Request("POST", "/api/rollouts", _rollouts, json=body)
 
     @staticmethod
-    def dequeue(worker_id: str, lease_seconds: float | None, wait: float = 0.0) -> _Call[Claim | None]:
+    def dequeue(worker_id: str, lease_seconds: float | None, wait: float = 0.0) -> _Request[Claim | None]:
         body = {"worker_id": worker_id, "lease_seconds": lease_seconds, "wait": wait}
-        return _Call("POST", "/api/dequeue", _claim, json=body, timeout=wait + 30 if wait else None)
+        return _Request("POST", "/api/dequeue", _claim, json=body, timeout=wait + 30 if wait else None)
 
     @staticmethod
-    def heartbeat(attempt_id: str, worker_id: str | None, lease_seconds: float | None) -> _Call[Attempt]:
+    def heartbeat(attempt_id: str, worker_id: str | None, lease_seconds: float | None) -> _Request[Attempt]:
         body = {"worker_id": worker_id, "lease_seconds": lease_seconds}
-        return _Call("POST", f"/api/attempts/{attempt_id}/heartbeat", _attempt, json=body)
+        return _Request("POST", f"/api/attempts/{attempt_id}/heartbeat", _attempt, json=body)
 
     @staticmethod
-    def add_events(attempt_id: str, events: Sequence[EventCreate], worker_id: str | None) -> _Call[int]:
+    def add_events(attempt_id: str, events: Sequence[EventCreate], worker_id: str | None) -> _Request[int]:
         body = {"worker_id": worker_id, "events": [e.model_dump(mode="json") for e in events]}
-        return _Call("POST", f"/api/attempts/{attempt_id}/events", lambda j: int(j["added"]), json=body)
+        return _Request("POST", f"/api/attempts/{attempt_id}/events", lambda j: int(j["added"]), json=body)
 
     @staticmethod
     def finish(
         attempt_id: str, status: AttemptStatus, reward: float | None, error: str | None, worker_id: str | None
-    ) -> _Call[Rollout]:
+    ) -> _Request[Rollout]:
         body = {"status": status.value, "reward": reward, "error": error, "worker_id": worker_id}
-        return _Call("POST", f"/api/attempts/{attempt_id}/finish", _rollout, json=body)
+        return _Request("POST", f"/api/attempts/{attempt_id}/finish", _rollout, json=body)
 
     @staticmethod
-    def wait(rollout_ids: Sequence[str], timeout: float) -> _Call[WaitResult]:
+    def wait(rollout_ids: Sequence[str], timeout: float) -> _Request[WaitResult]:
         body = {"rollout_ids": list(rollout_ids), "timeout": timeout}
-        return _Call("POST", "/api/rollouts/wait", _wait, json=body, timeout=timeout + 30)
+        return _Request("POST", "/api/rollouts/wait", _wait, json=body, timeout=timeout + 30)
 
     @staticmethod
-    def list_rollouts(**filters: Any) -> _Call[Page[Rollout]]:
+    def list_rollouts(**filters: Any) -> _Request[Page[Rollout]]:
         params = {k: (v.value if hasattr(v, "value") else v) for k, v in filters.items() if v is not None}
         if "status" in params and not isinstance(params["status"], str):
             params["status"] = [s.value if hasattr(s, "value") else s for s in params["status"]]
-        return _Call("GET", "/api/rollouts", _page_rollouts, params=params)
+        return _Request("GET", "/api/rollouts", _page_rollouts, params=params)
 
     @staticmethod
-    def list_events(rollout_id: str, **filters: Any) -> _Call[Page[Event]]:
+    def list_events(rollout_id: str, **filters: Any) -> _Request[Page[Event]]:
         params = {k: v for k, v in filters.items() if v is not None}
-        return _Call("GET", f"/api/rollouts/{rollout_id}/events", _page_events, params=params)
+        return _Request("GET", f"/api/rollouts/{rollout_id}/events", _page_events, params=params)
 
     @staticmethod
     def query_events(
         rollout_ids: Sequence[str], types: Sequence[str] | None, cursor: str | None
-    ) -> _Call[Page[Event]]:
-        body = {"rollout_ids": list(rollout_ids), "type": list(types) if types else None, "limit": _EVENTS_BATCH,
-                "cursor": cursor}  # fmt: skip
-        return _Call("POST", "/api/events/query", _page_events, json=body)
+    ) -> _Request[Page[Event]]:
+        body = {
+            "rollout_ids": list(rollout_ids),
+            "type": list(types) if types else None,
+            "limit": _EVENTS_BATCH,
+            "cursor": cursor,
+        }
+        return _Request("POST", "/api/events/query", _page_events, json=body)
 
     @staticmethod
-    def publish(resources: dict[str, Resource], metadata: dict[str, Any] | None) -> _Call[Resources]:
+    def publish(resources: dict[str, Resource], metadata: dict[str, Any] | None) -> _Request[Resources]:
         body = {
             "resources": {k: v.model_dump(mode="json") for k, v in resources.items()},
             "metadata": metadata or {},
         }
-        return _Call("POST", "/api/resources", _resources, json=body)
+        return _Request("POST", "/api/resources", _resources, json=body)
 
 
 class _Base:
@@ -202,14 +209,14 @@ class _Base:
         self.retry = retry or RetryPolicy()
         self.headers = {"authorization": f"Bearer {token}"} if token else {}
 
-    def _handle(self, call: _Call[T], response: httpx.Response) -> T:
+    def _handle(self, call: _Request[T], response: httpx.Response) -> T:
         if response.status_code >= 500:
             raise _ServerError(response.status_code, response.text)
         if response.status_code >= 400:
             _raise_for(response)
         return call.parse(response.json())
 
-    def _give_up(self, call: _Call[Any], exc: Exception) -> ServerUnavailable:
+    def _give_up(self, call: _Request[Any], exc: Exception) -> ServerUnavailable:
         return ServerUnavailable(
             f"{call.method} {self.url}{call.path} failed after {self.retry.attempts} tries: {exc}"
         )
@@ -218,8 +225,14 @@ class _Base:
 class Client(_Base):
     """Synchronous client (algorithms, Trainer, CLI)."""
 
-    def __init__(self, url: str, token: str | None = None, timeout: float = 30.0, retry: RetryPolicy | None = None,
-                 transport: httpx.BaseTransport | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        timeout: float = 30.0,
+        retry: RetryPolicy | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
         super().__init__(url, token, timeout, retry)
         self.http = httpx.Client(
             base_url=self.url, headers=self.headers, timeout=timeout, transport=transport
@@ -234,14 +247,17 @@ class Client(_Base):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _send(self, call: _Call[T]) -> T:
+    def _send(self, call: _Request[T]) -> T:
         attempt = 0
         while True:
             try:
                 response = self.http.request(
-                    call.method, call.path, json=call.json, params=call.params or None,
+                    call.method,
+                    call.path,
+                    json=call.json,
+                    params=call.params or None,
                     timeout=call.timeout or self.timeout,
-                )  # fmt: skip
+                )
                 return self._handle(call, response)
             except Exception as exc:
                 if not _retryable(exc):
@@ -252,7 +268,7 @@ class Client(_Base):
                 attempt += 1
 
     def health(self) -> dict[str, Any]:
-        return self._send(_Call("GET", "/health", _identity))
+        return self._send(_Request("GET", "/health", _identity))
 
     def enqueue(self, items: Sequence[RolloutCreate]) -> list[Rollout]:
         return self._send(_Api.enqueue(items))
@@ -268,45 +284,75 @@ class Client(_Base):
     def add_events(self, attempt_id: str, events: Sequence[EventCreate], worker_id: str | None = None) -> int:
         return self._send(_Api.add_events(attempt_id, events, worker_id))
 
-    def finish(self, attempt_id: str, status: AttemptStatus, reward: float | None = None, error: str | None = None,
-               worker_id: str | None = None) -> Rollout:  # fmt: skip
+    def finish(
+        self,
+        attempt_id: str,
+        status: AttemptStatus,
+        reward: float | None = None,
+        error: str | None = None,
+        worker_id: str | None = None,
+    ) -> Rollout:
         return self._send(_Api.finish(attempt_id, status, reward, error, worker_id))
 
     def get_rollout(self, rollout_id: str) -> Rollout:
-        return self._send(_Call("GET", f"/api/rollouts/{rollout_id}", _rollout))
+        return self._send(_Request("GET", f"/api/rollouts/{rollout_id}", _rollout))
 
     def cancel(self, rollout_id: str) -> Rollout:
-        return self._send(_Call("POST", f"/api/rollouts/{rollout_id}/cancel", _rollout))
+        return self._send(_Request("POST", f"/api/rollouts/{rollout_id}/cancel", _rollout))
 
     def list_rollouts(
-        self, *, status: Sequence[RolloutStatus] | None = None, mode: Mode | None = None,
-        resources_version: int | None = None, group_id: str | None = None, limit: int = 100,
-        cursor: str | None = None, newest_first: bool = False,
-    ) -> Page[Rollout]:  # fmt: skip
-        return self._send(_Api.list_rollouts(
-            status=status, mode=mode, resources_version=resources_version, group_id=group_id, limit=limit,
-            cursor=cursor, newest_first=newest_first or None,
-        ))  # fmt: skip
+        self,
+        *,
+        status: Sequence[RolloutStatus] | None = None,
+        mode: Mode | None = None,
+        resources_version: int | None = None,
+        group_id: str | None = None,
+        limit: int = 100,
+        cursor: str | None = None,
+        newest_first: bool = False,
+    ) -> Page[Rollout]:
+        call = _Api.list_rollouts(
+            status=status,
+            mode=mode,
+            resources_version=resources_version,
+            group_id=group_id,
+            limit=limit,
+            cursor=cursor,
+            newest_first=newest_first or None,
+        )
+        return self._send(call)
 
     def list_attempts(self, rollout_id: str) -> list[Attempt]:
-        return self._send(_Call("GET", f"/api/rollouts/{rollout_id}/attempts", _attempts))
+        return self._send(_Request("GET", f"/api/rollouts/{rollout_id}/attempts", _attempts))
 
-    def list_events(self, rollout_id: str, *, attempt_id: str | None = None, type: Sequence[str] | None = None,
-                    limit: int = 1000, cursor: str | None = None) -> Page[Event]:  # fmt: skip
+    def list_events(
+        self,
+        rollout_id: str,
+        *,
+        attempt_id: str | None = None,
+        type: Sequence[str] | None = None,
+        limit: int = 1000,
+        cursor: str | None = None,
+    ) -> Page[Event]:
         return self._send(
             _Api.list_events(rollout_id, attempt_id=attempt_id, type=type, limit=limit, cursor=cursor)
         )
 
-    def all_events(self, rollout_id: str, **filters: Any) -> list[Event]:
-        """Every event of a rollout, following pagination."""
-        out: list[Event] = []
+    def pages(self, list_page: Callable[..., Page[T]], /, *args: Any, **params: Any) -> Iterator[T]:
+        """Every item of a paged endpoint, page after page, following ``next_cursor``:
+        ``list_page(*args, cursor=..., **params)`` fetches one page, e.g.
+        ``client.pages(client.list_rollouts, mode=Mode.VAL, limit=1000)``."""
         cursor = None
         while True:
-            page = self.list_events(rollout_id, cursor=cursor, **filters)
-            out.extend(page.items)
+            page = list_page(*args, cursor=cursor, **params)
+            yield from page.items
             if not page.next_cursor:
-                return out
+                return
             cursor = page.next_cursor
+
+    def all_events(self, rollout_id: str, **filters: Any) -> list[Event]:
+        """Every event of a rollout, following pagination."""
+        return list(self.pages(self.list_events, rollout_id, **filters))
 
     def events_of(
         self, rollout_ids: Sequence[str], type: Sequence[str] | None = None
@@ -316,15 +362,14 @@ class Client(_Base):
         out: dict[str, list[Event]] = {rid: [] for rid in rollout_ids}
         ids = list(out)
         for start in range(0, len(ids), _EVENTS_BATCH):
-            cursor = None
-            while True:
-                page = self._send(_Api.query_events(ids[start : start + _EVENTS_BATCH], type, cursor))
-                for event in page.items:
-                    out[event.rollout_id].append(event)
-                if not page.next_cursor:
-                    break
-                cursor = page.next_cursor
+            for event in self.pages(self._query_events, ids[start : start + _EVENTS_BATCH], type):
+                out[event.rollout_id].append(event)
         return out
+
+    def _query_events(
+        self, rollout_ids: Sequence[str], types: Sequence[str] | None, cursor: str | None
+    ) -> Page[Event]:
+        return self._send(_Api.query_events(rollout_ids, types, cursor))
 
     def wait(self, rollout_ids: Sequence[str], timeout: float = 10.0) -> WaitResult:
         return self._send(_Api.wait(rollout_ids, min(timeout, 60.0)))
@@ -335,27 +380,34 @@ class Client(_Base):
         return self._send(_Api.publish(resources, metadata))
 
     def get_resources(self, version: int) -> Resources:
-        return self._send(_Call("GET", f"/api/resources/{version}", _resources))
+        return self._send(_Request("GET", f"/api/resources/{version}", _resources))
 
     def latest_resources(self) -> Resources | None:
-        return self._send(_Call("GET", "/api/resources/latest", _resources_opt))
+        return self._send(_Request("GET", "/api/resources/latest", _resources_opt))
 
     def list_resources(self, limit: int = 100, cursor: str | None = None) -> Page[Resources]:
         params = {"limit": limit, **({"cursor": cursor} if cursor else {})}
-        return self._send(_Call("GET", "/api/resources", _page_resources, params=params))
+        return self._send(_Request("GET", "/api/resources", _page_resources, params=params))
 
     def list_workers(self) -> list[Worker]:
-        return self._send(_Call("GET", "/api/workers", _workers))
+        return self._send(_Request("GET", "/api/workers", _workers))
 
     def stats(self) -> dict[str, Any]:
-        return self._send(_Call("GET", "/api/stats", _identity))
+        return self._send(_Request("GET", "/api/stats", _identity))
 
 
 class AsyncClient(_Base):
     """Asynchronous client (the runner)."""
 
-    def __init__(self, url: str, token: str | None = None, timeout: float = 30.0, retry: RetryPolicy | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None, max_connections: int = 100) -> None:  # fmt: skip
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        timeout: float = 30.0,
+        retry: RetryPolicy | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+        max_connections: int = 100,
+    ) -> None:
         super().__init__(url, token, timeout, retry)
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         # Plain http (loopback, cluster network) goes through the lean keep-alive transport
@@ -364,20 +416,29 @@ class AsyncClient(_Base):
         mounts = (
             lean_mounts(Http1Transport(max_idle_per_origin=max_connections)) if transport is None else None
         )
-        self.http = httpx.AsyncClient(base_url=self.url, headers=self.headers, timeout=timeout, transport=transport,
-                                      limits=limits, mounts=mounts)  # fmt: skip
+        self.http = httpx.AsyncClient(
+            base_url=self.url,
+            headers=self.headers,
+            timeout=timeout,
+            transport=transport,
+            limits=limits,
+            mounts=mounts,
+        )
 
     async def aclose(self) -> None:
         await self.http.aclose()
 
-    async def _send(self, call: _Call[T]) -> T:
+    async def _send(self, call: _Request[T]) -> T:
         attempt = 0
         while True:
             try:
                 response = await self.http.request(
-                    call.method, call.path, json=call.json, params=call.params or None,
+                    call.method,
+                    call.path,
+                    json=call.json,
+                    params=call.params or None,
                     timeout=call.timeout or self.timeout,
-                )  # fmt: skip
+                )
                 return self._handle(call, response)
             except Exception as exc:
                 if not _retryable(exc):
@@ -388,7 +449,7 @@ class AsyncClient(_Base):
                 attempt += 1
 
     async def health(self) -> dict[str, Any]:
-        return await self._send(_Call("GET", "/health", _identity))
+        return await self._send(_Request("GET", "/health", _identity))
 
     async def enqueue(self, items: Sequence[RolloutCreate]) -> list[Rollout]:
         return await self._send(_Api.enqueue(items))
@@ -408,12 +469,18 @@ class AsyncClient(_Base):
     ) -> int:
         return await self._send(_Api.add_events(attempt_id, events, worker_id))
 
-    async def finish(self, attempt_id: str, status: AttemptStatus, reward: float | None = None,
-                     error: str | None = None, worker_id: str | None = None) -> Rollout:  # fmt: skip
+    async def finish(
+        self,
+        attempt_id: str,
+        status: AttemptStatus,
+        reward: float | None = None,
+        error: str | None = None,
+        worker_id: str | None = None,
+    ) -> Rollout:
         return await self._send(_Api.finish(attempt_id, status, reward, error, worker_id))
 
     async def wait(self, rollout_ids: Sequence[str], timeout: float = 10.0) -> WaitResult:
         return await self._send(_Api.wait(rollout_ids, min(timeout, 60.0)))
 
     async def get_resources(self, version: int) -> Resources:
-        return await self._send(_Call("GET", f"/api/resources/{version}", _resources))
+        return await self._send(_Request("GET", f"/api/resources/{version}", _resources))

@@ -235,17 +235,14 @@ def fetch_rollouts(
     client: Client, mode: Mode | None, version: int | None, min_reward: float | None
 ) -> list[Rollout]:
     """Succeeded rollouts matching the filters, oldest first."""
-    out: list[Rollout] = []
-    cursor = None
-    while True:
-        page = client.list_rollouts(status=[RolloutStatus.SUCCEEDED], mode=mode, resources_version=version,
-                                    limit=_PAGE, cursor=cursor)  # fmt: skip
-        out += [
-            r for r in page.items if min_reward is None or (r.reward is not None and r.reward >= min_reward)
-        ]
-        if not page.next_cursor:
-            return out
-        cursor = page.next_cursor
+    succeeded = client.pages(
+        client.list_rollouts,
+        status=[RolloutStatus.SUCCEEDED],
+        mode=mode,
+        resources_version=version,
+        limit=_PAGE,
+    )
+    return [r for r in succeeded if min_reward is None or (r.reward is not None and r.reward >= min_reward)]
 
 
 def _with_events(client: Client, rollouts: Sequence[Rollout]) -> Iterator[tuple[Rollout, list[Event]]]:

@@ -1,0 +1,73 @@
+"""Client.pages: one loop that follows a paged endpoint's cursors, used by every reader of
+paged data (all_events, events_of, the SFT export, the prompt export)."""
+
+from __future__ import annotations
+
+import httpx
+
+from agentbolt.cli.export import all_resources
+from agentbolt.client import Client
+from agentbolt.export import fetch_rollouts
+from agentbolt.schemas import AttemptStatus, EventCreate, PromptTemplate, RolloutCreate, Task
+
+
+def _paged_resources(total: int, per_page: int, seen: list[dict]) -> httpx.MockTransport:
+    """GET /api/resources answering ``total`` versions ``per_page`` at a time; records each query."""
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        params = dict(request.url.params)
+        seen.append(params)
+        start = int(params.get("cursor", "0"))
+        versions = range(start + 1, min(start + per_page, total) + 1)
+        items = [{"version": v, "resources": {}, "created_at": 0.0} for v in versions]
+        more = start + per_page < total
+        return httpx.Response(
+            200, json={"items": items, "next_cursor": str(start + per_page) if more else None}
+        )
+
+    return httpx.MockTransport(handle)
+
+
+def test_pages_follows_next_cursor_until_the_last_page():
+    seen: list[dict] = []
+    with Client("http://store", transport=_paged_resources(7, 3, seen)) as client:
+        versions = [r.version for r in client.pages(client.list_resources, limit=3)]
+    assert versions == [1, 2, 3, 4, 5, 6, 7]
+    assert [q.get("cursor") for q in seen] == [None, "3", "6"]
+    assert all(q["limit"] == "3" for q in seen)
+
+
+def test_pages_is_lazy_and_stops_at_an_empty_last_page():
+    seen: list[dict] = []
+    with Client("http://store", transport=_paged_resources(0, 3, seen)) as client:
+        pages = client.pages(client.list_resources, limit=3)
+        assert seen == []  # nothing is fetched before the first item is asked for
+        assert list(pages) == []
+    assert len(seen) == 1
+
+
+def test_the_prompt_export_reads_every_resources_version():
+    seen: list[dict] = []
+    with Client("http://store", transport=_paged_resources(1201, 500, seen)) as client:
+        assert [r.version for r in all_resources(client)] == list(range(1, 1202))
+    assert len(seen) == 3
+
+
+def test_paged_readers_against_a_real_server(client: Client):
+    """list_rollouts, list_events and the batched events query, each over several pages."""
+    client.publish_resources({"system_prompt": PromptTemplate(template="p")})
+    created = client.enqueue([RolloutCreate(task=Task(id=f"t{i}", data={})) for i in range(5)])
+    for _ in created:
+        claim = client.dequeue("w")
+        assert claim is not None
+        events = [EventCreate(sequence=n, type="message", data={"n": n}) for n in range(3)]
+        client.add_events(claim.attempt.id, events)
+        client.finish(claim.attempt.id, AttemptStatus.SUCCEEDED, reward=float(claim.rollout.task.id[1:]))
+    ids = [r.id for r in created]
+    assert [r.id for r in client.pages(client.list_rollouts, limit=2)] == ids
+    assert [e.data["n"] for e in client.pages(client.list_events, ids[0], limit=2)] == [0, 1, 2]
+    assert [e.data["n"] for e in client.all_events(ids[1], limit=1)] == [0, 1, 2]
+    assert {rid: len(events) for rid, events in client.events_of(ids).items()} == dict.fromkeys(ids, 3)
+    kept = fetch_rollouts(client, mode=None, version=None, min_reward=2.0)
+    assert [r.task.id for r in kept] == ["t2", "t3", "t4"]
+    assert [r.version for r in all_resources(client)] == [1]
