@@ -1,9 +1,21 @@
 """agentbolt: train any AI agent from its real runs — prompt optimization, fine-tuning and RL —
-without changing the agent's code."""
+without changing the agent's code.
 
-from agentbolt.algorithms import Algorithm, Evaluate, TrainContext
+``pip install agentbolt`` is what a runner host needs: the client, the runner and the agent API,
+imported here at once. The server and the trainer come with extras (``agentbolt[server]``,
+``[train]``, ``[all]``); their names are imported on first use, so ``import agentbolt`` never
+loads FastAPI or torch, and on a light install they raise one
+:class:`~agentbolt.errors.MissingExtra` naming the extra to install.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from agentbolt.client import AsyncClient, Client
 from agentbolt.errors import AgentboltError, ConfigError, InvalidTransition, LeaseLost, NotFound
+from agentbolt.extras import needs_extra
 from agentbolt.runner.agent import (
     LitAgent,
     RolloutContext,
@@ -29,8 +41,11 @@ from agentbolt.schemas import (
     Task,
     Trajectory,
 )
-from agentbolt.server import ServerConfig, create_app
-from agentbolt.trainer import Trainer
+
+if TYPE_CHECKING:
+    from agentbolt.algorithms import Algorithm, Evaluate, TrainContext
+    from agentbolt.server import ServerConfig, create_app
+    from agentbolt.trainer import Trainer
 
 __all__ = [
     "LLM",
@@ -69,3 +84,27 @@ __all__ = [
     "span",
     "sync_openai",
 ]
+
+# name -> (module, the extras it needs): imported on first use.
+_LAZY: dict[str, tuple[str, tuple[str, ...]]] = {
+    "Algorithm": ("agentbolt.algorithms", ()),
+    "Evaluate": ("agentbolt.algorithms", ()),
+    "TrainContext": ("agentbolt.algorithms", ()),
+    "Trainer": ("agentbolt.trainer", ("server",)),
+    "ServerConfig": ("agentbolt.server", ("server",)),
+    "create_app": ("agentbolt.server", ("server",)),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'agentbolt' has no attribute {name!r}")
+    module, extras = _LAZY[name]
+    with needs_extra(name, *extras):
+        value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

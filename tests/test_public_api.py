@@ -1,3 +1,7 @@
+import sys
+
+import pytest
+
 import agentbolt
 
 
@@ -26,3 +30,19 @@ def test_the_public_surface_is_what_users_need():
     }
     assert expected <= set(agentbolt.__all__)
     assert not [n for n in agentbolt.__all__ if n.startswith("_")]
+
+
+def test_every_public_name_resolves_to_what_its_module_defines():
+    namespace: dict = {}
+    exec("from agentbolt import *", namespace)
+    assert set(agentbolt.__all__) <= set(namespace)
+    for name in agentbolt.__all__:
+        value = getattr(agentbolt, name)
+        assert value is not None, name
+        assert value is getattr(sys.modules[value.__module__], name), name
+    assert set(agentbolt.__all__) <= set(dir(agentbolt))
+
+
+def test_an_unknown_name_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        agentbolt.Nope  # noqa: B018

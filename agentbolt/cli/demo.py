@@ -22,7 +22,10 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.console import Console
+from rich.table import Table
 
+from agentbolt.extras import needs_extra
 from agentbolt.runner.agent import LitAgent, emit_tool_call
 from agentbolt.runner.llm import async_openai
 from agentbolt.schemas import LLM, PromptTemplate, Task
@@ -71,8 +74,8 @@ def make_tasks(n: int, seed: int) -> list[Task]:
     for i in range(n):
         a, b, op = rng.randint(10, 99), rng.randint(10, 99), rng.choice("+-*")
         expr = f"{a} {op} {b}"
-        tasks.append(Task(id=f"calc-{seed}-{i}", data={"question": f"What is {expr}?", "expression": expr,
-                                                       "answer": calculator(expr)}))  # fmt: skip
+        data = {"question": f"What is {expr}?", "expression": expr, "answer": calculator(expr)}
+        tasks.append(Task(id=f"calc-{seed}-{i}", data=data))
     return tasks
 
 
@@ -98,8 +101,11 @@ class CalculatorAgent(LitAgent):
         llm: LLM = self.get_resource("llm")
         prompt = self.get_resource("system_prompt")
         client = async_openai(llm, timeout=600)
-        messages = [{"role": "system", "content": prompt}, *WORKED_EPISODE,
-                    {"role": "user", "content": task.data["question"]}]  # fmt: skip
+        messages = [
+            {"role": "system", "content": prompt},
+            *WORKED_EPISODE,
+            {"role": "user", "content": task.data["question"]},
+        ]
         replies: list[str] = []
         for _turn in range(2):
             reply = await self._ask(client, llm, messages)
@@ -113,8 +119,9 @@ class CalculatorAgent(LitAgent):
 
     async def _ask(self, client: Any, llm: LLM, messages: list[dict[str, str]]) -> str:
         params = {"temperature": 1.0, **llm.sampling_parameters}
-        response = await client.chat.completions.create(model=llm.model, messages=messages,
-                                                        max_tokens=self.max_tokens, **params)  # fmt: skip
+        response = await client.chat.completions.create(
+            model=llm.model, messages=messages, max_tokens=self.max_tokens, **params
+        )
         return (response.choices[0].message.content or "").strip()
 
     @staticmethod
@@ -125,11 +132,17 @@ class CalculatorAgent(LitAgent):
             error = None
         except ValueError as exc:
             result, error = "error", str(exc)
-        emit_tool_call("calculator", {"expression": expression}, result=result, error=error,
-                       duration_ms=(time.perf_counter() - t0) * 1000)  # fmt: skip
+        emit_tool_call(
+            "calculator",
+            {"expression": expression},
+            result=result,
+            error=error,
+            duration_ms=(time.perf_counter() - t0) * 1000,
+        )
         return str(result)
 
 
+@needs_extra("agentbolt demo", "server", "train")
 def demo_command(
     steps: Annotated[int, typer.Option(help="GRPO steps.")] = 8,
     group_size: Annotated[int, typer.Option(help="Rollouts per task per step.")] = 8,
@@ -144,29 +157,44 @@ def demo_command(
     concurrency: Annotated[int, typer.Option(help="Rollouts in flight (the engine batches them).")] = 32,
 ) -> None:
     """Train SmolLM2-135M with GRPO to use a calculator tool; prints before/after and a plot."""
-    from rich.table import Table
-
     from agentbolt.algorithms.grpo import GRPO
     from agentbolt.console import make_console
     from agentbolt.trainer import Trainer
 
     console = make_console()
     run_dir = run_dir or Path("runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
-    algo = GRPO(model=model, steps=steps, group_size=group_size, tasks_per_step=tasks_per_step, lr=lr,
-                resume=resume, val_every=0, checkpoint_every=max(1, steps // 2))  # fmt: skip
-    trainer = Trainer(algo, n_runners=1, runner_concurrency=concurrency, run_dir=run_dir, console=console,
-                      resources={"system_prompt": PromptTemplate(template=SYSTEM_PROMPT, engine="plain")})  # fmt: skip
+    algo = GRPO(
+        model=model,
+        steps=steps,
+        group_size=group_size,
+        tasks_per_step=tasks_per_step,
+        lr=lr,
+        resume=resume,
+        val_every=0,
+        checkpoint_every=max(1, steps // 2),
+    )
+    trainer = Trainer(
+        algo,
+        n_runners=1,
+        runner_concurrency=concurrency,
+        run_dir=run_dir,
+        console=console,
+        resources={"system_prompt": PromptTemplate(template=SYSTEM_PROMPT, engine="plain")},
+    )
     t0 = time.perf_counter()
     result = trainer.fit(CalculatorAgent(), make_tasks(256, seed=1), make_tasks(val_tasks, seed=2))
+    console.print()  # the live training display ends without a line break
+    _report(console, result, steps, val_tasks, time.perf_counter() - t0)
+    console.print(f"plot: {result.plot}   metrics: {result.metrics_file}   run: {run_dir}")
+
+
+def _report(console: Console, result: Any, steps: int, val_tasks: int, seconds: float) -> None:
+    """The held-out success before and after training, and the change."""
     table = Table(title=f"held-out success ({val_tasks} tasks, strict: right answer in the required format)")
     table.add_column("model")
     table.add_column("success", justify="right")
     before, after = result.val_before or 0.0, result.val_after or 0.0
     table.add_row("untrained SmolLM2-135M-Instruct", f"{before:.0%}")
     table.add_row(f"after {steps} GRPO steps", f"{after:.0%}")
-    console.print()  # the live training display ends without a line break
     console.print(table)
-    console.print(
-        f"change: {100 * (after - before):+.0f} percentage points in {time.perf_counter() - t0:.0f} s"
-    )
-    console.print(f"plot: {result.plot}   metrics: {result.metrics_file}   run: {run_dir}")
+    console.print(f"change: {100 * (after - before):+.0f} percentage points in {seconds:.0f} s")

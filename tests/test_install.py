@@ -1,0 +1,175 @@
+"""The light install (``pip install agentbolt``, no extras) is the client, the runner and the
+agent API: importing them, or starting a runner, loads no server or training code, and what
+needs an extra says which one to install instead of failing with an ImportError traceback.
+
+Each check runs in a fresh interpreter (``sys.modules`` of this one holds everything). The light
+install is simulated by an import hook that refuses the extras' modules, as if they were absent;
+scripts/light_install_check.sh checks a real one in CI.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentbolt.client import Client
+from agentbolt.schemas import RolloutCreate, Task
+from agentbolt.server.run import free_port, wait_healthy
+
+ROOT = Path(__file__).parents[1]
+# What must never load without need: the server's and the trainer's dependencies.
+HEAVY = ("torch", "transformers", "fastapi", "uvicorn", "psycopg")
+TRAIN_MODULES = ("torch", "transformers", "peft", "safetensors", "gguf", "numpy", "matplotlib")
+# Everything the server, postgres, train and export extras bring.
+EXTRA_MODULES = ("fastapi", "starlette", "uvicorn", "psycopg", "psycopg_pool", *TRAIN_MODULES, "datasets")
+ABSENT = """
+import sys
+
+class _Absent:
+    \"\"\"Refuses some installed modules as if they were not installed.\"\"\"
+
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in {refused!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        return None
+
+sys.meta_path.insert(0, _Absent())
+"""
+
+
+def environment(absent_dir: Path | None = None, absent: tuple[str, ...] = EXTRA_MODULES) -> dict[str, str]:
+    """Variables for a subprocess that runs this checkout; with ``absent_dir`` (where a
+    sitecustomize.py goes), as if the ``absent`` modules (by default the extras') were missing."""
+    paths = [str(ROOT)]
+    if absent_dir:
+        (absent_dir / "sitecustomize.py").write_text(ABSENT.format(refused=absent))
+        paths.insert(0, str(absent_dir))
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "COLUMNS": "200"}
+
+
+def python(*args: str, **absent: Any) -> subprocess.CompletedProcess:
+    env = environment(**absent)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, env=env)
+
+
+def loaded(importtime: str) -> set[str]:
+    """Top-level modules named by ``python -X importtime`` output."""
+    return {
+        m.group(1).partition(".")[0] for m in re.finditer(r"^import time:.*\|\s+(\S+)$", importtime, re.M)
+    }
+
+
+def test_import_agentbolt_loads_no_server_or_training_code():
+    done = python("-c", "import sys, agentbolt; print(' '.join(sorted(sys.modules)))")
+    assert done.returncode == 0, done.stderr
+    modules = {m.partition(".")[0] for m in done.stdout.split()}
+    assert "agentbolt" in modules
+    assert not modules & set(HEAVY), modules & set(HEAVY)
+
+
+def test_runner_help_loads_no_server_or_training_code():
+    done = python("-X", "importtime", "-m", "agentbolt", "runner", "--help")
+    assert done.returncode == 0, done.stderr
+    assert "--max-rollouts" in done.stdout
+    modules = loaded(done.stderr)
+    assert "agentbolt" in modules and "typer" in modules  # the output was parsed
+    assert not modules & set(HEAVY), modules & set(HEAVY)
+
+
+def test_the_light_install_imports_the_runner_api(tmp_path):
+    code = (
+        "from agentbolt import Client, LitAgent, Runner, emit_reward, rollout\n"
+        "from agentbolt.runner.worker import load_agent\n"
+        "print('runner API imported')\n"
+        "try:\n"
+        "    import torch\n"
+        "except ModuleNotFoundError:\n"
+        "    print('torch refused')\n"
+    )
+    done = python("-c", code, absent_dir=tmp_path)
+    assert done.returncode == 0, done.stderr
+    # ... and the simulation is real: torch, installed here, is refused.
+    assert done.stdout.split("\n")[:2] == ["runner API imported", "torch refused"]
+
+
+@pytest.mark.parametrize(
+    ("name", "extra"),
+    [("Trainer", "server"), ("create_app", "server"), ("ServerConfig", "server")],
+)
+def test_a_name_that_needs_an_extra_raises_one_clear_error(tmp_path, name, extra):
+    code = (
+        "from agentbolt.errors import AgentboltError, MissingExtra\n"
+        "try:\n"
+        f"    from agentbolt import {name}\n"
+        "except MissingExtra as exc:\n"
+        "    assert isinstance(exc, ImportError) and isinstance(exc, AgentboltError)\n"
+        "    assert exc.__cause__ is None and (exc.__context__ is None or exc.__suppress_context__)\n"
+        "    print(exc)\n"
+    )
+    done = python("-c", code, absent_dir=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert f"{name} needs the '{extra}' extra" in done.stdout
+    assert f"pip install 'agentbolt[{extra}]'" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("command", "what", "extras"),
+    [
+        (["server", "--port", "1"], "agentbolt server", "server"),
+        (["eval", "--agent", "a.py:x", "--tasks", "t.json"], "agentbolt eval", "server"),
+        (["demo", "--steps", "1"], "agentbolt demo", "server,train"),
+        (["model", "serve"], "agentbolt model serve", "server,train"),
+        (["model", "pull", "--offline"], "agentbolt model pull", "train"),
+        (["export", "model", "--weights", ".", "--out", "out"], "agentbolt export model", "train"),
+    ],
+)
+def test_a_command_that_needs_an_extra_says_which_and_exits_2(tmp_path, command, what, extras):
+    done = python("-m", "agentbolt", *command, absent_dir=tmp_path)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    [line] = done.stderr.splitlines()  # one line, no traceback
+    assert line.startswith(f"error: {what} needs the ")
+    assert line.endswith(f"pip install 'agentbolt[{extras}]'")
+
+
+def test_commands_of_the_light_install_still_run(tmp_path):
+    done = python(
+        "-m", "agentbolt", "rollouts", "list", "--server", "http://127.0.0.1:1", absent_dir=tmp_path
+    )
+    # No server there: the client's own error, not a missing extra.
+    assert "needs the" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_postgres_store_without_the_postgres_extra_says_so(tmp_path):
+    url = "postgresql://127.0.0.1:1/none"
+    done = python(
+        "-m", "agentbolt", "server", "--db", url, absent_dir=tmp_path, absent=("psycopg", "psycopg_pool")
+    )
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert done.stderr.splitlines() == [
+        "error: agentbolt server needs the 'postgres' extra (psycopg is not installed): "
+        "pip install 'agentbolt[postgres]'"
+    ]
+
+
+def test_the_server_extra_runs_a_server_without_the_training_libraries(tmp_path):
+    env = environment(tmp_path, absent=(*TRAIN_MODULES, "psycopg", "psycopg_pool", "datasets"))
+    port = free_port()
+    command = [sys.executable, "-m", "agentbolt", "server", "--db", ":memory:", "--port", str(port)]
+    with subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as proc:
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}", timeout=60)
+            with Client(f"http://127.0.0.1:{port}") as client:
+                [ro] = client.enqueue([RolloutCreate(task=Task(id="t", data={}))])
+                assert client.get_rollout(ro.id).status.value == "queued"
+        finally:
+            proc.terminate()
+            _out, err = proc.communicate(timeout=30)
+    assert "Traceback" not in err, err
