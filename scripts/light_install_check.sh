@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# CI: the light install works. `pip install agentbolt` (no extras, built from this checkout, not
+# editable) goes into a fresh virtualenv, which must hold neither torch nor FastAPI; its runner
+# then runs N rollouts, with tracing on, against a server started from the full .venv, and every
+# rollout must succeed with its reward, its events and its spans. Needs .venv (scripts/install.sh).
+#   bash scripts/light_install_check.sh        # N=8 rollouts (LIGHT_CHECK_ROLLOUTS=N to change)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT="$PWD"
+FULL="$ROOT/.venv/bin"
+N="${LIGHT_CHECK_ROLLOUTS:-8}"
+WORK="$(mktemp -d)"
+SERVER_PID=""
+START=$SECONDS
+
+cleanup() {
+  if [ -n "$SERVER_PID" ]; then kill "$SERVER_PID" 2>/dev/null || true; wait "$SERVER_PID" 2>/dev/null || true; fi
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+fail() {
+  echo "light install check FAILED: $*" >&2
+  if [ -f "$WORK/server.log" ]; then echo "--- server log (last 30 lines)" >&2; tail -30 "$WORK/server.log" >&2; fi
+  exit 1
+}
+step() { echo "light install check [$((SECONDS - START)) s]: $*"; }
+
+[ -x "$FULL/python" ] || fail "no .venv: run scripts/install.sh first"
+
+step "building a virtualenv with agentbolt and no extras"
+# Build from a copy: setuptools writes build/ and *.egg-info beside the sources it builds.
+mkdir "$WORK/src"
+tar -cf - --exclude=__pycache__ --exclude='*.pyc' pyproject.toml README.md agentbolt | tar -xf - -C "$WORK/src"
+"${PYTHON:-python3}" -m venv "$WORK/venv" || fail "cannot create a virtualenv"
+LIGHT="$WORK/venv/bin"
+# The light install runs on its own: nothing from this environment's PYTHONPATH.
+light() { env -u PYTHONPATH "$@"; }
+light "$LIGHT/python" -m pip install -q "$WORK/src" || fail "pip install agentbolt (no extras) failed"
+light "$LIGHT/python" -m pip check || fail "pip check: the light install's dependencies are inconsistent"
+
+# From here on the light venv runs in $WORK, so this checkout's agentbolt/ cannot shadow the
+# installed package.
+cd "$WORK"
+light "$LIGHT/python" - <<'EOF' || fail "the light install holds an extra's package, or agentbolt is not the installed one"
+import importlib.util
+import agentbolt
+
+assert "site-packages" in agentbolt.__file__, agentbolt.__file__
+extras = ["torch", "transformers", "fastapi", "uvicorn", "starlette", "psycopg", "numpy", "matplotlib"]
+installed = [m for m in extras if importlib.util.find_spec(m) is not None]
+assert not installed, f"installed without extras: {installed}"
+EOF
+light "$LIGHT/python" -c "from agentbolt import Trainer" 2>"$WORK/trainer.err" && fail "Trainer imported without the server extra"
+grep -q "Trainer needs the 'server' extra" "$WORK/trainer.err" || fail "Trainer's error does not name the extra: $(cat "$WORK/trainer.err")"
+step "site-packages of the light install: $(du -sh "$WORK/venv/lib/"python3*/site-packages | cut -f1)"
+
+step "starting the server from the full .venv"
+PORT="$("$FULL/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+URL="http://127.0.0.1:$PORT"
+"$FULL/agentbolt" server --db "$WORK/store.db" --port "$PORT" --log-level warning >"$WORK/server.log" 2>&1 &
+SERVER_PID=$!
+
+step "enqueueing $N rollouts"
+"$FULL/python" - "$URL" "$N" >"$WORK/ids" <<'EOF' || fail "could not reach the server or enqueue"
+import sys
+import time
+
+from agentbolt.client import Client
+from agentbolt.schemas import RolloutCreate, Task
+
+url, n = sys.argv[1], int(sys.argv[2])
+with Client(url) as client:
+    for _ in range(300):
+        try:
+            client.health()
+            break
+        except Exception:
+            time.sleep(0.1)
+    tasks = [RolloutCreate(task=Task(id=f"light-{i}", data={"i": i})) for i in range(n)]
+    for rollout in client.enqueue(tasks):
+        print(rollout.id)
+EOF
+
+cat >"$WORK/agent.py" <<'EOF'
+from agentbolt import Task, emit_message, rollout, span
+
+
+@rollout
+def agent(task: Task) -> float:
+    with span("think", i=task.data["i"]):
+        emit_message(f"task {task.id}")
+    return task.data["i"] / 10
+EOF
+
+step "running the light install's runner on them"
+light timeout 120 "$LIGHT/agentbolt" runner --agent agent.py:agent --server "$URL" --max-rollouts "$N" \
+  --concurrency 4 --tracing >"$WORK/runner.log" 2>&1 || { cat "$WORK/runner.log" >&2; fail "the runner failed"; }
+
+step "checking the rollouts"
+"$FULL/python" - "$URL" "$WORK/ids" <<'EOF' || fail "not every rollout succeeded as the agent said"
+import sys
+
+from agentbolt.client import Client
+
+url, ids = sys.argv[1], open(sys.argv[2]).read().split()
+with Client(url) as client:
+    for rollout_id in ids:
+        rollout = client.get_rollout(rollout_id)
+        i = rollout.task.data["i"]
+        assert rollout.status.value == "succeeded", (rollout_id, rollout.status)
+        assert rollout.reward == i / 10, (rollout_id, rollout.reward)
+        events = client.all_events(rollout_id)
+        assert [e.data["content"] for e in events if e.type == "message"] == [f"task light-{i}"], events
+        spans = {e.data["name"] for e in events if e.type == "span"}
+        assert {"agentbolt.rollout", "think"} <= spans, (rollout_id, spans)
+print(f"{len(ids)} rollouts succeeded")
+EOF
+step "passed: $N rollouts run by the light install"
