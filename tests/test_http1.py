@@ -35,7 +35,10 @@ async def _serve(handler) -> tuple[asyncio.Server, str, list[int]]:
 
 def _ok(body: bytes = b'{"ok": true}', extra: bytes = b"") -> bytes:
     return b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n%s" % (
-        len(body), extra, body)  # fmt: skip
+        len(body),
+        extra,
+        body,
+    )
 
 
 async def _get(client: httpx.AsyncClient, url: str) -> httpx.Response:

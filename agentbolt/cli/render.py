@@ -22,8 +22,16 @@ __all__ = ["render_rollout"]
 
 MAX_TEXT = 240
 MAX_TRACEBACK_LINES = 20
-_STATUS_STYLE = {"succeeded": "green", "failed": "red", "running": "yellow", "queued": "cyan",
-                 "cancelled": "dim", "timed_out": "red", "lease_expired": "red", "released": "dim"}  # fmt: skip
+_STATUS_STYLE = {
+    "succeeded": "green",
+    "failed": "red",
+    "running": "yellow",
+    "queued": "cyan",
+    "cancelled": "dim",
+    "timed_out": "red",
+    "lease_expired": "red",
+    "released": "dim",
+}
 
 
 def _cut(value: Any, limit: int = MAX_TEXT) -> str:
@@ -42,9 +50,14 @@ def _status(status: str) -> Text:
 
 def render_rollout(rollout: Rollout, attempts: Sequence[Attempt], events: Sequence[Event]) -> Tree:
     """The whole rollout: header, task, then one branch per attempt with its events."""
-    head = Text.assemble(("rollout ", "bold"), (rollout.id, "bold cyan"), "  ", _status(rollout.status.value),
-                         f"  mode {rollout.mode.value}  resources v{rollout.resources_version or '-'}",
-                         f"  reward {_number(rollout.reward)}")  # fmt: skip
+    head = Text.assemble(
+        ("rollout ", "bold"),
+        (rollout.id, "bold cyan"),
+        "  ",
+        _status(rollout.status.value),
+        f"  mode {rollout.mode.value}  resources v{rollout.resources_version or '-'}",
+        f"  reward {_number(rollout.reward)}",
+    )
     tree = Tree(head)
     tree.add(Text(f"task {rollout.task.id}: {_cut(rollout.task.data)}", style="dim"))
     if rollout.error:
@@ -65,9 +78,14 @@ def _number(value: float | None) -> str:
 
 def _attempt(tree: Tree, attempt: Attempt, events: list[Event]) -> None:
     took = f"  {attempt.ended_at - attempt.started_at:.2f} s" if attempt.ended_at else ""
-    label = Text.assemble((f"attempt {attempt.number} ", "bold"), (attempt.id, "cyan"), "  ",
-                          _status(attempt.status.value), f"  worker {attempt.worker_id}",
-                          f"  reward {_number(attempt.reward)}{took}")  # fmt: skip
+    label = Text.assemble(
+        (f"attempt {attempt.number} ", "bold"),
+        (attempt.id, "cyan"),
+        "  ",
+        _status(attempt.status.value),
+        f"  worker {attempt.worker_id}",
+        f"  reward {_number(attempt.reward)}{took}",
+    )
     branch = tree.add(label)
     if attempt.error:
         branch.add(Text(f"error: {_cut(attempt.error, 1000)}", style="red"))
@@ -109,11 +127,17 @@ def _llm_call(
     data = event.data
     prompt, completion = _token_counts(data)
     error = data.get("error")
-    label = Text.assemble(prefix, ("llm_call", "bold magenta"), f" #{event.id} {data.get('endpoint', '')}",
-                          f"  model {data.get('model')}", f" v{data['model_version']}" if data.get("model_version") else "",
-                          f"  prompt {_count(prompt)} tok  completion {_count(completion)} tok",
-                          f"  {data.get('latency_ms', 0):.0f} ms", "  stream" if data.get("stream") else "",
-                          (f"  HTTP {data.get('upstream_status')}", "red") if error else "")  # fmt: skip
+    label = Text.assemble(
+        prefix,
+        ("llm_call", "bold magenta"),
+        f" #{event.id} {data.get('endpoint', '')}",
+        f"  model {data.get('model')}",
+        f" v{data['model_version']}" if data.get("model_version") else "",
+        f"  prompt {_count(prompt)} tok  completion {_count(completion)} tok",
+        f"  {data.get('latency_ms', 0):.0f} ms",
+        "  stream" if data.get("stream") else "",
+        (f"  HTTP {data.get('upstream_status')}", "red") if error else "",
+    )
     node = branch.add(label)
     request = data.get("request") or {}
     if data.get("endpoint") == "completions":
@@ -154,8 +178,10 @@ def _messages(
 def _message_line(message: dict[str, Any]) -> Text:
     role = message.get("role", "?")
     parts = [_cut(message["content"])] if message.get("content") else []
-    parts += [f"{c.get('function', {}).get('name')}({_cut(c.get('function', {}).get('arguments'), 120)})"
-              for c in message.get("tool_calls") or []]  # fmt: skip
+    parts += [
+        f"{c.get('function', {}).get('name')}({_cut(c.get('function', {}).get('arguments'), 120)})"
+        for c in message.get("tool_calls") or []
+    ]
     return Text.assemble((f"{role}: ", "bold"), " ".join(parts) or "(empty)")
 
 
@@ -176,8 +202,14 @@ def _reward(branch: Tree, event: Event, prefix: str) -> None:
     extras = [f"name {data['name']}"] if data.get("name") else []
     extras += [f"call #{data['llm_call_id']}"] if data.get("llm_call_id") is not None else []
     extras += ["final"] if data.get("final") else []
-    branch.add(Text.assemble(prefix, ("reward ", "bold green"), _number(data.get("value")),
-                             f"  ({', '.join(extras)})" if extras else ""))  # fmt: skip
+    branch.add(
+        Text.assemble(
+            prefix,
+            ("reward ", "bold green"),
+            _number(data.get("value")),
+            f"  ({', '.join(extras)})" if extras else "",
+        )
+    )
 
 
 def _tool_call(branch: Tree, event: Event, prefix: str) -> None:
@@ -188,8 +220,15 @@ def _tool_call(branch: Tree, event: Event, prefix: str) -> None:
         if data.get("error")
         else f" → {_cut(data.get('result'), 160)}"
     )
-    branch.add(Text.assemble(prefix, ("tool_call ", "bold blue"), f"{data.get('name')}({_cut(data.get('arguments'), 120)})",
-                             outcome, took))  # fmt: skip
+    branch.add(
+        Text.assemble(
+            prefix,
+            ("tool_call ", "bold blue"),
+            f"{data.get('name')}({_cut(data.get('arguments'), 120)})",
+            outcome,
+            took,
+        )
+    )
 
 
 def _message(branch: Tree, event: Event, prefix: str) -> None:
@@ -217,8 +256,16 @@ def _span(branch: Tree, event: Event, prefix: str) -> None:
     took = f"  {(end - start) * 1000:.1f} ms" if start is not None and end is not None else ""
     failed = (data.get("status") or {}).get("code") == "error"
     attrs = {k: v for k, v in (data.get("attributes") or {}).items() if not k.startswith("agentbolt.")}
-    branch.add(Text.assemble(prefix, ("span ", "bold yellow"), str(data.get("name")), took,
-                             ("  error", "red") if failed else "", f"  {_cut(attrs, 160)}" if attrs else ""))  # fmt: skip
+    branch.add(
+        Text.assemble(
+            prefix,
+            ("span ", "bold yellow"),
+            str(data.get("name")),
+            took,
+            ("  error", "red") if failed else "",
+            f"  {_cut(attrs, 160)}" if attrs else "",
+        )
+    )
 
 
 def _other(branch: Tree, event: Event, prefix: str) -> None:

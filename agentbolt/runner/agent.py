@@ -155,8 +155,10 @@ def emit_tool_call(
     error: str | None = None,
     duration_ms: float | None = None,
 ) -> None:
-    _emit(EventType.TOOL_CALL, {"name": name, "arguments": arguments, "result": result, "error": error,
-                                "duration_ms": duration_ms})  # fmt: skip
+    _emit(
+        EventType.TOOL_CALL,
+        {"name": name, "arguments": arguments, "result": result, "error": error, "duration_ms": duration_ms},
+    )
 
 
 def emit_event(type: str, data: dict[str, Any] | None = None) -> None:

@@ -29,8 +29,14 @@ def async_openai(llm: LLM, timeout: float = 300.0, max_retries: int = 0, **kwarg
     pool = _async_pools.get(loop)
     if pool is None:
         pool = _async_pools[loop] = openai.DefaultAsyncHttpxClient()
-    return openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key or "none", timeout=timeout,
-                              max_retries=max_retries, http_client=pool, **kwargs)  # fmt: skip
+    return openai.AsyncOpenAI(
+        base_url=llm.base_url,
+        api_key=llm.api_key or "none",
+        timeout=timeout,
+        max_retries=max_retries,
+        http_client=pool,
+        **kwargs,
+    )
 
 
 def sync_openai(llm: LLM, timeout: float = 300.0, max_retries: int = 0, **kwargs: Any) -> Any:
@@ -40,5 +46,11 @@ def sync_openai(llm: LLM, timeout: float = 300.0, max_retries: int = 0, **kwargs
     pool = getattr(_local, "pool", None)
     if pool is None:
         pool = _local.pool = openai.DefaultHttpxClient()
-    return openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key or "none", timeout=timeout,
-                         max_retries=max_retries, http_client=pool, **kwargs)  # fmt: skip
+    return openai.OpenAI(
+        base_url=llm.base_url,
+        api_key=llm.api_key or "none",
+        timeout=timeout,
+        max_retries=max_retries,
+        http_client=pool,
+        **kwargs,
+    )

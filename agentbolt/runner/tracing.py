@@ -129,12 +129,21 @@ def _light_span(ctx: RolloutContext, name: str, attributes: dict[str, Any]) -> I
         raise
     finally:
         _light_parent.reset(token)
-        ctx.emit(EventType.SPAN, {
-            "name": name, "trace_id": trace_id, "span_id": span_id, "parent_span_id": parent[1] if parent else None,
-            "kind": "internal", "start_time": start, "end_time": time.time(),
-            "attributes": {k: _json_safe(v) for k, v in handle.attributes.items()}, "status": status,
-            "events": handle.events,
-        })  # fmt: skip
+        ctx.emit(
+            EventType.SPAN,
+            {
+                "name": name,
+                "trace_id": trace_id,
+                "span_id": span_id,
+                "parent_span_id": parent[1] if parent else None,
+                "kind": "internal",
+                "start_time": start,
+                "end_time": time.time(),
+                "attributes": {k: _json_safe(v) for k, v in handle.attributes.items()},
+                "status": status,
+                "events": handle.events,
+            },
+        )
 
 
 def _json_safe(value: Any) -> Any:
@@ -212,8 +221,11 @@ class Tracer:
             _ROUTES[ctx.attempt.id] = self
             while len(_ROUTES) > 10_000:
                 _ROUTES.popitem(last=False)
-        attributes = {"agentbolt.task_id": ctx.task.id, "agentbolt.mode": ctx.rollout.mode.value,
-                      "agentbolt.attempt": ctx.attempt.number}  # fmt: skip
+        attributes = {
+            "agentbolt.task_id": ctx.task.id,
+            "agentbolt.mode": ctx.rollout.mode.value,
+            "agentbolt.attempt": ctx.attempt.number,
+        }
         with self.otel_tracer.start_as_current_span("agentbolt.rollout", attributes=attributes) as root:
             ctx.listeners.append(functools.partial(self._on_event, ctx, root))
             yield
@@ -224,13 +236,19 @@ class Tracer:
         if event.type == EventType.SPAN:
             return
         attributes = {f"agentbolt.{event.type}.{k}": _attr(v) for k, v in event.data.items() if v is not None}
-        attributes.update({ROLLOUT_ATTR: ctx.rollout.id, ATTEMPT_ATTR: ctx.attempt.id,
-                           "agentbolt.event.sequence": event.sequence if event.sequence is not None else -1})  # fmt: skip
+        attributes.update(
+            {
+                ROLLOUT_ATTR: ctx.rollout.id,
+                ATTEMPT_ATTR: ctx.attempt.id,
+                "agentbolt.event.sequence": event.sequence if event.sequence is not None else -1,
+            }
+        )
         inside = trace.get_current_span().get_span_context().is_valid
         parent = None if inside else trace.set_span_in_context(root)
         stamp = int(event.timestamp * 1e9)
-        otel_span = self.otel_tracer.start_span(f"agentbolt.{event.type}", context=parent, attributes=attributes,
-                                                start_time=stamp)  # fmt: skip
+        otel_span = self.otel_tracer.start_span(
+            f"agentbolt.{event.type}", context=parent, attributes=attributes, start_time=stamp
+        )
         if event.type == EventType.EXCEPTION:
             otel_span.set_status(trace.Status(trace.StatusCode.ERROR, str(event.data.get("message", ""))))
         otel_span.end(end_time=stamp)

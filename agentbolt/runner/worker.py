@@ -102,14 +102,18 @@ class Runner:
         self.poll_wait, self.flush_interval, self.flush_size = poll_wait, flush_interval, flush_size
         self.grace, self.max_rollouts = grace, max_rollouts
         # Retry forever while the server is down: a runner outlives server restarts.
-        self.client = AsyncClient(server_url, token, timeout=request_timeout,
-                                  retry=RetryPolicy(attempts=0, base_delay=0.2, max_delay=5.0))  # fmt: skip
+        self.client = AsyncClient(
+            server_url,
+            token,
+            timeout=request_timeout,
+            retry=RetryPolicy(attempts=0, base_delay=0.2, max_delay=5.0),
+        )
         self.completed = 0
         self.failed = 0
         self.abandoned = 0
+        """Sync agents cancelled mid-run (stop or lost lease): their threads cannot be interrupted."""
         self.lost = 0
         """Attempts whose lease ended before they could report (they do not count as done)."""
-        """Sync agents cancelled mid-run (stop or lost lease): their threads cannot be interrupted."""
         self._stopping: asyncio.Event | None = None  # created on the loop in run()
         self._executor = ThreadPoolExecutor(self.concurrency, thread_name_prefix="agentbolt-agent")
         self._running: dict[str, asyncio.Task[Any]] = {}

@@ -15,8 +15,9 @@ AGENTS = str(Path(__file__).parents[1] / "sample_agents.py")
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "agentbolt", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "agentbolt", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def test_help_lists_every_command():
@@ -28,12 +29,28 @@ def test_help_lists_every_command():
 def test_rollouts_list_and_show(server, client):
     [ro] = client.enqueue([RolloutCreate(task=Task(id="t-show", data={"q": "hi"}))])
     claim = client.dequeue("w")
-    llm = {"endpoint": "chat.completions", "request": {"messages": [{"role": "user", "content": "2+2?"}]},
-           "choices": [{"index": 0, "message": {"role": "assistant", "content": "four"}, "token_ids": [1, 2],
-                        "logprobs": [-0.1, -0.2]}],
-           "prompt_token_ids": [5, 6, 7], "latency_ms": 12.5, "usage": {"prompt_tokens": 3, "completion_tokens": 2}}  # fmt: skip
-    client.add_events(claim.attempt.id, [EventCreate(sequence=0, type="llm_call", data=llm),
-                                         EventCreate(sequence=1, type="reward", data={"value": 0.5})])  # fmt: skip
+    llm = {
+        "endpoint": "chat.completions",
+        "request": {"messages": [{"role": "user", "content": "2+2?"}]},
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "four"},
+                "token_ids": [1, 2],
+                "logprobs": [-0.1, -0.2],
+            }
+        ],
+        "prompt_token_ids": [5, 6, 7],
+        "latency_ms": 12.5,
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2},
+    }
+    client.add_events(
+        claim.attempt.id,
+        [
+            EventCreate(sequence=0, type="llm_call", data=llm),
+            EventCreate(sequence=1, type="reward", data={"value": 0.5}),
+        ],
+    )
     client.finish(claim.attempt.id, AttemptStatus.SUCCEEDED, 0.5)
     listed = cli("rollouts", "list", "--server", server.url)
     assert listed.returncode == 0 and ro.id in listed.stdout and "succeeded" in listed.stdout
