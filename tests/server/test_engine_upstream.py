@@ -47,8 +47,11 @@ def _assert_exact(call: dict, truth: dict) -> None:
     for rec, ref in zip(call["choices"], truth["choices"], strict=True):
         assert rec["token_ids"] == ref["token_ids"] and len(rec["token_ids"]) > 0
         ref_logprobs = ref["logprobs"]
-        values = ([t["logprob"] for t in ref_logprobs["content"]] if "content" in ref_logprobs
-                  else ref_logprobs["token_logprobs"])  # fmt: skip
+        values = (
+            [t["logprob"] for t in ref_logprobs["content"]]
+            if "content" in ref_logprobs
+            else ref_logprobs["token_logprobs"]
+        )
         assert rec["logprobs"] == pytest.approx(values, abs=1e-4)
 
 
@@ -77,14 +80,18 @@ def test_chat_and_completions_recorded_exactly(rig, engine_server, engine_claim)
 
 def test_stream_completion_ids_recorded_exactly(rig, engine_server, engine_claim):
     claim, client = engine_claim()
-    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model="tiny", messages=MESSAGES, stream=True, **GREEDY) if c.choices)  # fmt: skip
+    text = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(model="tiny", messages=MESSAGES, stream=True, **GREEDY)
+        if c.choices
+    )
     [call] = (e.data for e in rig.llm_calls(claim.rollout.id))
     truth = _replay(engine_server, "chat.completions", call["request"])
     assert call["stream"] is True and call["choices"][0]["message"]["content"] == text
     assert call["choices"][0]["token_ids"] == truth["choices"][0]["token_ids"]
     assert call["choices"][0]["logprobs"] == pytest.approx(
-        [t["logprob"] for t in truth["choices"][0]["logprobs"]["content"]], abs=1e-4)  # fmt: skip
+        [t["logprob"] for t in truth["choices"][0]["logprobs"]["content"]], abs=1e-4
+    )
 
 
 def test_stream_prompt_ids_recorded(rig, engine_server, engine_claim):
@@ -99,8 +106,11 @@ def test_stream_prompt_ids_recorded(rig, engine_server, engine_claim):
 
 def test_streamed_completion_recorded_like_the_plain_one(rig, engine_server, engine_claim):
     claim, client = engine_claim()
-    text = "".join(c.choices[0].text for c in client.completions.create(
-        model="tiny", prompt="Once upon a time", stream=True, **GREEDY) if c.choices)  # fmt: skip
+    text = "".join(
+        c.choices[0].text
+        for c in client.completions.create(model="tiny", prompt="Once upon a time", stream=True, **GREEDY)
+        if c.choices
+    )
     [call] = (e.data for e in rig.llm_calls(claim.rollout.id))
     assert call["stream"] is True and call["choices"][0]["text"] == text
     _assert_exact(call, _replay(engine_server, "completions", call["request"]))
@@ -114,8 +124,12 @@ def test_example_against_the_engine(name, rig, engine_server):
     from calculator_task import SYSTEM_PROMPT, TASKS
 
     agent = load_agent(f"{EXAMPLES / name}.py:{name}")
-    rig.client.publish_resources({"llm": LLM(base_url=engine_server.base_url, model="tiny", sampling_parameters=GREEDY),
-                                  "system_prompt": PromptTemplate(template=SYSTEM_PROMPT)})  # fmt: skip
+    rig.client.publish_resources(
+        {
+            "llm": LLM(base_url=engine_server.base_url, model="tiny", sampling_parameters=GREEDY),
+            "system_prompt": PromptTemplate(template=SYSTEM_PROMPT),
+        }
+    )
     [rollout] = rig.client.enqueue([RolloutCreate(task=Task(id=TASKS[0]["id"], data=TASKS[0]))])
     asyncio.run(asyncio.wait_for(Runner(agent, rig.server.url, max_rollouts=1).run(), 120))
     [done] = rig.client.wait([rollout.id], 10).rollouts

@@ -33,8 +33,12 @@ def test_example_end_to_end(name, rig, upstream):
     from calculator_task import SYSTEM_PROMPT, TASKS
 
     agent = load_agent(f"{EXAMPLES / name}.py:{name}")
-    rig.client.publish_resources({"llm": LLM(base_url=upstream.base_url, model="double", api_key=SECRET),
-                                  "system_prompt": PromptTemplate(template=SYSTEM_PROMPT)})  # fmt: skip
+    rig.client.publish_resources(
+        {
+            "llm": LLM(base_url=upstream.base_url, model="double", api_key=SECRET),
+            "system_prompt": PromptTemplate(template=SYSTEM_PROMPT),
+        }
+    )
     rollouts = rig.client.enqueue([RolloutCreate(task=Task(id=t["id"], data=t)) for t in TASKS])
     runner = Runner(agent, rig.server.url, concurrency=2, max_rollouts=len(TASKS), flush_interval=0.1)
     asyncio.run(asyncio.wait_for(runner.run(), 120))

@@ -14,9 +14,20 @@ from agentbolt.server import Role, ServerConfig, ServerThread
 from agentbolt.server.run import free_port
 
 MESSAGES = [{"role": "user", "content": "What is 6 times 7?"}]
-TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.",
-                                           "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
-                                                          "required": ["expression"]}}}]  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate arithmetic.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
 
 
 def _openai(claim) -> openai.OpenAI:
@@ -40,8 +51,11 @@ def test_claim_points_llm_at_gateway_and_hides_the_key(rig):
 def test_chat_recorded_exactly(rig, upstream):
     claim = rig.claim()
     answer = _openai(claim).chat.completions.create(model="double", messages=MESSAGES)
-    truth = _direct(upstream, "chat/completions", {"model": "double", "messages": MESSAGES,
-                                                   "return_token_ids": True, "logprobs": True})  # fmt: skip
+    truth = _direct(
+        upstream,
+        "chat/completions",
+        {"model": "double", "messages": MESSAGES, "return_token_ids": True, "logprobs": True},
+    )
     sent = upstream.calls[-2].body  # what the gateway asked for
     assert sent["return_token_ids"] is True and sent["logprobs"] is True
     # the agent gets no extras it did not ask for
@@ -88,15 +102,19 @@ def test_stream_records_the_same_event_as_no_stream(rig):
 
 def test_stream_keeps_usage_when_the_agent_asks(rig):
     claim = rig.claim()
-    chunks = list(_openai(claim).chat.completions.create(
-        model="double", messages=MESSAGES, stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        _openai(claim).chat.completions.create(
+            model="double", messages=MESSAGES, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens > 0
 
 
 def test_extras_pass_through_when_the_agent_asks(rig, upstream):
     claim = rig.claim()
-    answer = _openai(claim).chat.completions.create(model="double", messages=MESSAGES, logprobs=True,
-                                                    extra_body={"return_token_ids": True})  # fmt: skip
+    answer = _openai(claim).chat.completions.create(
+        model="double", messages=MESSAGES, logprobs=True, extra_body={"return_token_ids": True}
+    )
     [event] = rig.llm_calls(claim.rollout.id)
     assert answer.model_extra["prompt_token_ids"] == event.data["prompt_token_ids"]
     assert answer.choices[0].model_extra["token_ids"] == event.data["choices"][0]["token_ids"]
@@ -120,16 +138,30 @@ def test_tool_calls_round_trip(rig, stream):
         tc = first.choices[0].message.tool_calls[0]
         call = {"id": tc.id, "name": tc.function.name, "arguments": tc.function.arguments}
     assert call["name"] == "calculator" and "expression" in json.loads(call["arguments"])
-    followup = [*MESSAGES,
-                {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": call["id"], "type": "function", "function": {"name": "calculator", "arguments": call["arguments"]}}]},
-                {"role": "tool", "tool_call_id": call["id"], "content": "42"}]  # fmt: skip
+    followup = [
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call["id"],
+                    "type": "function",
+                    "function": {"name": "calculator", "arguments": call["arguments"]},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call["id"], "content": "42"},
+    ]
     final = client.chat.completions.create(model="double", messages=followup, tools=TOOLS)
     assert "42" in final.choices[0].message.content
     one, two = (e.data for e in rig.llm_calls(claim.rollout.id))
     [recorded] = one["choices"][0]["message"]["tool_calls"]
-    assert recorded == {"id": call["id"], "type": "function",
-                        "function": {"name": "calculator", "arguments": call["arguments"]}}  # fmt: skip
+    assert recorded == {
+        "id": call["id"],
+        "type": "function",
+        "function": {"name": "calculator", "arguments": call["arguments"]},
+    }
     assert one["choices"][0]["finish_reason"] == "tool_calls" and one["request"]["tools"] == TOOLS
     assert len(one["choices"][0]["token_ids"]) == len(one["choices"][0]["logprobs"]) == 2
     assert two["request"]["messages"][-1] == {"role": "tool", "tool_call_id": call["id"], "content": "42"}
@@ -138,8 +170,11 @@ def test_tool_calls_round_trip(rig, stream):
 def test_n_choices_each_with_ids(rig, upstream):
     claim = rig.claim()
     answer = _openai(claim).chat.completions.create(model="double", messages=MESSAGES, n=3)
-    truth = _direct(upstream, "chat/completions", {"model": "double", "messages": MESSAGES, "n": 3,
-                                                   "return_token_ids": True, "logprobs": True})  # fmt: skip
+    truth = _direct(
+        upstream,
+        "chat/completions",
+        {"model": "double", "messages": MESSAGES, "n": 3, "return_token_ids": True, "logprobs": True},
+    )
     [event] = rig.llm_calls(claim.rollout.id)
     assert len(answer.choices) == 3
     assert [c["index"] for c in event.data["choices"]] == [0, 1, 2]
@@ -156,8 +191,11 @@ def test_legacy_completions(rig, upstream, stream):
         for c in part.choices:
             assert c.logprobs is None
             text[c.index] = text.get(c.index, "") + c.text
-    truth = _direct(upstream, "completions", {"model": "double", "prompt": "Once upon", "n": 2,
-                                              "return_token_ids": True, "logprobs": 1})  # fmt: skip
+    truth = _direct(
+        upstream,
+        "completions",
+        {"model": "double", "prompt": "Once upon", "n": 2, "return_token_ids": True, "logprobs": 1},
+    )
     [event] = rig.llm_calls(claim.rollout.id)
     assert event.data["endpoint"] == "completions"
     assert event.data["prompt_token_ids"] == truth["choices"][0]["prompt_token_ids"]
@@ -262,16 +300,22 @@ def test_upstream_without_token_ids_is_asked_again_and_remembered(rig, upstream)
 
 def test_keys_from_config_and_redaction_everywhere(tmp_path, upstream, caplog):
     admin, runner_token = "admin-token", "runner-token"
-    config = ServerConfig(db=str(tmp_path / "s.db"), tokens={admin: Role.ADMIN, runner_token: Role.RUNNER},
-                          upstream_api_keys={"*": "sk-config-secret"})  # fmt: skip
+    config = ServerConfig(
+        db=str(tmp_path / "s.db"),
+        tokens={admin: Role.ADMIN, runner_token: Role.RUNNER},
+        upstream_api_keys={"*": "sk-config-secret"},
+    )
     secrets = ("sk-resource-secret", "sk-config-secret", runner_token)
     with caplog.at_level(logging.DEBUG), ServerThread(config) as server:
         from agentbolt.client import Client
 
         with Client(server.url, admin) as admin_client, Client(server.url, runner_token) as runner:
-            admin_client.publish_resources({"llm": LLM(base_url=upstream.base_url, model="double",
-                                                       api_key="sk-resource-secret"),
-                                            "judge": LLM(base_url=upstream.base_url, model="judge")})  # fmt: skip
+            admin_client.publish_resources(
+                {
+                    "llm": LLM(base_url=upstream.base_url, model="double", api_key="sk-resource-secret"),
+                    "judge": LLM(base_url=upstream.base_url, model="judge"),
+                }
+            )
             admin_client.enqueue([RolloutCreate(task=Task())])
             claim = runner.dequeue("w")
             llm = claim.resources.resources["llm"]
@@ -283,10 +327,17 @@ def test_keys_from_config_and_redaction_everywhere(tmp_path, upstream, caplog):
             assert upstream.calls[-1].headers["authorization"] == "Bearer sk-config-secret"
             with pytest.raises(openai.AuthenticationError):
                 openai.OpenAI(base_url=llm.base_url, api_key="wrong", max_retries=0).chat.completions.create(
-                    model="double", messages=MESSAGES)  # fmt: skip
-            served = [httpx.get(f"{server.url}{path}", headers={"authorization": f"Bearer {admin}"}).text
-                      for path in ("/api/resources", "/api/resources/latest", "/api/resources/1",
-                                   f"/api/rollouts/{claim.rollout.id}/events")]  # fmt: skip
+                    model="double", messages=MESSAGES
+                )
+            served = [
+                httpx.get(f"{server.url}{path}", headers={"authorization": f"Bearer {admin}"}).text
+                for path in (
+                    "/api/resources",
+                    "/api/resources/latest",
+                    "/api/resources/1",
+                    f"/api/rollouts/{claim.rollout.id}/events",
+                )
+            ]
             events = json.dumps([e.data for e in admin_client.all_events(claim.rollout.id)])
             assert "<redacted>" in served[1]
             # a resource re-published from a redacted read still reaches its upstream with its key
@@ -295,8 +346,9 @@ def test_keys_from_config_and_redaction_everywhere(tmp_path, upstream, caplog):
             admin_client.enqueue([RolloutCreate(task=Task())])
             claim2 = runner.dequeue("w")
             llm2 = claim2.resources.resources["llm"]
-            openai.OpenAI(base_url=llm2.base_url, api_key=llm2.api_key, max_retries=0).chat.completions.create(
-                model="double", messages=MESSAGES)  # fmt: skip
+            openai.OpenAI(
+                base_url=llm2.base_url, api_key=llm2.api_key, max_retries=0
+            ).chat.completions.create(model="double", messages=MESSAGES)
             assert upstream.calls[-1].headers["authorization"] == "Bearer sk-resource-secret"
     for secret in secrets[:2]:
         assert all(secret not in text for text in served), secret

@@ -18,22 +18,43 @@ def test_prepare_asks_for_extras_and_remembers_what_the_agent_wanted():
 
 
 def test_engine_version_reports_are_recorded_and_stripped():
-    body = {"id": "c", "model": "m", "model_version": 4, "model_version_mixed": True, "prompt_token_ids": [1, 2],
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop",
-                         "token_ids": [3, 4], "model_versions": [3, 4], "logprobs": {"content": [
-                             {"token": "h", "logprob": -0.5}, {"token": "i", "logprob": -0.25}]}}]}  # fmt: skip
+    body = {
+        "id": "c",
+        "model": "m",
+        "model_version": 4,
+        "model_version_mixed": True,
+        "prompt_token_ids": [1, 2],
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "hi"},
+                "finish_reason": "stop",
+                "token_ids": [3, 4],
+                "model_versions": [3, 4],
+                "logprobs": {"content": [{"token": "h", "logprob": -0.5}, {"token": "i", "logprob": -0.25}]},
+            }
+        ],
+    }
     prompt_ids, [choice] = extract(CHAT, body)
     assert prompt_ids == [1, 2] and choice["model_versions"] == [3, 4] and choice["logprobs"] == [-0.5, -0.25]
     _, wants = prepare(CHAT, {"messages": []}, ask_token_ids=True)
     out = strip(body, wants)
     assert set(out) == {"id", "model", "choices"}
-    assert out["choices"][0] == {"index": 0, "message": {"role": "assistant", "content": "hi"},
-                                 "finish_reason": "stop", "logprobs": None}  # fmt: skip
+    assert out["choices"][0] == {
+        "index": 0,
+        "message": {"role": "assistant", "content": "hi"},
+        "finish_reason": "stop",
+        "logprobs": None,
+    }
 
 
 def test_a_batch_of_completion_prompts_keeps_each_prompt():
-    body = {"choices": [{"index": 0, "text": "a", "prompt_token_ids": [1], "token_ids": [5], "logprobs": None},
-                        {"index": 1, "text": "b", "prompt_token_ids": [2], "token_ids": [6], "logprobs": None}]}  # fmt: skip
+    body = {
+        "choices": [
+            {"index": 0, "text": "a", "prompt_token_ids": [1], "token_ids": [5], "logprobs": None},
+            {"index": 1, "text": "b", "prompt_token_ids": [2], "token_ids": [6], "logprobs": None},
+        ]
+    }
     prompt_ids, choices = extract(COMPLETIONS, body)
     assert (
         prompt_ids == [1] and "prompt_token_ids" not in choices[0] and choices[1]["prompt_token_ids"] == [2]
@@ -45,11 +66,43 @@ def test_stream_assembly_of_tool_calls_without_index_and_split_arguments():
     assembler.add(
         {"id": "c", "model": "m", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
     )
-    assembler.add({"choices": [{"index": 0, "delta": {"tool_calls": [
-        {"id": "t1", "type": "function", "function": {"name": "calc", "arguments": '{"x": '}}]}, "token_ids": [7]}]})  # fmt: skip
-    assembler.add({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]},
-                                "token_ids": [8], "finish_reason": "tool_calls"}]})  # fmt: skip
+    assembler.add(
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {
+                        "tool_calls": [
+                            {
+                                "id": "t1",
+                                "type": "function",
+                                "function": {"name": "calc", "arguments": '{"x": '},
+                            }
+                        ]
+                    },
+                    "token_ids": [7],
+                }
+            ]
+        }
+    )
+    assembler.add(
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]},
+                    "token_ids": [8],
+                    "finish_reason": "tool_calls",
+                }
+            ]
+        }
+    )
     [choice] = assembler.response()["choices"]
-    assert choice["message"] == {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "t1", "type": "function", "function": {"name": "calc", "arguments": '{"x": 1}'}}]}  # fmt: skip
+    assert choice["message"] == {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "t1", "type": "function", "function": {"name": "calc", "arguments": '{"x": 1}'}}
+        ],
+    }
     assert choice["token_ids"] == [7, 8] and choice["finish_reason"] == "tool_calls"

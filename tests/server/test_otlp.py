@@ -28,9 +28,15 @@ def _spans(client, rollout_id):
 def test_protobuf_from_the_otel_exporter_lands_in_the_right_rollout(server, client):
     first, second = _two_claims(client)
     # routing by resource attributes for one provider, by span attributes for the other
-    by_resource = TracerProvider(resource=Resource.create({"service.name": "my-agent",
-                                                           "agentbolt.rollout_id": first.rollout.id,
-                                                           "agentbolt.attempt_id": first.attempt.id}))  # fmt: skip
+    by_resource = TracerProvider(
+        resource=Resource.create(
+            {
+                "service.name": "my-agent",
+                "agentbolt.rollout_id": first.rollout.id,
+                "agentbolt.attempt_id": first.attempt.id,
+            }
+        )
+    )
     by_span = TracerProvider()
     for provider in (by_resource, by_span):
         provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=f"{server.url}/v1/traces")))
@@ -60,14 +66,25 @@ def _json_export(attempt_id: str | None, rollout_id: str | None = None) -> dict:
     attributes = [{"key": "agentbolt.attempt_id", "value": {"stringValue": attempt_id}}] if attempt_id else []
     if rollout_id:
         attributes.append({"key": "agentbolt.rollout_id", "value": {"stringValue": rollout_id}})
-    return {"resourceSpans": [{"resource": {"attributes": []}, "scopeSpans": [{"scope": {"name": "lib"}, "spans": [{
-        "traceId": "5b8efff798038103d269b633813fc60c", "spanId": "eee19b7ec3c1b174",
-        "parentSpanId": "eee19b7ec3c1b173", "name": "llm", "kind": 3,
-        "startTimeUnixNano": "1700000000000000000", "endTimeUnixNano": "1700000001500000000",
-        "attributes": [*attributes, {"key": "n", "value": {"intValue": "3"}},
-                       {"key": "ok", "value": {"boolValue": True}},
-                       {"key": "kv", "value": {"kvlistValue": {"values": [{"key": "x", "value": {"doubleValue": 0.5}}]}}}],
-        "status": {"code": 1}}]}]}]}  # fmt: skip
+    kv = {"kvlistValue": {"values": [{"key": "x", "value": {"doubleValue": 0.5}}]}}
+    span = {
+        "traceId": "5b8efff798038103d269b633813fc60c",
+        "spanId": "eee19b7ec3c1b174",
+        "parentSpanId": "eee19b7ec3c1b173",
+        "name": "llm",
+        "kind": 3,
+        "startTimeUnixNano": "1700000000000000000",
+        "endTimeUnixNano": "1700000001500000000",
+        "attributes": [
+            *attributes,
+            {"key": "n", "value": {"intValue": "3"}},
+            {"key": "ok", "value": {"boolValue": True}},
+            {"key": "kv", "value": kv},
+        ],
+        "status": {"code": 1},
+    }
+    scope_spans = {"scope": {"name": "lib"}, "spans": [span]}
+    return {"resourceSpans": [{"resource": {"attributes": []}, "scopeSpans": [scope_spans]}]}
 
 
 def test_json_lands_in_the_right_rollout(server, client):
@@ -84,15 +101,21 @@ def test_json_lands_in_the_right_rollout(server, client):
     assert data["kind"] == "client" and data["status"]["code"] == "ok" and data["scope"] == "lib"
     assert data["end_time"] - data["start_time"] == 1.5
     assert {k: v for k, v in data["attributes"].items() if not k.startswith("agentbolt.")} == {
-        "n": 3, "ok": True, "kv": {"x": 0.5}}  # fmt: skip
+        "n": 3,
+        "ok": True,
+        "kv": {"x": 0.5},
+    }
     assert _spans(client, first.rollout.id) == []
 
 
 def test_rollout_id_alone_means_its_latest_attempt_and_gzip_works(server, client):
     first, _ = _two_claims(client)
     body = gzip.compress(json.dumps(_json_export(None, first.rollout.id)).encode())
-    r = httpx.post(f"{server.url}/v1/traces", content=body,
-                   headers={"content-type": "application/json", "content-encoding": "gzip"})  # fmt: skip
+    r = httpx.post(
+        f"{server.url}/v1/traces",
+        content=body,
+        headers={"content-type": "application/json", "content-encoding": "gzip"},
+    )
     assert r.status_code == 200
     assert [e.attempt_id for e in _spans(client, first.rollout.id)] == [first.attempt.id]
 
@@ -102,8 +125,11 @@ def test_unrouted_and_unknown_spans_are_rejected_as_partial_success(server, clie
     assert r.json()["partialSuccess"]["rejectedSpans"] == 1
     r = httpx.post(f"{server.url}/v1/traces", json=_json_export("at-unknown"))
     assert r.json()["partialSuccess"]["rejectedSpans"] == 1
-    r = httpx.post(f"{server.url}/v1/traces", content=b"\x0a\x02garbage",
-                   headers={"content-type": "application/x-protobuf"})  # fmt: skip
+    r = httpx.post(
+        f"{server.url}/v1/traces",
+        content=b"\x0a\x02garbage",
+        headers={"content-type": "application/x-protobuf"},
+    )
     assert r.status_code == 400
     answer = httpx.post(
         f"{server.url}/v1/traces", content=b"", headers={"content-type": "application/x-protobuf"}

@@ -101,15 +101,23 @@ def _generate(body: dict[str, Any], index: int) -> _Choice:
     else:
         words = [WORDS[(seed + i) % len(WORDS)] for i in range(3 + seed % 4)]
     limit = body.get("max_completion_tokens") or body.get("max_tokens") or 10_000
-    pieces = [_Piece(w, 100 + WORDS.index(w) if w in WORDS else 90 + i, -round(0.05 * (i + 1) + (seed % 13) / 100, 4))
-              for i, w in enumerate(words)]  # fmt: skip
+    pieces = [
+        _Piece(
+            w, 100 + WORDS.index(w) if w in WORDS else 90 + i, -round(0.05 * (i + 1) + (seed % 13) / 100, 4)
+        )
+        for i, w in enumerate(words)
+    ]
     finish = "stop" if len(pieces) <= limit else "length"
     return _Choice(index, pieces[:limit], finish)
 
 
 def _chat_logprobs(pieces: list[_Piece]) -> dict[str, Any]:
-    return {"content": [{"token": p.text, "logprob": p.logprob, "bytes": list(p.text.encode()), "top_logprobs": []}
-                        for p in pieces]}  # fmt: skip
+    return {
+        "content": [
+            {"token": p.text, "logprob": p.logprob, "bytes": list(p.text.encode()), "top_logprobs": []}
+            for p in pieces
+        ]
+    }
 
 
 def _completion_logprobs(pieces: list[_Piece], offset: int = 0) -> dict[str, Any]:
@@ -117,8 +125,12 @@ def _completion_logprobs(pieces: list[_Piece], offset: int = 0) -> dict[str, Any
     for p in pieces:
         offsets.append(at)
         at += len(p.text)
-    return {"tokens": [p.text for p in pieces], "token_logprobs": [p.logprob for p in pieces],
-            "top_logprobs": [{p.text: p.logprob} for p in pieces], "text_offset": offsets}  # fmt: skip
+    return {
+        "tokens": [p.text for p in pieces],
+        "token_logprobs": [p.logprob for p in pieces],
+        "top_logprobs": [{p.text: p.logprob} for p in pieces],
+        "text_offset": offsets,
+    }
 
 
 class UpstreamDouble:
@@ -169,8 +181,10 @@ class UpstreamDouble:
 
         @app.get("/v1/models")
         async def models() -> dict[str, Any]:
-            return {"object": "list", "data": [{"id": "double", "object": "model", "created": CREATED,
-                                                "owned_by": "tests"}]}  # fmt: skip
+            return {
+                "object": "list",
+                "data": [{"id": "double", "object": "model", "created": CREATED, "owned_by": "tests"}],
+            }
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request) -> Any:
@@ -204,8 +218,11 @@ class UpstreamDouble:
         if body.get("stream"):
             chunks = self._chat_chunks if chat else self._completion_chunks
             gen = chunks(body, prompt_ids, choices)
-            return StreamingResponse(self._sse(gen, body.get("model") == "broken-stream"),
-                                     media_type="text/event-stream", headers=headers)  # fmt: skip
+            return StreamingResponse(
+                self._sse(gen, body.get("model") == "broken-stream"),
+                media_type="text/event-stream",
+                headers=headers,
+            )
         full = (
             self._chat_body(body, prompt_ids, choices)
             if chat
@@ -225,8 +242,11 @@ class UpstreamDouble:
     @staticmethod
     def _usage(prompt_ids: list[int], choices: list[_Choice]) -> dict[str, int]:
         completion = sum(len(c.pieces) for c in choices)
-        return {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
-                "total_tokens": len(prompt_ids) + completion}  # fmt: skip
+        return {
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": completion,
+            "total_tokens": len(prompt_ids) + completion,
+        }
 
     @staticmethod
     def _head(body: dict[str, Any], kind: str) -> dict[str, Any]:
@@ -239,10 +259,19 @@ class UpstreamDouble:
         for c in choices:
             message: dict[str, Any] = {"role": "assistant", "content": None if c.tool_call else c.text}
             if c.tool_call:
-                message["tool_calls"] = [{"id": c.tool_call["id"], "type": "function",
-                                          "function": {"name": c.tool_call["name"], "arguments": c.text}}]  # fmt: skip
-            choice: dict[str, Any] = {"index": c.index, "message": message, "finish_reason": c.finish_reason,
-                                      "logprobs": _chat_logprobs(c.pieces) if body.get("logprobs") else None}  # fmt: skip
+                message["tool_calls"] = [
+                    {
+                        "id": c.tool_call["id"],
+                        "type": "function",
+                        "function": {"name": c.tool_call["name"], "arguments": c.text},
+                    }
+                ]
+            choice: dict[str, Any] = {
+                "index": c.index,
+                "message": message,
+                "finish_reason": c.finish_reason,
+                "logprobs": _chat_logprobs(c.pieces) if body.get("logprobs") else None,
+            }
             if body.get("return_token_ids"):
                 choice["token_ids"] = [p.token_id for p in c.pieces]
             out["choices"].append(choice)
@@ -256,8 +285,18 @@ class UpstreamDouble:
     ) -> list[dict[str, Any]]:
         head = {**self._head(body, "chatcmpl"), "object": "chat.completion.chunk"}
         ids, lps = body.get("return_token_ids"), body.get("logprobs")
-        first = {**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                      "logprobs": None, "finish_reason": None} for c in choices]}  # fmt: skip
+        first = {
+            **head,
+            "choices": [
+                {
+                    "index": c.index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                for c in choices
+            ],
+        }
         if ids:
             first["prompt_token_ids"] = prompt_ids
             for ch in first["choices"]:
@@ -276,8 +315,12 @@ class UpstreamDouble:
                     delta: dict[str, Any] = {"tool_calls": [call]}
                 else:
                     delta = {"content": p.text}
-                choice = {"index": c.index, "delta": delta, "finish_reason": None,
-                          "logprobs": _chat_logprobs([p]) if lps else None}  # fmt: skip
+                choice = {
+                    "index": c.index,
+                    "delta": delta,
+                    "finish_reason": None,
+                    "logprobs": _chat_logprobs([p]) if lps else None,
+                }
                 if ids:
                     choice["token_ids"] = [p.token_id]
                 chunks.append({**head, "choices": [choice]})
@@ -293,9 +336,12 @@ class UpstreamDouble:
     ) -> dict[str, Any]:
         out: dict[str, Any] = {**self._head(body, "cmpl"), "object": "text_completion", "choices": []}
         for c in choices:
-            choice: dict[str, Any] = {"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
-                                      "logprobs": _completion_logprobs(c.pieces)
-                                      if body.get("logprobs") is not None else None}  # fmt: skip
+            choice: dict[str, Any] = {
+                "index": c.index,
+                "text": c.text,
+                "finish_reason": c.finish_reason,
+                "logprobs": _completion_logprobs(c.pieces) if body.get("logprobs") is not None else None,
+            }
             if body.get("return_token_ids"):  # vLLM: per choice for completions
                 choice["prompt_token_ids"] = prompt_ids
                 choice["token_ids"] = [p.token_id for p in c.pieces]
@@ -313,9 +359,12 @@ class UpstreamDouble:
             offset = 0
             for step, p in enumerate(c.pieces):
                 last = step == len(c.pieces) - 1
-                choice: dict[str, Any] = {"index": c.index, "text": p.text,
-                                          "finish_reason": c.finish_reason if last else None,
-                                          "logprobs": _completion_logprobs([p], offset) if lps else None}  # fmt: skip
+                choice: dict[str, Any] = {
+                    "index": c.index,
+                    "text": p.text,
+                    "finish_reason": c.finish_reason if last else None,
+                    "logprobs": _completion_logprobs([p], offset) if lps else None,
+                }
                 offset += len(p.text)
                 if ids:
                     choice["token_ids"] = [p.token_id]

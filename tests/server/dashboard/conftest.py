@@ -25,9 +25,15 @@ from dashboard_data import Populated, populate  # noqa: E402
 
 CHROMIUM = os.environ.get("AGENTBOLT_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]  # fmt: skip
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 TOKENS = {"admintok": Role.ADMIN, "readtok": Role.READER}
 VIEWPORT = {"width": 1280, "height": 800}
 

@@ -65,10 +65,17 @@ def llm_call(question: str, answer: str, tool: bool, version: int, latency_ms: f
         {"role": "user", "content": question},
     ]
     if tool:
-        message = {"role": "assistant", "content": None, "tool_calls": [{
-            "id": "call_1", "type": "function",
-            "function": {"name": "calculator", "arguments": '{"expression": "17 * 23"}'},
-        }]}  # fmt: skip
+        message = {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "calculator", "arguments": '{"expression": "17 * 23"}'},
+                }
+            ],
+        }
         finish = "tool_calls"
     else:
         messages.append({"role": "tool", "tool_call_id": "call_1", "content": "391"})
@@ -94,7 +101,7 @@ def llm_call(question: str, answer: str, tool: bool, version: int, latency_ms: f
                 "token_ids": completion_ids,
                 "logprobs": [round(-0.05 - 0.1 * i, 3) for i in range(len(completion_ids))],
             }
-        ],  # fmt: skip
+        ],
         "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(completion_ids)},
         "latency_ms": latency_ms,
         "upstream_status": 200,
@@ -112,33 +119,78 @@ def _events(claim_start: float, version: int, reward: float | None, rng: random.
     first = rng.uniform(180, 420)
     second = rng.uniform(120, 300)
     events = [
-        EventCreate(sequence=0, type="message", timestamp=t + 0.01, data={"role": "user", "content": question}),
-        EventCreate(sequence=1, type="llm_call", timestamp=t + 0.02 + first / 1000,
-                    data=llm_call(question, "", True, version, first)),
-        EventCreate(sequence=2, type="tool_call", timestamp=t + 0.06 + first / 1000,
-                    data={"name": "calculator", "arguments": {"expression": "17 * 23"}, "result": 391,
-                          "error": None, "duration_ms": 2.4}),
-        EventCreate(sequence=3, type="llm_call", timestamp=t + 0.1 + (first + second) / 1000,
-                    data=llm_call(question, "<answer>391</answer>" if ok else "The result is 5", False, version, second)),
-    ]  # fmt: skip
+        EventCreate(
+            sequence=0, type="message", timestamp=t + 0.01, data={"role": "user", "content": question}
+        ),
+        EventCreate(
+            sequence=1,
+            type="llm_call",
+            timestamp=t + 0.02 + first / 1000,
+            data=llm_call(question, "", True, version, first),
+        ),
+        EventCreate(
+            sequence=2,
+            type="tool_call",
+            timestamp=t + 0.06 + first / 1000,
+            data={
+                "name": "calculator",
+                "arguments": {"expression": "17 * 23"},
+                "result": 391,
+                "error": None,
+                "duration_ms": 2.4,
+            },
+        ),
+        EventCreate(
+            sequence=3,
+            type="llm_call",
+            timestamp=t + 0.1 + (first + second) / 1000,
+            data=llm_call(
+                question, "<answer>391</answer>" if ok else "The result is 5", False, version, second
+            ),
+        ),
+    ]
     end = t + 0.12 + (first + second) / 1000
     if ok:
         events.append(
             EventCreate(sequence=4, type="reward", timestamp=end, data={"value": reward, "name": "correct"})
         )
     else:
-        events.append(EventCreate(sequence=4, type="exception", timestamp=end, data={
-            "type": "ValueError", "message": "no <answer> tag in 'The result is 5'", "traceback": TRACEBACK,
-        }))  # fmt: skip
+        events.append(
+            EventCreate(
+                sequence=4,
+                type="exception",
+                timestamp=end,
+                data={
+                    "type": "ValueError",
+                    "message": "no <answer> tag in 'The result is 5'",
+                    "traceback": TRACEBACK,
+                },
+            )
+        )
     return events
 
 
-def _run_batch(client: Client, version: int, n_train: int, n_val: int, p_ok: float, rng: random.Random,
-               out: Populated) -> None:  # fmt: skip
-    items = [RolloutCreate(task=Task(data={"question": f"{a} * {a + 6}", "answer": a * (a + 6)}), mode=Mode.TRAIN,
-                           resources_version=version, max_attempts=1) for a in range(10, 10 + n_train)]  # fmt: skip
-    items += [RolloutCreate(task=Task(data={"question": f"{a} + {a}", "answer": 2 * a}), mode=Mode.VAL,
-                            resources_version=version, max_attempts=1) for a in range(n_val)]  # fmt: skip
+def _run_batch(
+    client: Client, version: int, n_train: int, n_val: int, p_ok: float, rng: random.Random, out: Populated
+) -> None:
+    items = [
+        RolloutCreate(
+            task=Task(data={"question": f"{a} * {a + 6}", "answer": a * (a + 6)}),
+            mode=Mode.TRAIN,
+            resources_version=version,
+            max_attempts=1,
+        )
+        for a in range(10, 10 + n_train)
+    ]
+    items += [
+        RolloutCreate(
+            task=Task(data={"question": f"{a} + {a}", "answer": 2 * a}),
+            mode=Mode.VAL,
+            resources_version=version,
+            max_attempts=1,
+        )
+        for a in range(n_val)
+    ]
     client.enqueue(items)
     claims = []
     for i in range(len(items)):

@@ -48,8 +48,9 @@ def test_overview_shows_counts_runners_and_throughput(
     shoot(page, "overview")
 
 
-def test_rollouts_filter_by_status_mode_and_version_and_page(page: Any, dash_server: ServerThread,
-                                                             dash_data: Populated) -> None:  # fmt: skip
+def test_rollouts_filter_by_status_mode_and_version_and_page(
+    page: Any, dash_server: ServerThread, dash_data: Populated
+) -> None:
     goto(page, dash_server, "/rollouts")
     rows = page.locator(".rollouts-table tbody tr")
     assert rows.count() == 25
@@ -84,8 +85,9 @@ def test_rollouts_filter_by_status_mode_and_version_and_page(page: Any, dash_ser
     assert rows.locator("td:first-child").all_inner_texts() == first_page
 
 
-def test_rollout_detail_shows_llm_calls_with_messages_tokens_and_latency(page: Any, dash_server: ServerThread,
-                                                                          dash_data: Populated) -> None:  # fmt: skip
+def test_rollout_detail_shows_llm_calls_with_messages_tokens_and_latency(
+    page: Any, dash_server: ServerThread, dash_data: Populated
+) -> None:
     goto(page, dash_server, "/rollouts?status=succeeded&mode=train&version=1")
     short = dash_data.llm_rollout.removeprefix("ro-")
     page.get_by_role("link", name=short, exact=True).click()
@@ -119,8 +121,9 @@ def test_rollout_detail_shows_llm_calls_with_messages_tokens_and_latency(page: A
     assert page.locator("li.event:not(.ev-llm_call)").count() == 0
 
 
-def test_failed_rollout_shows_its_exception_and_traceback(page: Any, dash_server: ServerThread,
-                                                          dash_data: Populated) -> None:  # fmt: skip
+def test_failed_rollout_shows_its_exception_and_traceback(
+    page: Any, dash_server: ServerThread, dash_data: Populated
+) -> None:
     goto(page, dash_server, f"/rollouts/{dash_data.failed_rollout}")
     exc = page.locator("li.ev-exception")
     assert exc.count() == 1
@@ -279,8 +282,13 @@ def test_keyboard_navigation_and_focus(page: Any, dash_server: ServerThread, das
 
 def test_light_theme_is_readable(open_page: Any, dash_server: ServerThread, dash_data: Populated) -> None:
     page = open_page(token="readtok", color_scheme="light")
-    for name, route in [("overview", "/"), ("rollouts", "/rollouts"), ("rollout-detail", f"/rollouts/{dash_data.llm_rollout}"),
-                        ("training", "/training"), ("resources", "/resources/2")]:  # fmt: skip
+    for name, route in [
+        ("overview", "/"),
+        ("rollouts", "/rollouts"),
+        ("rollout-detail", f"/rollouts/{dash_data.llm_rollout}"),
+        ("training", "/training"),
+        ("resources", "/resources/2"),
+    ]:
         goto(page, dash_server, route)
         assert_contrast(page)
         shoot(page, f"light-{name}")
@@ -290,8 +298,11 @@ def test_empty_server_then_live_updates_paused_while_hidden(
     open_page: Any, empty_server: ServerThread
 ) -> None:
     page = open_page(token="readtok")
-    for route, text in [("/rollouts", "No rollouts yet"), ("/training", "No training data yet"),
-                        ("/resources", "No resources published yet")]:  # fmt: skip
+    for route, text in [
+        ("/rollouts", "No rollouts yet"),
+        ("/training", "No training data yet"),
+        ("/resources", "No resources published yet"),
+    ]:
         goto(page, empty_server, route)
         assert page.get_by_text(text).is_visible()
     goto(page, empty_server, "/")
