@@ -17,8 +17,9 @@ Choices worth knowing:
   and 429/502/503 answers. A read timeout or a broken stream is reported, not retried.
 - An upstream that rejects ``return_token_ids`` (400 naming it) is asked again without it and
   remembered; its calls are recorded with ``token_ids: null``.
-- Cost: the POST routes are served by a pure ASGI fast path (``_FastPath``) and plain-http
-  upstreams go through a lean keep-alive transport (:mod:`.http1`); FastAPI routing and httpx's
+- Cost: the POST routes are served by a pure ASGI fast path
+  (:class:`~agentbolt.server.routes.gateway.GatewayFastPath`) and plain-http upstreams go
+  through a lean keep-alive transport (:mod:`agentbolt.http1`); FastAPI routing and httpx's
   default pool each cost more than the rest of a call (``benchmarks/gateway_overhead.py``).
 """
 
@@ -37,19 +38,17 @@ from typing import Any
 import anyio
 import httpx
 import orjson
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from agentbolt.errors import NotFound
 from agentbolt.http1 import Http1Transport, lean_mounts
 from agentbolt.schemas import LLM, AttemptStatus, EventCreate, EventType
-from agentbolt.server.app import StoreCaller
 from agentbolt.server.config import ServerConfig
-from agentbolt.server.gateway_access import UpstreamKeys, rewrite_claim
+from agentbolt.server.gateway_access import UpstreamKeys
 from agentbolt.server.openai_format import (
     CHAT,
     COMPLETIONS,
-    REQUEST_SCHEMAS,
     StreamAssembler,
     Wants,
     check_request,
@@ -59,8 +58,9 @@ from agentbolt.server.openai_format import (
     prepare,
     strip,
 )
+from agentbolt.server.store_caller import StoreCaller
 
-__all__ = ["Gateway", "install"]
+__all__ = ["Gateway"]
 
 log = logging.getLogger("agentbolt.gateway")
 
@@ -96,8 +96,9 @@ class _Target:
     def pick(self, model: Any) -> tuple[str, LLM]:
         """The LLM resource serving ``model``: the one whose model matches, else the first."""
         if not self.llms:
-            raise _Refused(400, "this rollout's resources have no LLM resource to forward to",
-                           "invalid_request_error")  # fmt: skip
+            raise _Refused(
+                400, "this rollout's resources have no LLM resource to forward to", "invalid_request_error"
+            )
         for name, llm in self.llms.items():
             if llm.model == model:
                 return name, llm
@@ -105,7 +106,7 @@ class _Target:
 
 
 @dataclass
-class _Call:
+class _ForwardedCall:
     """One model call in flight: where it goes and what the record needs."""
 
     target: _Target
@@ -163,8 +164,11 @@ class Gateway:
                 404, f"attempt {attempt_id!r} is not part of rollout {rollout_id!r}", "not_found_error"
             )
         if attempt.status != AttemptStatus.RUNNING:
-            raise _Refused(409, f"attempt {attempt_id!r} is {attempt.status.value}; it takes no more calls",
-                           "conflict_error")  # fmt: skip
+            raise _Refused(
+                409,
+                f"attempt {attempt_id!r} is {attempt.status.value}; it takes no more calls",
+                "conflict_error",
+            )
         found = self._targets.get(attempt_id)
         if found is None:
             found = await self._load_target(rollout_id, attempt_id)
@@ -201,7 +205,7 @@ class Gateway:
             return exc.response()
         ask_ids = self._token_ids.get(llm.base_url, True)
         payload, wants = prepare(endpoint, body, ask_ids)
-        call = _Call(target, resource, llm, endpoint, body, wants, key, started, t0)
+        call = _ForwardedCall(target, resource, llm, endpoint, body, wants, key, started, t0)
         try:
             upstream = await self._send_with_fallback(call, payload)
         except httpx.TimeoutException as exc:
@@ -215,17 +219,25 @@ class Gateway:
         if upstream.status_code >= 400:
             return await self._upstream_error(call, upstream)
         if body.get("stream"):
-            return StreamingResponse(self._relay(call, upstream), media_type="text/event-stream",
-                                     headers={"cache-control": "no-cache"})  # fmt: skip
+            return StreamingResponse(
+                self._relay(call, upstream),
+                media_type="text/event-stream",
+                headers={"cache-control": "no-cache"},
+            )
         try:
             full = orjson.loads(await upstream.aread())
         except (orjson.JSONDecodeError, httpx.HTTPError) as exc:
-            return await self._failed(call, 502, "upstream_invalid_response", f"unreadable model server answer: {exc}",
-                                      upstream.status_code)  # fmt: skip
+            return await self._failed(
+                call,
+                502,
+                "upstream_invalid_response",
+                f"unreadable model server answer: {exc}",
+                upstream.status_code,
+            )
         out = await self._record_success(call, full, upstream.status_code, upstream.headers)
         return _json(out, upstream.status_code)
 
-    def _upstream_request(self, call: _Call, payload: dict[str, Any]) -> httpx.Request:
+    def _upstream_request(self, call: _ForwardedCall, payload: dict[str, Any]) -> httpx.Request:
         # built directly (not client.build_request): URL parsing and header merging cost more
         # than the rest of the call; the parsed URL is cached per upstream and endpoint
         key = (call.llm.base_url, call.endpoint)
@@ -235,10 +247,15 @@ class Gateway:
         headers = [(b"content-type", b"application/json"), (b"accept", b"application/json")]
         if call.key:
             headers.append((b"authorization", f"Bearer {call.key}".encode()))
-        return httpx.Request("POST", url, content=orjson.dumps(payload), headers=headers,
-                             extensions={"timeout": self._timeout.as_dict()})  # fmt: skip
+        return httpx.Request(
+            "POST",
+            url,
+            content=orjson.dumps(payload),
+            headers=headers,
+            extensions={"timeout": self._timeout.as_dict()},
+        )
 
-    async def _send_with_fallback(self, call: _Call, payload: dict[str, Any]) -> httpx.Response:
+    async def _send_with_fallback(self, call: _ForwardedCall, payload: dict[str, Any]) -> httpx.Response:
         response = await self._send(lambda: self._upstream_request(call, payload))
         base = call.llm.base_url
         if (
@@ -288,7 +305,7 @@ class Gateway:
             await asyncio.sleep(delay)
         raise AssertionError("unreachable")
 
-    async def _relay(self, call: _Call, upstream: httpx.Response) -> AsyncIterator[bytes]:
+    async def _relay(self, call: _ForwardedCall, upstream: httpx.Response) -> AsyncIterator[bytes]:
         """Pass a stream through chunk by chunk (stripped); record it reassembled before the
         final ``[DONE]``, so the record exists when the agent's call returns."""
         assembler = StreamAssembler(call.endpoint)
@@ -335,8 +352,14 @@ class Gateway:
                 if not recorded:
                     await self._record_stream(call, upstream, assembler, error, extra)
 
-    async def _record_stream(self, call: _Call, upstream: httpx.Response, assembler: StreamAssembler,
-                             error: dict[str, Any] | None, extra: dict[str, Any]) -> None:  # fmt: skip
+    async def _record_stream(
+        self,
+        call: _ForwardedCall,
+        upstream: httpx.Response,
+        assembler: StreamAssembler,
+        error: dict[str, Any] | None,
+        extra: dict[str, Any],
+    ) -> None:
         if error is not None:
             await self._record(
                 call, self._error_data(call, upstream.status_code, error, assembler.response(), extra)
@@ -348,8 +371,14 @@ class Gateway:
 
     # ------------------------------------------------------------------ recording
 
-    async def _record_success(self, call: _Call, full: dict[str, Any], status: int, headers: httpx.Headers,
-                              extra: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    async def _record_success(
+        self,
+        call: _ForwardedCall,
+        full: dict[str, Any],
+        status: int,
+        headers: httpx.Headers,
+        extra: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         """Record a successful call; return the body as the agent gets it."""
         prompt_ids, choices = extract(call.endpoint, full)
         model_version = headers.get("x-model-version") or full.get("model_version")
@@ -358,14 +387,20 @@ class Gateway:
         assert out is not None
         usage = out.get("usage") or count_usage(prompt_ids, choices)
         data = self._base_data(call, status, out)
-        data.update(prompt_token_ids=prompt_ids, choices=choices, usage=usage, model=out.get("model") or data["model"],
-                    model_version=str(model_version) if model_version is not None else None, **(extra or {}))  # fmt: skip
+        data.update(
+            prompt_token_ids=prompt_ids,
+            choices=choices,
+            usage=usage,
+            model=out.get("model") or data["model"],
+            model_version=str(model_version) if model_version is not None else None,
+            **(extra or {}),
+        )
         if mixed:
             data["model_version_mixed"] = True
         await self._record(call, data)
         return out
 
-    def _base_data(self, call: _Call, status: int | None, response: Any) -> dict[str, Any]:
+    def _base_data(self, call: _ForwardedCall, status: int | None, response: Any) -> dict[str, Any]:
         return {
             "endpoint": call.endpoint,
             "request": call.request,
@@ -383,14 +418,20 @@ class Gateway:
             "error": None,
         }
 
-    def _error_data(self, call: _Call, status: int | None, error: dict[str, Any], response: Any = None,
-                    extra: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    def _error_data(
+        self,
+        call: _ForwardedCall,
+        status: int | None,
+        error: dict[str, Any],
+        response: Any = None,
+        extra: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         data = self._base_data(call, status, response)
         data.update(error=error, **(extra or {}))
         return data
 
     async def _failed(
-        self, call: _Call, status: int, type: str, message: str, upstream_status: int | None = None
+        self, call: _ForwardedCall, status: int, type: str, message: str, upstream_status: int | None = None
     ) -> Response:
         body = openai_error(call.scrub(message), type, status)
         log.warning(
@@ -399,7 +440,7 @@ class Gateway:
         await self._record(call, self._error_data(call, upstream_status, body))
         return _json(body, status)
 
-    async def _upstream_error(self, call: _Call, upstream: httpx.Response) -> Response:
+    async def _upstream_error(self, call: _ForwardedCall, upstream: httpx.Response) -> Response:
         """Pass the upstream's error on (OpenAI-style; keys scrubbed) and record it."""
         try:
             raw = call.scrub((await upstream.aread()).decode(errors="replace"))
@@ -417,7 +458,7 @@ class Gateway:
         await self._record(call, self._error_data(call, upstream.status_code, body))
         return _json(body, upstream.status_code)
 
-    async def _record(self, call: _Call, data: dict[str, Any]) -> None:
+    async def _record(self, call: _ForwardedCall, data: dict[str, Any]) -> None:
         event = EventCreate(type=EventType.LLM_CALL, timestamp=call.started, data=data)
         try:
             await self.call(self.store.record_events, call.target.attempt_id, [event])
@@ -439,8 +480,10 @@ class Gateway:
             answer = await self.http.get(f"{llm.base_url.rstrip('/')}/models", headers=headers, timeout=10)
             if answer.status_code == 200:
                 return _json(orjson.loads(answer.content))
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "agentbolt"}
-                for m in dict.fromkeys(x.model for x in target.llms.values())]  # fmt: skip
+        data = [
+            {"id": m, "object": "model", "created": 0, "owned_by": "agentbolt"}
+            for m in dict.fromkeys(x.model for x in target.llms.values())
+        ]
         return _json({"object": "list", "data": data})
 
 
@@ -453,88 +496,3 @@ def _retry_after(value: str | None) -> float | None:
         return min(5.0, max(0.0, float(value))) if value else None
     except ValueError:
         return None
-
-
-# ---------------------------------------------------------------------------- routes
-
-
-def _openapi_body(endpoint: str) -> dict[str, Any]:
-    """The request body, for the OpenAPI document (the route reads it raw)."""
-    return {
-        "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": REQUEST_SCHEMAS[endpoint]}},
-        }
-    }
-
-
-_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {"description": "The model server's answer (a stream of server-sent events with stream=true)",
-          "content": {"application/json": {"schema": {"type": "object"}}, "text/event-stream": {}}}
-}  # fmt: skip
-
-
-def install(app: FastAPI, config: ServerConfig) -> None:
-    gateway = Gateway(app.state.call, config)
-    app.state.gateway = gateway
-    app.state.claim_hook = rewrite_claim
-    router = APIRouter(prefix="/gateway/{rollout_id}/{attempt_id}/v1", tags=["gateway"])
-
-    @router.post("/chat/completions", openapi_extra=_openapi_body(CHAT), responses=_RESPONSES)
-    async def chat_completions(rollout_id: str, attempt_id: str, request: Request) -> Response:
-        """OpenAI chat completions, forwarded to the rollout's LLM and recorded."""
-        return await gateway.forward(request, rollout_id, attempt_id, CHAT)
-
-    @router.post("/completions", openapi_extra=_openapi_body(COMPLETIONS), responses=_RESPONSES)
-    async def completions(rollout_id: str, attempt_id: str, request: Request) -> Response:
-        """OpenAI (legacy) completions, forwarded to the rollout's LLM and recorded."""
-        return await gateway.forward(request, rollout_id, attempt_id, COMPLETIONS)
-
-    @router.get("/models")
-    async def models(rollout_id: str, attempt_id: str) -> Response:
-        return await gateway.models(rollout_id, attempt_id)
-
-    app.include_router(router)  # documents the routes; _FastPath serves the POSTs
-    app.add_middleware(_FastPath, gateway=gateway)
-    inner = app.router.lifespan_context
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app_: Any) -> AsyncIterator[Any]:
-        async with inner(app_) as state:
-            try:
-                yield state
-            finally:
-                await gateway.aclose()
-
-    app.router.lifespan_context = lifespan
-
-
-_ENDPOINTS = {"chat/completions": CHAT, "completions": COMPLETIONS}
-
-
-class _FastPath:
-    """Serves gateway POSTs as a pure ASGI app in front of FastAPI's router, whose route
-    matching and dependency solving cost about as much as the rest of a call. It sits inside
-    the auth and body-limit middleware, like every route."""
-
-    def __init__(self, app: Any, gateway: Gateway) -> None:
-        self.app, self.gateway = app, gateway
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        path = scope.get("path", "")
-        if scope["type"] == "http" and scope["method"] == "POST" and path.startswith("/gateway/"):
-            parts = path.split("/", 5)  # "", "gateway", rollout, attempt, "v1", endpoint
-            endpoint = _ENDPOINTS.get(parts[5]) if len(parts) == 6 and parts[4] == "v1" else None
-            if endpoint is not None and parts[2] and parts[3]:
-                try:
-                    response = await self.gateway.forward(
-                        Request(scope, receive), parts[2], parts[3], endpoint
-                    )
-                except Exception:
-                    log.exception("gateway call on %s failed", path)
-                    response = _json(
-                        openai_error("internal gateway error (see the server log)", "internal_error"), 500
-                    )
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)

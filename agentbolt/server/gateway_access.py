@@ -16,8 +16,8 @@ from fastapi import Request
 
 from agentbolt.errors import NotFound
 from agentbolt.schemas import LLM, Claim, Resources
-from agentbolt.server.app import REDACTED, StoreCaller
 from agentbolt.server.config import ServerConfig
+from agentbolt.server.store_caller import REDACTED, StoreCaller
 
 __all__ = ["PLACEHOLDER_KEY", "UpstreamKeys", "rewrite_claim"]
 

@@ -31,10 +31,13 @@ async def _send_json(
         {
             "type": "http.response.start",
             "status": status,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
-                        *headers],
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(payload)).encode()),
+                *headers,
+            ],
         }
-    )  # fmt: skip
+    )
     await send({"type": "http.response.body", "body": payload})
 
 
@@ -105,9 +108,11 @@ class AuthMiddleware:
         role = self._role(scope)
         if role is None and not (method == "GET" and (path in OPEN_PATHS or path.startswith("/static/"))):
             return await _send_json(
-                send, 401, error_body("missing or invalid bearer token", "unauthorized"),
+                send,
+                401,
+                error_body("missing or invalid bearer token", "unauthorized"),
                 ((b"www-authenticate", b"Bearer"),),
-            )  # fmt: skip
+            )
         if role is not None and not role_allows(role, method, path):
             return await _send_json(
                 send, 403, error_body(f"role {role.value!r} may not {method} {path}", "forbidden")

@@ -73,8 +73,11 @@ def _is_prompt(value: Any) -> bool:
         return True
     if not isinstance(value, list) or not value:
         return False
-    return (all(isinstance(x, str) for x in value) or all(_is_int(x) for x in value)
-            or all(isinstance(x, list) and x and all(_is_int(t) for t in x) for x in value))  # fmt: skip
+    return (
+        all(isinstance(x, str) for x in value)
+        or all(_is_int(x) for x in value)
+        or all(isinstance(x, list) and x and all(_is_int(t) for t in x) for x in value)
+    )
 
 
 # (field, test, what it must be) for fields the gateway itself reads; anything else passes
@@ -134,13 +137,22 @@ _COMMON = {
     "tools": {"anyOf": [{"type": "array", "items": {"type": "object"}}, {"type": "null"}]},
 }
 REQUEST_SCHEMAS: dict[str, dict[str, Any]] = {
-    CHAT: {"type": "object", "required": ["messages"],
-           "properties": {"messages": {"type": "array", "minItems": 1, "items": _MESSAGE}, **_COMMON}},
-    COMPLETIONS: {"type": "object", "required": ["prompt"],
-                  "properties": {"prompt": {"anyOf": [{"type": "string"},
-                                                      {"type": "array", "minItems": 1, "items": {"type": "string"}}]},
-                                 **_COMMON}},
-}  # fmt: skip
+    CHAT: {
+        "type": "object",
+        "required": ["messages"],
+        "properties": {"messages": {"type": "array", "minItems": 1, "items": _MESSAGE}, **_COMMON},
+    },
+    COMPLETIONS: {
+        "type": "object",
+        "required": ["prompt"],
+        "properties": {
+            "prompt": {
+                "anyOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {"type": "string"}}]
+            },
+            **_COMMON,
+        },
+    },
+}
 
 
 def prepare(endpoint: str, body: dict[str, Any], ask_token_ids: bool) -> tuple[dict[str, Any], Wants]:
@@ -242,9 +254,19 @@ class StreamAssembler:
 
     def _add_choice(self, choice: dict[str, Any]) -> None:
         index = choice.get("index", 0)
-        state = self.choices.setdefault(index, {"index": index, "parts": [], "tool_calls": {}, "role": None,
-                                                "finish_reason": None, "token_ids": None, "logprobs": None,
-                                                "prompt_token_ids": None})  # fmt: skip
+        state = self.choices.setdefault(
+            index,
+            {
+                "index": index,
+                "parts": [],
+                "tool_calls": {},
+                "role": None,
+                "finish_reason": None,
+                "token_ids": None,
+                "logprobs": None,
+                "prompt_token_ids": None,
+            },
+        )
         if self.endpoint == CHAT:
             delta = choice.get("delta") or {}
             state["role"] = state["role"] or delta.get("role")
@@ -265,8 +287,10 @@ class StreamAssembler:
 
     @staticmethod
     def _add_tool_call(calls: dict[int, dict[str, Any]], delta: dict[str, Any]) -> None:
-        slot = calls.setdefault(delta.get("index", len(calls)),
-                                {"id": None, "type": "function", "function": {"name": "", "arguments": ""}})  # fmt: skip
+        slot = calls.setdefault(
+            delta.get("index", len(calls)),
+            {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
+        )
         if delta.get("id"):
             slot["id"] = delta["id"]
         if delta.get("type"):
@@ -331,5 +355,8 @@ def count_usage(prompt_ids: list[int] | None, choices: list[dict[str, Any]]) -> 
     if prompt_ids is None or any(c.get("token_ids") is None for c in choices):
         return None
     completion = sum(len(c["token_ids"]) for c in choices)
-    return {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
-            "total_tokens": len(prompt_ids) + completion}  # fmt: skip
+    return {
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": completion,
+        "total_tokens": len(prompt_ids) + completion,
+    }

@@ -11,14 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException
+from fastapi import FastAPI
 
 from agentbolt.schemas import ErrorBody
-from agentbolt.web import error_response
 
-__all__ = ["document", "http_error"]
+__all__ = ["document"]
 
 _REF = {"$ref": "#/components/schemas/ErrorBody"}
 _WHY = {
@@ -67,8 +64,10 @@ def document(app: FastAPI, auth: bool) -> None:
             for method, op in operations.items():
                 responses = op.setdefault("responses", {})
                 for status in sorted(_statuses(path, method, op)):
-                    responses[str(status)] = {"description": _WHY[status],
-                                              "content": {"application/json": {"schema": _REF}}}  # fmt: skip
+                    responses[str(status)] = {
+                        "description": _WHY[status],
+                        "content": {"application/json": {"schema": _REF}},
+                    }
         for replaced in ("HTTPValidationError", "ValidationError"):  # FastAPI's 422 shape
             components.pop(replaced, None)
         if auth:
@@ -85,17 +84,3 @@ def _document_auth(schema: dict[str, Any]) -> None:
     for path in _UNAUTHENTICATED:
         for op in schema["paths"].get(path, {}).values():
             op["security"] = []
-
-
-async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-    """Routing errors (unknown path, method not allowed) in the common error body. A 405 lists
-    every method the path has: Starlette names only the first route it matched."""
-    headers = {k: v for k, v in (exc.headers or {}).items() if k.lower() != "allow"}
-    if exc.status_code == 405:
-        allowed: set[str] = set()
-        for route in request.app.router.routes:
-            regex, methods = getattr(route, "path_regex", None), getattr(route, "methods", None)
-            if regex is not None and methods and regex.match(request.url.path):
-                allowed |= methods
-        headers["allow"] = ", ".join(sorted(allowed))
-    return error_response(exc.status_code, str(exc.detail), "http_error", headers=headers)

@@ -15,22 +15,24 @@ from collections import defaultdict
 from typing import Any
 
 import orjson
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import DecodeError
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
-)
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from agentbolt.errors import NotFound
 from agentbolt.schemas import EventCreate, EventType
-from agentbolt.server.app import StoreCaller
 from agentbolt.server.config import ServerConfig
-from agentbolt.web import error_response
+from agentbolt.server.store_caller import StoreCaller
 
-__all__ = ["ROLLOUT_ATTR", "ATTEMPT_ATTR", "install", "spans_from_otlp"]
+__all__ = [
+    "ATTEMPT_ATTR",
+    "PROTOBUF",
+    "ROLLOUT_ATTR",
+    "BadPayload",
+    "OtlpIngest",
+    "decode",
+    "spans_from_otlp",
+]
 
 ROLLOUT_ATTR = "agentbolt.rollout_id"
 ATTEMPT_ATTR = "agentbolt.attempt_id"
@@ -40,7 +42,7 @@ _KIND = {0: "unspecified", 1: "internal", 2: "server", 3: "client", 4: "producer
 
 
 class BadPayload(ValueError):
-    pass
+    """A body that is not OTLP: answered with a 400, never a 500."""
 
 
 def _value(v: dict[str, Any]) -> Any:
@@ -102,7 +104,7 @@ def _span(span: dict[str, Any], service: Any, scope: str | None, from_protobuf: 
         "status": {
             "code": _enum(code, _STATUS, "status_code_"),
             "message": status.get("message") or None,
-        },  # fmt: skip
+        },
         "events": [
             {
                 "name": e.get("name", ""),
@@ -110,7 +112,7 @@ def _span(span: dict[str, Any], service: Any, scope: str | None, from_protobuf: 
                 "attributes": _attributes(e.get("attributes")),
             }
             for e in span.get("events") or []
-        ],  # fmt: skip
+        ],
         "service": service,
         "scope": scope,
     }
@@ -156,7 +158,9 @@ def spans_from_otlp(
     return out
 
 
-def _decode(raw: bytes, content_type: str, encoding: str, limit: int) -> tuple[dict[str, Any], bool]:
+def decode(raw: bytes, content_type: str, encoding: str, limit: int) -> tuple[dict[str, Any], bool]:
+    """The export body as OTLP/JSON, and whether it came as protobuf (``gzip`` inflated up to
+    ``limit`` bytes); :class:`BadPayload` when it is neither."""
     if encoding == "gzip":
         inflater = zlib.decompressobj(wbits=31)
         raw = inflater.decompress(raw, limit)
@@ -228,68 +232,3 @@ class OtlpIngest:
         if rejected:
             why.append(f"{rejected} span(s) name an unknown attempt or rollout")
         return unrouted + rejected, "; ".join(why)
-
-
-def _answer(rejected: int, why: str, protobuf: bool) -> Response:
-    if protobuf:
-        message = ExportTraceServiceResponse()
-        if rejected:
-            message.partial_success.rejected_spans = rejected
-            message.partial_success.error_message = why
-        return Response(message.SerializeToString(), media_type=PROTOBUF)
-    body = {"partialSuccess": {"rejectedSpans": rejected, "errorMessage": why}} if rejected else {}
-    return Response(orjson.dumps(body), media_type="application/json")
-
-
-# The body is read raw (protobuf or JSON): documented here. Protobuf is listed as a response
-# only: fuzzers cannot make valid protobuf from a "binary" schema.
-_OPENAPI = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "application/json": {
-                "schema": {
-                    "type": "object",
-                    "properties": {  # proto3 JSON: null is the empty list
-                        "resourceSpans": {
-                            "anyOf": [{"type": "array", "items": {"type": "object"}}, {"type": "null"}]
-                        }
-                    },
-                },
-            },
-        },
-    }
-}
-_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {
-        "description": "OTLP ExportTraceServiceResponse, in the request's encoding",
-        "content": {"application/json": {"schema": {"type": "object"}}, PROTOBUF: {}},
-    },
-    415: {
-        "description": "Neither protobuf nor JSON",
-        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}},
-    },
-}
-
-
-def install(app: FastAPI, config: ServerConfig) -> None:
-    ingest = OtlpIngest(app.state.call, config)
-
-    @app.post("/v1/traces", tags=["tracing"], openapi_extra=_OPENAPI, responses=_RESPONSES)
-    async def traces(request: Request) -> Response:
-        """OTLP/HTTP trace export (``application/x-protobuf`` or ``application/json``)."""
-        content_type = request.headers.get("content-type", "").lower()
-        protobuf = content_type.startswith(PROTOBUF)
-        if not (protobuf or content_type.startswith("application/json")):  # OTLP/HTTP names one
-            message = f"content-type must be {PROTOBUF} or application/json"
-            return error_response(415, message, "unsupported_media_type")
-        try:
-            body, from_protobuf = _decode(await request.body(), content_type,
-                                          request.headers.get("content-encoding", "").lower(), config.max_body_bytes)  # fmt: skip
-        except (BadPayload, zlib.error) as exc:
-            return error_response(400, str(exc), "bad_request")
-        try:
-            rejected, why = await ingest.ingest(body, from_protobuf)
-        except BadPayload as exc:
-            return error_response(400, str(exc), "bad_request")
-        return _answer(rejected, why, protobuf)

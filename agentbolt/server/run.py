@@ -30,9 +30,14 @@ def free_port() -> int:
 
 def _uvicorn_config(app: Any, config: ServerConfig, log_level: str) -> uvicorn.Config:
     return uvicorn.Config(
-        app, host=config.host, port=config.port, log_level=log_level, access_log=False,
-        timeout_graceful_shutdown=5, lifespan="on",
-    )  # fmt: skip
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=log_level,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        lifespan="on",
+    )
 
 
 def serve(config: ServerConfig, log_level: str = "info", on_ready: Callable[[], None] | None = None) -> None:

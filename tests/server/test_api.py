@@ -117,6 +117,26 @@ def test_bad_input_gets_a_clear_json_error(server, method, path, body, status):
     assert error["message"] and error["type"]
 
 
+@pytest.mark.parametrize(
+    ("method", "path", "allow"),
+    [
+        ("DELETE", "/api/rollouts", "GET, POST"),
+        ("DELETE", "/api/rollouts/wait", "POST"),  # not the GET of /api/rollouts/{rollout_id}
+        ("GET", "/api/dequeue", "POST"),
+        ("PUT", "/api/attempts/a1/finish", "POST"),
+        ("POST", "/api/resources/latest", "GET"),
+        ("GET", "/v1/traces", "POST"),
+        ("POST", "/health", "GET"),
+        ("POST", "/dashboard", "GET"),
+    ],
+)
+def test_a_wrong_method_gets_405_with_every_method_the_path_takes(server, method, path, allow):
+    r = httpx.request(method, f"{server.url}{path}")
+    assert r.status_code == 405
+    assert r.headers["allow"] == allow
+    assert r.json()["error"]["type"] == "http_error"
+
+
 def test_invalid_transitions_are_409_and_change_nothing(server):
     url = server.url
     [rollout] = _enqueue(url)

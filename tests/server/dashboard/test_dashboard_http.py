@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from agentbolt.server import ServerThread
-from agentbolt.server.dashboard import STATIC_DIR, throughput
+from agentbolt.server.routes.dashboard import STATIC_DIR, throughput
 
 READER = {"authorization": "Bearer readtok"}
 
@@ -43,8 +43,9 @@ def test_info_tells_the_page_who_it_is(dash_server: ServerThread) -> None:
 
 
 def test_throughput_counts_every_finished_rollout(dash_server: ServerThread, dash_data) -> None:
-    body = httpx.get(dash_server.url + "/api/dashboard/throughput", params={"window": 3600, "bucket": 60},
-                     headers=READER).json()  # fmt: skip
+    body = httpx.get(
+        dash_server.url + "/api/dashboard/throughput", params={"window": 3600, "bucket": 60}, headers=READER
+    ).json()
     assert body["bucket_seconds"] == 60 and len(body["buckets"]) == 60
     finished = sum(b["succeeded"] + b["failed"] + b["cancelled"] for b in body["buckets"])
     assert finished == len(dash_data.finished)
@@ -54,16 +55,23 @@ def test_throughput_counts_every_finished_rollout(dash_server: ServerThread, das
 
 
 def test_throughput_widens_buckets_beyond_2000(dash_server: ServerThread) -> None:
-    r = httpx.get(dash_server.url + "/api/dashboard/throughput", params={"window": 86400, "bucket": 1},
-                  headers=READER)  # fmt: skip
+    r = httpx.get(
+        dash_server.url + "/api/dashboard/throughput", params={"window": 86400, "bucket": 1}, headers=READER
+    )
     assert r.status_code == 200  # valid per the schema, so not refused: the bucket is widened
     body = r.json()
     assert body["bucket_seconds"] == 86400 / 2000 and len(body["buckets"]) == 2000
 
 
 def test_throughput_buckets_edges() -> None:
-    rows = [(1000.0, "succeeded"), (1059.9, "failed"), (1060.0, "succeeded"), (1179.0, "cancelled"),
-            (900.0, "succeeded"), (1150.0, "running")]  # fmt: skip
+    rows = [
+        (1000.0, "succeeded"),
+        (1059.9, "failed"),
+        (1060.0, "succeeded"),
+        (1179.0, "cancelled"),
+        (900.0, "succeeded"),
+        (1150.0, "running"),
+    ]
     out = throughput(rows, end=1190.0, window=180, bucket=60)
     assert [b["start"] for b in out["buckets"]] == [1020.0, 1080.0, 1140.0]  # last one: partial
     assert [(b["succeeded"], b["failed"], b["cancelled"]) for b in out["buckets"]] == [

@@ -2,7 +2,8 @@
 
 Everything it shows comes from the same ``/api`` routes any client uses, with whatever token
 the browser holds (a reader token is enough). The page is plain HTML, CSS and ES modules under
-``static/`` — no build step, nothing fetched from the internet — so it ships inside the wheel.
+``agentbolt/server/static/`` — no build step, nothing fetched from the internet — so it ships
+inside the wheel.
 
 Two small read-only routes exist only for the page:
 
@@ -17,17 +18,18 @@ import time
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from fastapi.staticfiles import StaticFiles
 from pydantic_core import to_json
 
 from agentbolt.schemas import RolloutStatus
 from agentbolt.server.config import ServerConfig
+from agentbolt.server.store_caller import StoreCaller
 
-__all__ = ["STATIC_DIR", "install", "throughput"]
+__all__ = ["STATIC_DIR", "pages", "router", "static_files", "throughput"]
 
-STATIC_DIR = Path(__file__).with_name("static")
+STATIC_DIR = Path(__file__).parents[1] / "static"
 FINAL = (RolloutStatus.SUCCEEDED, RolloutStatus.FAILED, RolloutStatus.CANCELLED)
 
 # The page loads only its own files and talks only to this server. Event data comes from
@@ -44,17 +46,6 @@ _SECURITY_HEADERS = {
 }
 
 
-class _StaticFiles(StaticFiles):
-    """Static files that the browser revalidates (ETag) instead of caching blindly, so a
-    server upgrade is never paired with a stale script."""
-
-    def file_response(self, *args: Any, **kwargs: Any) -> Response:
-        response = super().file_response(*args, **kwargs)
-        response.headers["cache-control"] = "no-cache"
-        response.headers["x-content-type-options"] = "nosniff"
-        return response
-
-
 def throughput(rows: list[tuple[float, str]], end: float, window: float, bucket: float) -> dict[str, Any]:
     """Bucket finished rollouts into ``window / bucket`` slots ending at ``end`` (oldest first)."""
     n = max(1, math.ceil(window / bucket))
@@ -69,17 +60,19 @@ def throughput(rows: list[tuple[float, str]], end: float, window: float, bucket:
     return {"bucket_seconds": bucket, "window_seconds": n * bucket, "now": end, "buckets": buckets}
 
 
-def _router(app: FastAPI, config: ServerConfig) -> APIRouter:
+def router(call: StoreCaller, config: ServerConfig, version: str) -> APIRouter:
+    """The page's two routes under ``/api/dashboard``."""
     api = APIRouter(prefix="/api/dashboard", tags=["dashboard"])
+    store = call.store
 
     @api.get("/info")
     async def info(request: Request) -> dict[str, Any]:
         """What the page needs to know about this server and the caller's token."""
         role = request.scope.get("agentbolt.role")
         return {
-            "version": app.version,
-            "backend": app.state.store.backend,
-            "lease_seconds": app.state.store.lease_seconds,
+            "version": version,
+            "backend": store.backend,
+            "lease_seconds": store.lease_seconds,
             "auth": bool(config.tokens),
             "role": role.value if role is not None else None,
             "server_time": time.time(),
@@ -95,26 +88,40 @@ def _router(app: FastAPI, config: ServerConfig) -> APIRouter:
         At most 2000 buckets: a smaller ``bucket`` is widened (the answer says which was used)."""
         bucket = max(bucket, window / 2000)
         end = time.time()
-        rows = await app.state.call(app.state.store.finished_since, end - window - bucket)
+        rows = await call(store.finished_since, end - window - bucket)
         return Response(to_json(throughput(rows, end, window, bucket)), media_type="application/json")
 
     return api
 
 
+def pages() -> APIRouter:
+    """The page itself at ``/`` and ``/dashboard``, and its icon (not part of the API document)."""
+    api = APIRouter(include_in_schema=False)
+    for path in ("/", "/dashboard"):
+        api.add_api_route(path, _page, methods=["GET"])
+    api.add_api_route("/favicon.ico", _favicon, methods=["GET"])
+    return api
+
+
+def static_files() -> StaticFiles:
+    """The page's scripts and styles, to mount at ``/static``."""
+    return _StaticFiles(directory=STATIC_DIR)
+
+
+class _StaticFiles(StaticFiles):
+    """Static files that the browser revalidates (ETag) instead of caching blindly, so a
+    server upgrade is never paired with a stale script."""
+
+    def file_response(self, *args: Any, **kwargs: Any) -> Response:
+        response = super().file_response(*args, **kwargs)
+        response.headers["cache-control"] = "no-cache"
+        response.headers["x-content-type-options"] = "nosniff"
+        return response
+
+
 async def _page() -> Response:
     html = (STATIC_DIR / "index.html").read_bytes()
     return Response(html, media_type="text/html; charset=utf-8", headers=_SECURITY_HEADERS)
-
-
-def install(app: FastAPI, config: ServerConfig) -> None:
-    """Serve the page at ``/`` and ``/dashboard``, its files under ``/static``, and its routes."""
-    if not config.dashboard:
-        return
-    app.include_router(_router(app, config))
-    for path in ("/", "/dashboard"):
-        app.add_api_route(path, _page, methods=["GET"], include_in_schema=False)
-    app.add_api_route("/favicon.ico", _favicon, methods=["GET"], include_in_schema=False)
-    app.mount("/static", _StaticFiles(directory=STATIC_DIR), name="static")
 
 
 async def _favicon() -> Response:

@@ -1,0 +1,96 @@
+"""The gateway's routes: ``/gateway/{rollout_id}/{attempt_id}/v1/...`` (see
+:mod:`agentbolt.server.gateway` for what a call does).
+
+The POST routes are documented by the router but served by :class:`GatewayFastPath`, a pure
+ASGI app in front of FastAPI's router, whose route matching and dependency solving cost about
+as much as the rest of a call (``benchmarks/gateway_overhead.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from agentbolt.server.gateway import Gateway
+from agentbolt.server.openai_format import CHAT, COMPLETIONS, REQUEST_SCHEMAS
+from agentbolt.web import error_response
+
+__all__ = ["GatewayFastPath", "router"]
+
+log = logging.getLogger("agentbolt.gateway")
+
+_ENDPOINTS = {"chat/completions": CHAT, "completions": COMPLETIONS}
+_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The model server's answer (a stream of server-sent events with stream=true)",
+        "content": {"application/json": {"schema": {"type": "object"}}, "text/event-stream": {}},
+    }
+}
+
+
+def _openapi_body(endpoint: str) -> dict[str, Any]:
+    """The request body, for the OpenAPI document (the route reads it raw)."""
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": REQUEST_SCHEMAS[endpoint]}},
+        }
+    }
+
+
+def router(gateway: Gateway) -> APIRouter:
+    api = APIRouter(prefix="/gateway/{rollout_id}/{attempt_id}/v1", tags=["gateway"])
+
+    @api.post("/chat/completions", openapi_extra=_openapi_body(CHAT), responses=_RESPONSES)
+    async def chat_completions(rollout_id: str, attempt_id: str, request: Request) -> Response:
+        """OpenAI chat completions, forwarded to the rollout's LLM and recorded."""
+        return await gateway.forward(request, rollout_id, attempt_id, CHAT)
+
+    @api.post("/completions", openapi_extra=_openapi_body(COMPLETIONS), responses=_RESPONSES)
+    async def completions(rollout_id: str, attempt_id: str, request: Request) -> Response:
+        """OpenAI (legacy) completions, forwarded to the rollout's LLM and recorded."""
+        return await gateway.forward(request, rollout_id, attempt_id, COMPLETIONS)
+
+    @api.get("/models")
+    async def models(rollout_id: str, attempt_id: str) -> Response:
+        return await gateway.models(rollout_id, attempt_id)
+
+    return api
+
+
+class GatewayFastPath:
+    """Serves gateway POSTs before FastAPI's router sees them. It sits inside the auth and
+    body-limit middleware, like every route."""
+
+    def __init__(self, app: Any, gateway: Gateway) -> None:
+        self.app, self.gateway = app, gateway
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        call = _gateway_post(scope)
+        if call is None:
+            await self.app(scope, receive, send)
+            return
+        rollout_id, attempt_id, endpoint = call
+        try:
+            response = await self.gateway.forward(Request(scope, receive), rollout_id, attempt_id, endpoint)
+        except Exception:
+            log.exception("gateway call on %s failed", scope["path"])
+            response = error_response(
+                500, "internal gateway error (see the server log)", "internal_error", param=None, code=None
+            )
+        await response(scope, receive, send)
+
+
+def _gateway_post(scope: dict[str, Any]) -> tuple[str, str, str] | None:
+    """(rollout id, attempt id, endpoint) of a gateway POST; ``None`` for any other request."""
+    path = scope.get("path", "")
+    if scope["type"] != "http" or scope["method"] != "POST" or not path.startswith("/gateway/"):
+        return None
+    parts = path.split("/", 5)  # "", "gateway", rollout, attempt, "v1", endpoint
+    endpoint = _ENDPOINTS.get(parts[5]) if len(parts) == 6 and parts[4] == "v1" else None
+    if endpoint is None or not (parts[2] and parts[3]):
+        return None
+    return parts[2], parts[3], endpoint
