@@ -71,12 +71,17 @@ def token_rows(rollout: Rollout, events: Sequence[Event]) -> tuple[list[dict[str
     rows, stats = to_trajectories(latest_attempt(events), reward=rollout.reward, task_id=rollout.task.id)
     out = [
         {
-            "input_ids": list(r.input_ids), "loss_mask": list(r.loss_mask), "reward": r.reward,
-            "rollout_id": r.rollout_id, "attempt_id": r.attempt_id, "segment_index": r.segment_index,
-            "task_id": r.task_id, "resources_version": rollout.resources_version,
+            "input_ids": list(r.input_ids),
+            "loss_mask": list(r.loss_mask),
+            "reward": r.reward,
+            "rollout_id": r.rollout_id,
+            "attempt_id": r.attempt_id,
+            "segment_index": r.segment_index,
+            "task_id": r.task_id,
+            "resources_version": rollout.resources_version,
         }
         for r in rows
-    ]  # fmt: skip
+    ]
     return out, stats
 
 
@@ -93,16 +98,23 @@ def hf_row(row: dict[str, Any], rollout: Rollout) -> dict[str, Any]:
     """A chat row in one Arrow-friendly shape (see the module docstring)."""
     messages = [
         {
-            "role": m["role"], "content": _text(m.get("content")), "tool_calls": m.get("tool_calls"),
-            "tool_call_id": m.get("tool_call_id"), "name": m.get("name"),
+            "role": m["role"],
+            "content": _text(m.get("content")),
+            "tool_calls": m.get("tool_calls"),
+            "tool_call_id": m.get("tool_call_id"),
+            "name": m.get("name"),
         }
         for m in row["messages"]
-    ]  # fmt: skip
+    ]
     tools = json.dumps(row["tools"], sort_keys=True) if row.get("tools") else None
     return {
-        "messages": messages, "tools": tools, "reward": rollout.reward, "rollout_id": rollout.id,
-        "task_id": rollout.task.id, "resources_version": rollout.resources_version,
-    }  # fmt: skip
+        "messages": messages,
+        "tools": tools,
+        "reward": rollout.reward,
+        "rollout_id": rollout.id,
+        "task_id": rollout.task.id,
+        "resources_version": rollout.resources_version,
+    }
 
 
 def _token_key(row: dict[str, Any]) -> str:
@@ -154,8 +166,14 @@ def reward_summary(rewards: Sequence[float]) -> dict[str, float]:
     if not rewards:
         return {}
     q = statistics.quantiles(rewards, n=4, method="inclusive") if len(rewards) > 1 else [rewards[0]] * 3
-    return {"min": min(rewards), "p25": q[0], "median": q[1], "p75": q[2], "max": max(rewards),
-            "mean": statistics.fmean(rewards)}  # fmt: skip
+    return {
+        "min": min(rewards),
+        "p25": q[0],
+        "median": q[1],
+        "p75": q[2],
+        "max": max(rewards),
+        "mean": statistics.fmean(rewards),
+    }
 
 
 def _histogram(rewards: Sequence[float], bins: int = 5) -> list[tuple[str, int]]:
@@ -164,25 +182,44 @@ def _histogram(rewards: Sequence[float], bins: int = 5) -> list[tuple[str, int]]
         return [(f"{low:g}", len(rewards))]
     width = (high - low) / bins
     counts = Counter(min(int((r - low) / width), bins - 1) for r in rewards)
-    return [(f"[{low + i * width:.3g}, {low + (i + 1) * width:.3g}{']' if i == bins - 1 else ')'}", counts[i])
-            for i in range(bins)]  # fmt: skip
+    return [
+        (f"[{low + i * width:.3g}, {low + (i + 1) * width:.3g}{']' if i == bins - 1 else ')'}", counts[i])
+        for i in range(bins)
+    ]
 
 
 def dataset_card(s: ExportSummary) -> str:
     """A short Markdown dataset card (Hugging Face style front matter)."""
     lines = [
-        "---", "pretty_name: agentbolt SFT export", "tags: [agentbolt, sft, agents]", "---", CARD_MARKER,
-        f"# Fine-tuning data exported by agentbolt ({s.format})", "",
-        f"Written {time.strftime('%Y-%m-%d %H:%M:%S %Z')} to `{s.path.name}`.", "",
-        "| | |", "|---|---|",
-        f"| rollouts matching the filters | {s.rollouts} |", f"| rollouts used | {s.rollouts_used} |",
-        f"| rows | {s.rows} |", f"| duplicate rows dropped | {s.duplicates} |",
+        "---",
+        "pretty_name: agentbolt SFT export",
+        "tags: [agentbolt, sft, agents]",
+        "---",
+        CARD_MARKER,
+        f"# Fine-tuning data exported by agentbolt ({s.format})",
+        "",
+        f"Written {time.strftime('%Y-%m-%d %H:%M:%S %Z')} to `{s.path.name}`.",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| rollouts matching the filters | {s.rollouts} |",
+        f"| rollouts used | {s.rollouts_used} |",
+        f"| rows | {s.rows} |",
+        f"| duplicate rows dropped | {s.duplicates} |",
         f"| model calls without token ids / failed | {s.adapter.skipped_no_ids} / {s.adapter.skipped_failed} |",
-        "", "Filters: " + ", ".join(f"{k}={v}" for k, v in s.filters.items()), "", "## Reward", "",
-    ]  # fmt: skip
+        "",
+        "Filters: " + ", ".join(f"{k}={v}" for k, v in s.filters.items()),
+        "",
+        "## Reward",
+        "",
+    ]
     if s.rewards:
-        lines += [" ".join(f"{k} {v:.4g}," for k, v in reward_summary(s.rewards).items()).rstrip(","), "",
-                  "| reward | rollouts |", "|---|---|"]  # fmt: skip
+        lines += [
+            " ".join(f"{k} {v:.4g}," for k, v in reward_summary(s.rewards).items()).rstrip(","),
+            "",
+            "| reward | rollouts |",
+            "|---|---|",
+        ]
         lines += [f"| {label} | {n} |" for label, n in _histogram(s.rewards)]
     else:
         lines.append("No rewarded rollouts.")
@@ -328,8 +365,10 @@ def resolve_weights(spec: str, client: Client | None = None, resource: str | Non
     res = client.get_resources(int(spec))
     found = {n: r for n, r in res.resources.items() if isinstance(r, ModelWeights) and resource in (None, n)}
     if len(found) != 1:
-        raise ConfigError(f"resources version {spec} holds {len(found)} model weights resources "
-                          f"({', '.join(found) or 'none'}); name one with --resource")  # fmt: skip
+        raise ConfigError(
+            f"resources version {spec} holds {len(found)} model weights resources "
+            f"({', '.join(found) or 'none'}); name one with --resource"
+        )
     return next(iter(found.values()))
 
 

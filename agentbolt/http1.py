@@ -60,8 +60,15 @@ class _Body(httpx.AsyncByteStream):
     """A response body read from the connection; the connection goes back to the pool once the
     body was read to its end and both sides allow keep-alive."""
 
-    def __init__(self, transport: Http1Transport, origin: tuple[str, int], conn: _Conn, request: httpx.Request,
-                 headers: httpx.Headers, no_body: bool) -> None:  # fmt: skip
+    def __init__(
+        self,
+        transport: Http1Transport,
+        origin: tuple[str, int],
+        conn: _Conn,
+        request: httpx.Request,
+        headers: httpx.Headers,
+        no_body: bool,
+    ) -> None:
         self.transport, self.origin, self.conn, self.request = transport, origin, conn, request
         self.timeout = request.extensions.get("timeout", {}).get("read")
         self.chunked = "chunked" in headers.get("transfer-encoding", "").lower()
@@ -150,8 +157,9 @@ class Http1Transport(httpx.AsyncBaseTransport):
         lines += [b"%s: %s" % (k, v) for k, v in request.headers.raw]
         return b"\r\n".join(lines) + b"\r\n\r\n"
 
-    async def _exchange(self, conn: _Conn, payload: bytes, request: httpx.Request,
-                        timeouts: dict[str, Any]) -> tuple[int, httpx.Headers]:  # fmt: skip
+    async def _exchange(
+        self, conn: _Conn, payload: bytes, request: httpx.Request, timeouts: dict[str, Any]
+    ) -> tuple[int, httpx.Headers]:
         try:
             conn.writer.write(payload)
             if conn.writer.transport.get_write_buffer_size():

@@ -54,7 +54,10 @@ def test_async_agent_events_from_threads_and_tasks(server, client):
     types = [e.type for e in events]
     assert types.count("tool_call") == 2 and types.count("trajectory") == 1
     assert sorted(e.data["name"] for e in events if e.type == "reward" and "name" in e.data) == [
-        "part0", "part1", "part2"]  # fmt: skip
+        "part0",
+        "part1",
+        "part2",
+    ]
     assert sorted(e.sequence for e in events) == list(range(len(events)))
 
 
