@@ -5,7 +5,9 @@ from __future__ import annotations
 
 __all__ = [
     "AgentboltError",
+    "AttemptEnded",
     "ConfigError",
+    "Conflict",
     "InvalidTransition",
     "LeaseLost",
     "MissingExtra",
@@ -47,6 +49,17 @@ class InvalidTransition(AgentboltError, ValueError):
 
 class LeaseLost(AgentboltError, RuntimeError):
     """The attempt is no longer held by the caller (it ended, expired or belongs to another)."""
+
+    status_code = 409
+
+
+class AttemptEnded(LeaseLost):
+    """The attempt is no longer running (finished, cancelled, lease expired); the message names
+    its state. Its holder stops the work: nothing it reports would be kept."""
+
+
+class Conflict(AgentboltError, ValueError):
+    """The request contradicts what is stored (e.g. a task id enqueued again with other data)."""
 
     status_code = 409
 

@@ -134,6 +134,7 @@ class AttemptStatus(StrEnum):
     TIMED_OUT = "timed_out"
     LEASE_EXPIRED = "lease_expired"
     RELEASED = "released"  # given back by a runner that is stopping; does not use up an attempt
+    CANCELLED = "cancelled"  # its rollout was cancelled while it ran
 
 
 _FINAL_ROLLOUT = {RolloutStatus.SUCCEEDED, RolloutStatus.FAILED, RolloutStatus.CANCELLED}
@@ -159,12 +160,14 @@ VALID_TRANSITIONS: dict[type[StrEnum], dict[StrEnum, set[StrEnum]]] = {
             AttemptStatus.TIMED_OUT,
             AttemptStatus.LEASE_EXPIRED,
             AttemptStatus.RELEASED,
+            AttemptStatus.CANCELLED,
         },
         AttemptStatus.SUCCEEDED: set(),
         AttemptStatus.FAILED: set(),
         AttemptStatus.TIMED_OUT: set(),
         AttemptStatus.LEASE_EXPIRED: set(),
         AttemptStatus.RELEASED: set(),
+        AttemptStatus.CANCELLED: set(),
     },
 }
 
@@ -263,6 +266,9 @@ class Claim(BaseModel):
     rollout: Rollout
     attempt: Attempt
     resources: Resources | None
+    lease_seconds: float | None = Field(
+        default=None, description="the lease the server granted: heartbeat well within it"
+    )
 
 
 class Worker(BaseModel):
@@ -355,6 +361,10 @@ Resource = Annotated[PromptTemplate | LLM | ModelWeights, Field(discriminator="t
 class ResourcesCreate(_Strict):
     resources: dict[str, Resource]
     metadata: dict[str, Any] = Field(default_factory=dict)
+    trial: bool = Field(
+        default=False,
+        description="a trial (e.g. an APO candidate): never the latest version; only rollouts pinned to it use it",
+    )
 
     @model_validator(mode="after")
     def _storable(self) -> ResourcesCreate:
@@ -367,6 +377,7 @@ class Resources(BaseModel):
     resources: dict[str, Resource]
     metadata: dict[str, Any] = Field(default_factory=dict)
     created_at: float
+    trial: bool = Field(default=False, description="a trial version is never the latest")
 
 
 # ---------------------------------------------------------------------------- results
