@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
+import yaml
 
-yaml = pytest.importorskip("yaml")
 DEPLOY = Path(__file__).parents[2] / "deploy"
 
 
