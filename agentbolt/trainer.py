@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import secrets
 import signal
 import time
 from collections.abc import Iterable
@@ -59,9 +60,16 @@ class Trainer:
     ) -> None:
         if n_runners < 0:
             raise ConfigError("n_runners must be >= 0")
+        if token == "auto" and server_url is not None:
+            raise ConfigError(
+                'token="auto" makes a token for the embedded server; with server_url, pass that server\'s token'
+            )
         self.algorithm = algorithm
         self.n_runners, self.runner_concurrency = n_runners, runner_concurrency
-        self.server_url, self.token = server_url, token
+        self.server_url = server_url
+        # Resolved here, once: the server, the runners and the algorithm's client must all hold
+        # the same random token (runners that sent the literal "auto" got 401 on every call).
+        self.token = secrets.token_urlsafe(24) if token == "auto" else token
         self.resources = resources
         self.run_dir = Path(run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
         self.lease_seconds = lease_seconds
