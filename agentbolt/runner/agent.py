@@ -10,18 +10,21 @@ Two shapes:
 Inside a rollout, :func:`emit_reward`, :func:`emit_message`, :func:`emit_tool_call` and
 :func:`emit_event` record events from anywhere (any depth, any thread or task started from it):
 the current rollout lives in a :mod:`contextvars` variable, which both ``asyncio`` tasks and
-``run_in_executor``/``to_thread`` copy.
+``run_in_executor``/``to_thread`` copy. A plain ``threading.Thread`` does not copy it: there
+``emit_*`` reaches the one rollout running in this process, and raises when several run (start
+such threads with :func:`rollout_thread`, which hands the context over).
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import inspect
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, get_type_hints
 
 from agentbolt.errors import ConfigError
@@ -49,11 +52,16 @@ __all__ = [
     "emit_reward",
     "emit_tool_call",
     "rollout",
+    "rollout_thread",
 ]
 
 _current: contextvars.ContextVar[RolloutContext | None] = contextvars.ContextVar(
     "agentbolt_rollout", default=None
 )
+# Rollouts whose agent is running in this process (an abandoned sync agent's thread included,
+# until it returns): what a thread that did not inherit the context can still be told apart by.
+_running: set[RolloutContext] = set()
+_running_lock = threading.Lock()
 
 
 class RolloutContext:
@@ -108,15 +116,44 @@ class RolloutContext:
     def activate(self) -> contextvars.Token[RolloutContext | None]:
         return _current.set(self)
 
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """Mark the agent of this rollout as running in this process while the block runs."""
+        with _running_lock:
+            _running.add(self)
+        try:
+            yield
+        finally:
+            with _running_lock:
+                _running.discard(self)
+
 
 def active_rollout() -> RolloutContext | None:
     """The rollout being run in this context, or None outside one (tracing asks this)."""
     return _current.get()
 
 
+def _resolve() -> RolloutContext | None:
+    """This context's rollout; in a thread that did not inherit one, the only rollout running
+    in this process. None when none runs; raises when several do (which one is meant is unknown)."""
+    ctx = _current.get()
+    if ctx is not None:
+        return ctx
+    with _running_lock:
+        running = list(_running)
+    if len(running) <= 1:
+        return running[0] if running else None
+    raise RuntimeError(
+        f"called from a thread that does not carry its rollout's context, while {len(running)} "
+        "rollouts run in this process: start the thread with "
+        "agentbolt.runner.agent.rollout_thread(target, ...) or run its target inside "
+        "contextvars.copy_context().run(target, ...)"
+    )
+
+
 def current_rollout() -> RolloutContext:
     """The rollout being run; raises outside a rollout."""
-    ctx = _current.get()
+    ctx = _resolve()
     if ctx is None:
         raise RuntimeError(
             "not inside a rollout: emit_* and get_resource work only while a runner runs the agent"
@@ -124,8 +161,14 @@ def current_rollout() -> RolloutContext:
     return ctx
 
 
+def rollout_thread(target: Callable[..., Any], *args: Any, **kwargs: Any) -> threading.Thread:
+    """A ``threading.Thread`` (not started) running ``target(*args, **kwargs)`` in a copy of
+    the caller's context: ``emit_*`` inside it reach the caller's rollout, however many run."""
+    return threading.Thread(target=contextvars.copy_context().run, args=(target, *args), kwargs=kwargs)
+
+
 def _emit(type: str, data: dict[str, Any]) -> EventCreate | None:
-    ctx = _current.get()
+    ctx = _resolve()
     return ctx.emit(type, data) if ctx is not None else None
 
 
@@ -138,10 +181,12 @@ def emit_reward(value: float, name: str | None = None, llm_call_id: int | None =
         data["name"] = name
     if llm_call_id is not None:
         data["llm_call_id"] = llm_call_id
-    ctx = _current.get()
-    if ctx is not None and llm_call_id is None:
+    ctx = _resolve()
+    if ctx is None:
+        return
+    if llm_call_id is None:
         ctx.rewards.append(value)
-    _emit(EventType.REWARD, data)
+    ctx.emit(EventType.REWARD, data)
 
 
 def emit_message(content: str, role: str = "log") -> None:
@@ -254,12 +299,30 @@ def rollout(fn: Callable[..., Any]) -> FunctionAgent:
     return FunctionAgent(fn)
 
 
+def _construct(cls: type[LitAgent]) -> LitAgent:
+    """``cls()``, or a ConfigError naming the constructor arguments it needs (not a TypeError
+    that reads as a bug in the runner)."""
+    needed = [
+        name
+        for name, param in inspect.signature(cls).parameters.items()
+        if param.default is inspect.Parameter.empty
+        and param.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    ]
+    if needed:
+        raise ConfigError(
+            f"agent class {cls.__name__} needs constructor arguments ({', '.join(needed)}), so the "
+            f"runner cannot build it: create an instance in your module, e.g. "
+            f"'agent = {cls.__name__}(...)', and point the runner at that name instead"
+        )
+    return cls()
+
+
 def as_agent(obj: Any) -> LitAgent:
     """Accept an agent instance, a LitAgent subclass (built without arguments) or a function."""
     if isinstance(obj, LitAgent):
         return obj
     if isinstance(obj, type) and issubclass(obj, LitAgent):
-        return obj()
+        return _construct(obj)
     if callable(obj):
         return FunctionAgent(obj)
     raise ConfigError(f"{obj!r} is not an agent: expected a LitAgent, a LitAgent subclass or a function")

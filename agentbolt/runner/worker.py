@@ -1,28 +1,37 @@
 """The runner: a worker loop that executes an agent on queued rollouts.
 
 ``concurrency`` slots each loop dequeue -> run the agent -> upload events -> finish. Sync agents
-run in a thread pool of that size, async ones on the loop. A heartbeat keeps each attempt's
-lease; events go up in batches while the agent runs. An agent's exception becomes an
-``exception`` event with its traceback and fails the attempt. Server outages are ridden out
-with backoff. SIGINT/SIGTERM: stop claiming, let running rollouts finish for ``grace``
-seconds, then release the rest so another runner takes them at once; a second signal releases
-immediately.
+run in a thread pool, async ones on the loop. A heartbeat keeps each attempt's lease, every
+third of the lease the server granted; events go up in batches while the agent runs. An agent's
+exception becomes an ``exception`` event with its traceback and fails the attempt; so do a
+reward that is not a finite number and events the server refuses (those are dropped, and the
+reason recorded). Server outages are ridden out with backoff.
+
+When the server says the attempt is no longer ours (cancelled, finished, lease lost), the agent
+is cancelled at once and the slot claims new work. An async agent stops at its next ``await``;
+a sync agent's thread cannot be interrupted: it runs on in the background, its result dropped
+(counted in ``abandoned``), while spare threads keep the slots supplied.
+
+SIGINT/SIGTERM: stop claiming, let running rollouts finish for ``grace`` seconds, then release
+the rest so another runner takes them at once; a second signal releases immediately.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import importlib
 import importlib.util
 import logging
+import math
 import os
 import signal
 import socket
 import sys
-import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +39,19 @@ from agentbolt.client import AsyncClient, RetryPolicy
 from agentbolt.errors import AgentboltError, ConfigError, LeaseLost, NotFound
 from agentbolt.runner.agent import LitAgent, RolloutContext, as_agent, emit_exception
 from agentbolt.runner.tracing import Tracer, tracing_enabled
-from agentbolt.schemas import AttemptStatus, Claim, EventType, Trajectory
+from agentbolt.schemas import AttemptStatus, Claim, EventCreate, EventType, Trajectory
 
 __all__ = ["Runner", "load_agent", "reward_of"]
 
 log = logging.getLogger("agentbolt.runner")
+
+# Statuses with which the server refuses what was sent (bad data, a body over its limit):
+# sending the same bytes again cannot succeed.
+_REFUSED = frozenset({400, 413, 422})
+_CANCEL_WAIT = 1.0
+"""Seconds a cancelled async agent gets to unwind before its slot moves on without it."""
+_MAX_ERROR = 10_000
+"""Characters of an error message sent with a finish (the server takes up to 100,000)."""
 
 
 def load_agent(spec: str) -> LitAgent:
@@ -75,6 +92,34 @@ def reward_of(result: Any, ctx: RolloutContext) -> float | None:
     return float(sum(ctx.rewards)) if ctx.rewards else None
 
 
+@dataclass
+class _Watch:
+    """What the keepalive learned about one attempt while its agent ran."""
+
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    why: str = ""
+    """The server's word when the attempt stopped being ours (e.g. it names the state)."""
+    refused: list[str] = field(default_factory=list)
+    """Why the server refused events of this attempt (they were dropped)."""
+
+    def end(self, exc: Exception) -> None:
+        self.why = str(exc)
+        self.ended.set()
+
+
+def _clip(text: str | None) -> str | None:
+    return text if text is None or len(text) <= _MAX_ERROR else text[: _MAX_ERROR - 1] + "…"
+
+
+def _refused(exc: BaseException) -> bool:
+    """The server refused the request's content (not the attempt, not the transport)."""
+    return (
+        isinstance(exc, AgentboltError)
+        and not isinstance(exc, LeaseLost | NotFound)
+        and getattr(exc, "status_code", None) in _REFUSED
+    )
+
+
 class Runner:
     def __init__(
         self,
@@ -93,12 +138,16 @@ class Runner:
         max_rollouts: int | None = None,
         request_timeout: float = 30.0,
         tracing: bool | None = None,
+        spare_threads: int | None = None,
     ) -> None:
         self.agent = as_agent(agent)
         self.concurrency = max(1, concurrency)
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.lease_seconds = lease_seconds
+        """The lease this runner asks for; the server decides (``Claim.lease_seconds``)."""
+        self._asked_interval = heartbeat_interval
         self.heartbeat_interval = heartbeat_interval or (lease_seconds or 30.0) / 3
+        """Used only with a server that does not say which lease it granted."""
         self.poll_wait, self.flush_interval, self.flush_size = poll_wait, flush_interval, flush_size
         self.grace, self.max_rollouts = grace, max_rollouts
         # Retry forever while the server is down: a runner outlives server restarts.
@@ -111,11 +160,20 @@ class Runner:
         self.completed = 0
         self.failed = 0
         self.abandoned = 0
-        """Sync agents cancelled mid-run (stop or lost lease): their threads cannot be interrupted."""
+        """Sync agents cancelled mid-run (stop, cancel or lost lease): their threads cannot be
+        interrupted and finish in the background, their results dropped."""
         self.lost = 0
-        """Attempts whose lease ended before they could report (they do not count as done)."""
+        """Attempts that stopped being ours before they could report: cancelled, or their lease
+        ended (they do not count as done)."""
+        self.spare_threads = spare_threads if spare_threads is not None else max(self.concurrency, 8)
+        """Threads beyond one per slot, for abandoned sync agents still running: while they are
+        all taken, slots wait instead of claiming work that could not start."""
         self._stopping: asyncio.Event | None = None  # created on the loop in run()
-        self._executor = ThreadPoolExecutor(self.concurrency, thread_name_prefix="agentbolt-agent")
+        self._executor = ThreadPoolExecutor(
+            self.concurrency + self.spare_threads, thread_name_prefix="agentbolt-agent"
+        )
+        self._adrift: set[Future[Any]] = set()  # abandoned sync agents' threads, until they end
+        self._told_taken = False  # warned that they hold every thread (once, not every poll)
         self._running: dict[str, asyncio.Task[Any]] = {}
         self._release_now = False
         # OpenTelemetry export of each rollout's spans (off unless asked: AGENTBOLT_TRACING=1)
@@ -173,6 +231,9 @@ class Runner:
     async def _slot(self, index: int) -> None:
         while not self._done:
             try:
+                if self._threads_taken():
+                    await self._sleep(0.2)
+                    continue
                 claim = await self._claim()
                 if claim is None:
                     continue  # the dequeue itself waited (long poll)
@@ -182,6 +243,17 @@ class Runner:
             except Exception:
                 log.exception("runner slot %d: unexpected error; continuing", index)
                 await self._sleep(1.0)
+
+    def _threads_taken(self) -> bool:
+        """True while abandoned sync agents hold the threads a new claim would need."""
+        if self.agent.is_async or not self._adrift:
+            return False
+        self._adrift = {f for f in self._adrift if not f.done()}
+        taken = len(self._adrift) + len(self._running) >= self.concurrency + self.spare_threads
+        if taken and not self._told_taken:
+            log.warning("%d abandoned agent thread(s) still run: waiting for one to end", len(self._adrift))
+        self._told_taken = taken
+        return taken
 
     async def _claim(self) -> Claim | None:
         assert self._stopping is not None
@@ -203,40 +275,51 @@ class Runner:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._stopping.wait(), seconds)
 
+    def _beat_interval(self, claim: Claim) -> float:
+        """A third of the lease the server granted, whatever this runner asked for (a shorter
+        ``heartbeat_interval`` given explicitly is kept); the runner's own setting only when
+        the server did not say."""
+        if not claim.lease_seconds:
+            return self.heartbeat_interval
+        granted = claim.lease_seconds / 3
+        return min(granted, self._asked_interval) if self._asked_interval else granted
+
     async def _execute(self, claim: Claim) -> None:
         ctx = RolloutContext(claim.rollout, claim.attempt, claim.resources)
         attempt_id = claim.attempt.id
-        lost = asyncio.Event()
+        watch = _Watch()
         work = asyncio.create_task(self._run_agent(ctx))
         self._running[attempt_id] = work
-        keepalive = asyncio.create_task(self._keepalive(ctx, lost, work))
+        keepalive = [
+            asyncio.create_task(self._heartbeats(ctx, watch, self._beat_interval(claim))),
+            asyncio.create_task(self._uploads(ctx, watch)),
+        ]
         try:
-            status, reward, error = await self._outcome(ctx, work)
+            status, reward, error = await self._outcome(ctx, work, watch)
         finally:
             self._running.pop(attempt_id, None)
-            keepalive.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await keepalive
+            for task in keepalive:
+                task.cancel()
+            await asyncio.gather(*keepalive, return_exceptions=True)
         if self.tracer is not None:  # the rollout's spans are in the store before it is finished
             await asyncio.to_thread(self.tracer.flush)
-        if lost.is_set():
-            log.warning("attempt %s lost its lease; its result is dropped", attempt_id)
+        if watch.ended.is_set():
+            log.warning("attempt %s is no longer ours (%s); its result is dropped", attempt_id, watch.why)
             self.lost += 1
             return
-        await self._report(ctx, status, reward, error)
+        await self._report(ctx, status, reward, error, watch)
 
     async def _outcome(
-        self, ctx: RolloutContext, work: asyncio.Task[Any]
+        self, ctx: RolloutContext, work: asyncio.Task[Any], watch: _Watch
     ) -> tuple[AttemptStatus, float | None, str | None]:
         try:
-            result = await self._await_with_grace(work)
+            result = await self._await_agent(work, watch)
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if current is not None and current.cancelling():
                 raise  # this slot itself is being cancelled
-            # the agent was cancelled: by stopping (release it) or by a lost lease (dropped later)
-            if not self.agent.is_async:
-                self.abandoned += 1  # its thread cannot be interrupted and runs on
+            # the agent was cancelled: by stopping (release it) or because the attempt is no
+            # longer ours (dropped by the caller)
             return AttemptStatus.RELEASED, None, "runner stopped"
         except Exception as exc:
             ctx_token = ctx.activate()
@@ -248,24 +331,41 @@ class Runner:
         reward = reward_of(result, ctx)
         if isinstance(result, Trajectory):
             ctx.emit("trajectory", result.model_dump(mode="json"))
+        if reward is not None and not math.isfinite(reward):
+            # Decided here: the server would refuse it, and the attempt would wait out its lease.
+            error = f"reward is not a finite number: {reward}"
+            _record_failure(ctx, "InvalidReward", error)
+            return AttemptStatus.FAILED, None, error
         if reward is not None:
             ctx.emit(EventType.REWARD, {"value": reward, "final": True})
         return AttemptStatus.SUCCEEDED, reward, None
 
-    async def _await_with_grace(self, work: asyncio.Task[Any]) -> Any:
-        """Await the agent; once stopping, give it ``grace`` seconds, then release it."""
+    async def _await_agent(self, work: asyncio.Task[Any], watch: _Watch) -> Any:
+        """Await the agent. Once stopping, give it ``grace`` seconds, then release it; once
+        the attempt is no longer ours, cancel it at once."""
         assert self._stopping is not None
         stop = asyncio.ensure_future(self._stopping.wait())
+        ended = asyncio.ensure_future(watch.ended.wait())
         try:
-            await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({work, stop, ended}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done() and not ended.done():
+                await asyncio.wait({work, ended}, timeout=self.grace, return_when=asyncio.FIRST_COMPLETED)
             if not work.done():
-                done, _ = await asyncio.wait({work}, timeout=self.grace)
-                if not done:
-                    work.cancel()
-                    raise asyncio.CancelledError
+                await self._cancel(work)
+                raise asyncio.CancelledError
             return work.result()
         finally:
             stop.cancel()
+            ended.cancel()
+
+    async def _cancel(self, work: asyncio.Task[Any]) -> None:
+        """Cancel the agent and give it a moment to unwind; one that ignores the cancellation
+        is left to run on the loop, its result dropped."""
+        work.cancel()
+        done, _ = await asyncio.wait({work}, timeout=_CANCEL_WAIT)
+        if not done:
+            log.warning("agent ignored its cancellation for %.0f s; abandoned", _CANCEL_WAIT)
+            self.abandoned += 1
 
     async def _run_agent(self, ctx: RolloutContext) -> Any:
         token = ctx.activate()
@@ -273,56 +373,148 @@ class Runner:
         try:
             with traced:  # inside the rollout's context: the agent's spans are children of its root
                 if self.agent.is_async:
-                    return await self.agent.execute_rollout(ctx.task)  # type: ignore[misc]
-                import contextvars
-
-                run_ctx = contextvars.copy_context()
-                loop = asyncio.get_running_loop()
-                return await loop.run_in_executor(
-                    self._executor, run_ctx.run, self.agent.execute_rollout, ctx.task
-                )
+                    with ctx.running():
+                        return await self.agent.execute_rollout(ctx.task)  # type: ignore[misc]
+                return await self._run_in_thread(ctx)
         finally:
             token.var.reset(token)
 
-    async def _keepalive(self, ctx: RolloutContext, lost: asyncio.Event, work: asyncio.Task[Any]) -> None:
-        """Heartbeat and upload events until cancelled; a lost lease cancels the agent."""
-        last_beat = time.monotonic()
+    async def _run_in_thread(self, ctx: RolloutContext) -> Any:
+        future = self._executor.submit(contextvars.copy_context().run, self._call_agent, ctx)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            if not future.cancel() and not future.done():  # already running: cannot be stopped
+                self.abandoned += 1
+                self._adrift.add(future)
+            raise
+
+    def _call_agent(self, ctx: RolloutContext) -> Any:
+        with ctx.running():  # until the thread returns, even after its result was dropped
+            return self.agent.execute_rollout(ctx.task)
+
+    # ------------------------------------------------------------------ talking to the server
+
+    async def _heartbeats(self, ctx: RolloutContext, watch: _Watch, interval: float) -> None:
+        """Keep the lease until cancelled; stop when the attempt is no longer ours."""
+        delay = interval
         while True:
-            await asyncio.sleep(self.flush_interval)
+            await asyncio.sleep(delay)
             try:
-                if ctx.pending_count:
-                    await self._flush(ctx)
-                if time.monotonic() - last_beat >= self.heartbeat_interval:
-                    await self.client.heartbeat(ctx.attempt.id, self.worker_id, self.lease_seconds)
-                    last_beat = time.monotonic()
-            except (LeaseLost, NotFound):
-                lost.set()
-                work.cancel()
+                await self.client.heartbeat(ctx.attempt.id, self.worker_id, self.lease_seconds)
+                delay = interval
+            except (LeaseLost, NotFound) as exc:
+                watch.end(exc)
                 return
             except AgentboltError:
-                log.exception("keepalive for %s failed", ctx.attempt.id)
+                log.exception("heartbeat for %s failed; trying again", ctx.attempt.id)
+                delay = min(interval, self.flush_interval)  # soon, not a whole interval later
 
-    async def _flush(self, ctx: RolloutContext) -> None:
+    async def _uploads(self, ctx: RolloutContext, watch: _Watch) -> None:
+        """Upload events while the agent runs (apart from heartbeats: a slow or failing upload
+        never delays one); stop when the attempt is no longer ours."""
+        while True:
+            await asyncio.sleep(self.flush_interval)
+            if not ctx.pending_count:
+                continue
+            try:
+                await self._flush(ctx, watch)
+            except (LeaseLost, NotFound) as exc:
+                watch.end(exc)
+                return
+            except AgentboltError:
+                log.exception("uploading events of %s failed; they go with the next batch", ctx.attempt.id)
+
+    async def _flush(self, ctx: RolloutContext, watch: _Watch) -> None:
         pending = ctx.take_pending()
         chunk = self.flush_size * 16
         for start in range(0, len(pending), chunk):
             try:
-                await self.client.add_events(ctx.attempt.id, pending[start : start + chunk], self.worker_id)
+                await self._upload(ctx, pending[start : start + chunk], watch)
             except BaseException:
-                ctx.put_back(pending[start:])
+                ctx.put_back(pending[start:])  # sequence numbers make re-sending harmless
                 raise
 
+    async def _upload(self, ctx: RolloutContext, events: list[EventCreate], watch: _Watch) -> None:
+        """Send events; of a batch the server refuses, halve until the refused ones are found,
+        send the rest, and drop those (recording why: the attempt will fail with it)."""
+        try:
+            await self.client.add_events(ctx.attempt.id, events, self.worker_id)
+        except AgentboltError as exc:
+            if not _refused(exc):
+                raise
+            if len(events) > 1:
+                half = len(events) // 2
+                await self._upload(ctx, events[:half], watch)
+                await self._upload(ctx, events[half:], watch)
+                return
+            reason = f"the server refused event {events[0].sequence} ({events[0].type}): {exc}"
+            log.warning("attempt %s: %s", ctx.attempt.id, reason)
+            watch.refused.append(reason)
+            _record_failure(ctx, "EventRefused", reason)
+
     async def _report(
-        self, ctx: RolloutContext, status: AttemptStatus, reward: float | None, error: str | None
+        self,
+        ctx: RolloutContext,
+        status: AttemptStatus,
+        reward: float | None,
+        error: str | None,
+        watch: _Watch,
     ) -> None:
         try:
-            await self._flush(ctx)
-            await self.client.finish(ctx.attempt.id, status, reward, error, self.worker_id)
+            status, reward, error = await self._last_upload(ctx, watch, status, reward, error)
+            status = await self._finish(ctx, status, reward, error)
         except (LeaseLost, NotFound) as exc:
             log.warning("attempt %s could not be finished: %s", ctx.attempt.id, exc)
             self.lost += 1
             return
+        except AgentboltError as exc:
+            # Nothing more this runner can say (e.g. its token is refused): the lease runs out.
+            log.error("attempt %s could not be finished: %s", ctx.attempt.id, exc)
+            status = AttemptStatus.FAILED
         if status == AttemptStatus.SUCCEEDED:
             self.completed += 1
         elif status == AttemptStatus.FAILED:
             self.failed += 1
+
+    async def _last_upload(
+        self,
+        ctx: RolloutContext,
+        watch: _Watch,
+        status: AttemptStatus,
+        reward: float | None,
+        error: str | None,
+    ) -> tuple[AttemptStatus, float | None, str | None]:
+        """Flush the remaining events; an attempt whose events were refused, or could not be
+        sent, fails with the reason."""
+        try:
+            await self._flush(ctx, watch)
+            if watch.refused:
+                await self._flush(ctx, watch)  # the records of what was refused
+        except (LeaseLost, NotFound):
+            raise
+        except AgentboltError as exc:
+            return AttemptStatus.FAILED, None, f"events could not be uploaded: {exc}"
+        if not watch.refused or status == AttemptStatus.RELEASED:
+            return status, reward, error
+        reasons = "; ".join(watch.refused)
+        return AttemptStatus.FAILED, None, f"{error}; {reasons}" if error else reasons
+
+    async def _finish(
+        self, ctx: RolloutContext, status: AttemptStatus, reward: float | None, error: str | None
+    ) -> AttemptStatus:
+        """Finish the attempt; if the server refuses that outcome, fail it with the reason."""
+        try:
+            await self.client.finish(ctx.attempt.id, status, reward, _clip(error), self.worker_id)
+            return status
+        except AgentboltError as exc:
+            if not _refused(exc) or status == AttemptStatus.FAILED:
+                raise
+            reason = f"the server refused the attempt's outcome ({status.value}): {exc}"
+        await self.client.finish(ctx.attempt.id, AttemptStatus.FAILED, None, _clip(reason), self.worker_id)
+        return AttemptStatus.FAILED
+
+
+def _record_failure(ctx: RolloutContext, kind: str, message: str) -> None:
+    """An ``exception`` event saying why the runner failed the attempt (not the agent's raise)."""
+    ctx.emit(EventType.EXCEPTION, {"type": kind, "message": _clip(message), "traceback": ""})
