@@ -1,11 +1,18 @@
 """HTTP clients for the server: :class:`Client` (sync) and :class:`AsyncClient`.
 
 Every call has a timeout. Connection errors and 5xx answers are retried with exponential
-backoff and full jitter; 4xx answers are never retried and raise the matching error
-(404 :class:`NotFound`, 409 :class:`LeaseLost`/:class:`InvalidTransition`, else
-:class:`RequestError`). Each endpoint's request is described once (:class:`_Request`) and sent
-by either transport, so the two clients cannot drift apart. :meth:`Client.pages` follows a paged
-endpoint's cursors.
+backoff and full jitter; 4xx answers are never retried and raise the error the server names in
+its body (``{"error": {"type": "NotFound", ...}}`` → :class:`NotFound`), or else one chosen by
+status (404 :class:`NotFound`, 409 :class:`LeaseLost`/:class:`InvalidTransition`, else
+:class:`RequestError`).
+
+Retrying a write is safe because every mutating call carries an ``Idempotency-Key`` made once
+per call and sent again by each retry: the server answers a repeated key with the first result
+(a retried enqueue returns the same rollouts, a retried dequeue the same claim). Enqueue also
+names every rollout itself before sending.
+
+Each endpoint's request is described once (:class:`_Request`) and sent by either transport, so
+the two clients cannot drift apart. :meth:`Client.pages` follows a paged endpoint's cursors.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -20,8 +28,17 @@ from typing import Any, Generic, TypeVar
 import httpx
 from pydantic import TypeAdapter
 
-from agentbolt.errors import AgentboltError, InvalidTransition, LeaseLost, NotFound, ServerUnavailable
-from agentbolt.http1 import Http1Transport, lean_mounts
+from agentbolt.errors import (
+    AgentboltError,
+    AttemptEnded,
+    ConfigError,
+    Conflict,
+    InvalidTransition,
+    LeaseLost,
+    NotFound,
+    ServerUnavailable,
+)
+from agentbolt.http1 import IDEMPOTENCY_KEY, Http1Transport, lean_mounts
 from agentbolt.schemas import (
     Attempt,
     AttemptStatus,
@@ -37,6 +54,7 @@ from agentbolt.schemas import (
     RolloutStatus,
     WaitResult,
     Worker,
+    new_id,
 )
 
 __all__ = ["AsyncClient", "Client", "RequestError", "RetryPolicy"]
@@ -78,14 +96,38 @@ class _Request(Generic[T]):
     json: Any = None
     params: dict[str, Any] = field(default_factory=dict)
     timeout: float | None = None
+    key: str | None = None
+    """The ``Idempotency-Key`` of a write: made with the request, so every retry sends it again."""
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        return {IDEMPOTENCY_KEY: self.key} if self.key else None
+
+
+def _write(
+    path: str, parse: Callable[[Any], T], json: Any = None, timeout: float | None = None
+) -> _Request[T]:
+    """A mutating POST: a new idempotency key for this one logical call."""
+    return _Request("POST", path, parse, json=json, timeout=timeout, key=uuid.uuid4().hex)
+
+
+# The errors a server body may name (``{"error": {"type": ...}}``), rebuilt from its message.
+_ERRORS_BY_TYPE: dict[str, type[AgentboltError]] = {
+    cls.__name__: cls for cls in (NotFound, LeaseLost, AttemptEnded, InvalidTransition, Conflict, ConfigError)
+}
 
 
 def _raise_for(response: httpx.Response) -> None:
+    error_type = None
     try:
         body = response.json()
         message = body["error"]["message"] if "error" in body else str(body)
+        error_type = body["error"].get("type") if "error" in body else None
     except Exception:
         message = response.text[:500]
+    if error_type in _ERRORS_BY_TYPE:
+        raise _ERRORS_BY_TYPE[error_type].from_message(message)
+    # A body without a known type (a proxy's page, an older server): the status decides.
     status = response.status_code
     if status == 404:
         raise NotFound.from_message(message)
@@ -132,30 +174,38 @@ class _Api:
 
     @staticmethod
     def enqueue(items: Sequence[RolloutCreate]) -> _Request[list[Rollout]]:
-        body = {"rollouts": [i.model_dump(mode="json", exclude_none=True) for i in items]}
-        return _Request("POST", "/api/rollouts", _rollouts, json=body)
+        """Items without an id get one here, so even a server that has forgotten the key keeps
+        a retried enqueue from creating the rollouts twice."""
+        rollouts = [i.model_dump(mode="json", exclude_none=True) for i in items]
+        for rollout in rollouts:
+            rollout.setdefault("id", new_id("ro"))
+        return _write("/api/rollouts", _rollouts, json={"rollouts": rollouts})
 
     @staticmethod
     def dequeue(worker_id: str, lease_seconds: float | None, wait: float = 0.0) -> _Request[Claim | None]:
         body = {"worker_id": worker_id, "lease_seconds": lease_seconds, "wait": wait}
-        return _Request("POST", "/api/dequeue", _claim, json=body, timeout=wait + 30 if wait else None)
+        return _write("/api/dequeue", _claim, json=body, timeout=wait + 30 if wait else None)
 
     @staticmethod
     def heartbeat(attempt_id: str, worker_id: str | None, lease_seconds: float | None) -> _Request[Attempt]:
         body = {"worker_id": worker_id, "lease_seconds": lease_seconds}
-        return _Request("POST", f"/api/attempts/{attempt_id}/heartbeat", _attempt, json=body)
+        return _write(f"/api/attempts/{attempt_id}/heartbeat", _attempt, json=body)
 
     @staticmethod
     def add_events(attempt_id: str, events: Sequence[EventCreate], worker_id: str | None) -> _Request[int]:
         body = {"worker_id": worker_id, "events": [e.model_dump(mode="json") for e in events]}
-        return _Request("POST", f"/api/attempts/{attempt_id}/events", lambda j: int(j["added"]), json=body)
+        return _write(f"/api/attempts/{attempt_id}/events", lambda j: int(j["added"]), json=body)
 
     @staticmethod
     def finish(
         attempt_id: str, status: AttemptStatus, reward: float | None, error: str | None, worker_id: str | None
     ) -> _Request[Rollout]:
         body = {"status": status.value, "reward": reward, "error": error, "worker_id": worker_id}
-        return _Request("POST", f"/api/attempts/{attempt_id}/finish", _rollout, json=body)
+        return _write(f"/api/attempts/{attempt_id}/finish", _rollout, json=body)
+
+    @staticmethod
+    def cancel(rollout_id: str) -> _Request[Rollout]:
+        return _write(f"/api/rollouts/{rollout_id}/cancel", _rollout)
 
     @staticmethod
     def wait(rollout_ids: Sequence[str], timeout: float) -> _Request[WaitResult]:
@@ -187,12 +237,15 @@ class _Api:
         return _Request("POST", "/api/events/query", _page_events, json=body)
 
     @staticmethod
-    def publish(resources: dict[str, Resource], metadata: dict[str, Any] | None) -> _Request[Resources]:
+    def publish(
+        resources: dict[str, Resource], metadata: dict[str, Any] | None, trial: bool
+    ) -> _Request[Resources]:
         body = {
             "resources": {k: v.model_dump(mode="json") for k, v in resources.items()},
             "metadata": metadata or {},
+            "trial": trial,
         }
-        return _Request("POST", "/api/resources", _resources, json=body)
+        return _write("/api/resources", _resources, json=body)
 
 
 class _Base:
@@ -256,6 +309,7 @@ class Client(_Base):
                     call.path,
                     json=call.json,
                     params=call.params or None,
+                    headers=call.headers,
                     timeout=call.timeout or self.timeout,
                 )
                 return self._handle(call, response)
@@ -298,7 +352,7 @@ class Client(_Base):
         return self._send(_Request("GET", f"/api/rollouts/{rollout_id}", _rollout))
 
     def cancel(self, rollout_id: str) -> Rollout:
-        return self._send(_Request("POST", f"/api/rollouts/{rollout_id}/cancel", _rollout))
+        return self._send(_Api.cancel(rollout_id))
 
     def list_rollouts(
         self,
@@ -375,9 +429,11 @@ class Client(_Base):
         return self._send(_Api.wait(rollout_ids, min(timeout, 60.0)))
 
     def publish_resources(
-        self, resources: dict[str, Resource], metadata: dict[str, Any] | None = None
+        self, resources: dict[str, Resource], metadata: dict[str, Any] | None = None, trial: bool = False
     ) -> Resources:
-        return self._send(_Api.publish(resources, metadata))
+        """A new resources version. ``trial``: never the latest; only rollouts pinned to its
+        version run with it (e.g. an APO candidate under evaluation)."""
+        return self._send(_Api.publish(resources, metadata, trial))
 
     def get_resources(self, version: int) -> Resources:
         return self._send(_Request("GET", f"/api/resources/{version}", _resources))
@@ -411,11 +467,9 @@ class AsyncClient(_Base):
         super().__init__(url, token, timeout, retry)
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         # Plain http (loopback, cluster network) goes through the lean keep-alive transport
-        # (which opens connections as calls need them; ``max_connections`` caps the idle ones);
-        # https keeps httpx's own (TLS, proxies).
-        mounts = (
-            lean_mounts(Http1Transport(max_idle_per_origin=max_connections)) if transport is None else None
-        )
+        # (``max_connections`` caps its open connections too); https keeps httpx's own (TLS,
+        # proxies).
+        mounts = lean_mounts(Http1Transport(max_connections=max_connections)) if transport is None else None
         self.http = httpx.AsyncClient(
             base_url=self.url,
             headers=self.headers,
@@ -437,6 +491,7 @@ class AsyncClient(_Base):
                     call.path,
                     json=call.json,
                     params=call.params or None,
+                    headers=call.headers,
                     timeout=call.timeout or self.timeout,
                 )
                 return self._handle(call, response)
@@ -481,6 +536,15 @@ class AsyncClient(_Base):
 
     async def wait(self, rollout_ids: Sequence[str], timeout: float = 10.0) -> WaitResult:
         return await self._send(_Api.wait(rollout_ids, min(timeout, 60.0)))
+
+    async def cancel(self, rollout_id: str) -> Rollout:
+        return await self._send(_Api.cancel(rollout_id))
+
+    async def publish_resources(
+        self, resources: dict[str, Resource], metadata: dict[str, Any] | None = None, trial: bool = False
+    ) -> Resources:
+        """See :meth:`Client.publish_resources`."""
+        return await self._send(_Api.publish(resources, metadata, trial))
 
     async def get_resources(self, version: int) -> Resources:
         return await self._send(_Request("GET", f"/api/resources/{version}", _resources))

@@ -10,14 +10,25 @@ client API, timeouts and errors stay httpx's) and only mounted for ``http://``; 
 upstreams keep httpx's default transport (TLS, HTTP/2, proxies).
 
 Scope: HTTP/1.1 requests with a known body; responses framed by content-length, chunked
-transfer encoding or connection close. A request whose reused keep-alive connection turns out
-closed by the server before any response byte is sent once more on a fresh connection (the
-server never answered it), as urllib3 and httpcore do.
+transfer encoding or connection close. Interim answers (``100 Continue``, ``103 Early Hints``)
+are skipped: the final answer follows them on the same connection.
+
+Sent at most once: a reused keep-alive connection may turn out closed by the server. If it
+failed before the whole request was written, the server cannot have acted on it, and it is
+sent again on another connection. Once written, the server may have processed it before the
+connection dropped, so it is sent again only when that is harmless: a safe method (GET, HEAD)
+or a request carrying an ``Idempotency-Key`` (the server answers a repeated key with its first
+result). Otherwise the error goes to the caller, whose retry policy decides.
+
+At most ``max_connections`` connections are open per transport, idle ones included; a caller
+beyond that waits for one (httpx's ``pool`` timeout), and takes an idle connection to another
+origin if there is one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 import urllib.request
 from collections.abc import AsyncIterator
@@ -25,15 +36,23 @@ from typing import Any
 
 import httpx
 
-__all__ = ["Http1Transport", "lean_mounts"]
+__all__ = ["IDEMPOTENCY_KEY", "Http1Transport", "lean_mounts"]
+
+IDEMPOTENCY_KEY = "Idempotency-Key"
+"""The header naming one logical write: every retry of it carries the same value."""
 
 _NO_BODY = {204, 304}
+# RFC 9110 safe methods: a repeat changes nothing on the server.
+_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
+
+Origin = tuple[str, int]
 
 
 class _Conn:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
+    def __init__(self, origin: Origin, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.origin, self.reader, self.writer = origin, reader, writer
         self.idle_since = 0.0
+        self.reused = False
 
     def usable(self) -> bool:
         return not self.reader.at_eof() and not self.writer.is_closing()
@@ -42,8 +61,13 @@ class _Conn:
         self.writer.close()
 
 
-class _Stale(Exception):
-    """The server closed a reused connection without answering."""
+class _Unanswered(Exception):
+    """The connection dropped before any byte of the answer; ``written``: whether the whole
+    request had reached the socket (so the server may have acted on it)."""
+
+    def __init__(self, written: bool) -> None:
+        super().__init__()
+        self.written = written
 
 
 async def _within(
@@ -56,20 +80,140 @@ async def _within(
         raise kind(f"no answer within {seconds} s", request=request) from None
 
 
+class _Pool:
+    """The open connections of one transport: idle ones on a LIFO stack per origin, and the
+    callers waiting because ``max_connections`` are open. Every open connection holds one
+    slot; a slot freed while callers wait passes to the first of them."""
+
+    def __init__(self, max_connections: int, max_idle_per_origin: int, keepalive_expiry: float) -> None:
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, got {max_connections}")
+        self.max_connections, self.max_idle, self.expiry = (
+            max_connections,
+            max_idle_per_origin,
+            keepalive_expiry,
+        )
+        self.open = 0
+        self.idle: dict[Origin, list[_Conn]] = {}
+        # Each waiter's future gets a connection to its origin, or None: a slot to open one with.
+        self.waiters: collections.deque[tuple[Origin, asyncio.Future[_Conn | None]]] = collections.deque()
+
+    async def acquire(self, origin: Origin, request: httpx.Request, timeouts: dict[str, Any]) -> _Conn:
+        conn = self._reuse(origin)
+        if conn is not None:
+            return conn
+        if not self._take_slot():
+            conn = await self._wait(origin, request, timeouts.get("pool"))
+            if conn is not None:
+                return conn
+        try:
+            reader, writer = await _within(
+                timeouts.get("connect"), asyncio.open_connection(*origin), request, httpx.ConnectTimeout
+            )
+        except OSError as exc:
+            self._free_slot()
+            raise httpx.ConnectError(
+                f"cannot connect to {origin[0]}:{origin[1]}: {exc}", request=request
+            ) from exc
+        except BaseException:
+            self._free_slot()
+            raise
+        return _Conn(origin, reader, writer)
+
+    def _reuse(self, origin: Origin) -> _Conn | None:
+        idle = self.idle.get(origin)
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()
+            if conn.usable() and now - conn.idle_since < self.expiry:
+                conn.reused = True
+                return conn
+            self.discard(conn)
+        return None
+
+    def _take_slot(self) -> bool:
+        """Claim a slot for a new connection: a free one, or an idle connection's (closed)."""
+        if self.open < self.max_connections:
+            self.open += 1
+            return True
+        for idle in self.idle.values():
+            if idle:
+                idle.pop(0).close()  # the oldest: its slot passes to the caller
+                return True
+        return False
+
+    async def _wait(self, origin: Origin, request: httpx.Request, timeout: float | None) -> _Conn | None:
+        waiter: asyncio.Future[_Conn | None] = asyncio.get_running_loop().create_future()
+        entry = (origin, waiter)
+        self.waiters.append(entry)
+        try:
+            return await _within(timeout, waiter, request, httpx.PoolTimeout)  # type: ignore[no-any-return]
+        except BaseException:
+            if waiter.done() and not waiter.cancelled():
+                self._pass_on(waiter.result())  # handed over just as this caller gave up
+            else:
+                waiter.cancel()
+                self.waiters.remove(entry)
+            raise
+
+    def _pass_on(self, conn: _Conn | None) -> None:
+        if conn is None:
+            self._free_slot()
+        else:
+            self.release(conn)
+
+    def _next_waiter(self, origin: Origin | None) -> asyncio.Future[_Conn | None] | None:
+        """The first waiter still waiting (for ``origin`` only, unless None), taken off the queue."""
+        for entry in self.waiters:
+            if origin is None or entry[0] == origin:
+                self.waiters.remove(entry)
+                return entry[1]
+        return None
+
+    def release(self, conn: _Conn) -> None:
+        """A connection whose exchange ended cleanly: to a waiter for its origin, else idle
+        (its slot to a waiter for another origin, if any)."""
+        if not conn.usable():
+            self.discard(conn)
+            return
+        waiter = self._next_waiter(conn.origin)
+        if waiter is not None:
+            conn.reused = True
+            waiter.set_result(conn)
+            return
+        idle = self.idle.setdefault(conn.origin, [])
+        if self.waiters or len(idle) >= self.max_idle:
+            self.discard(conn)
+            return
+        conn.idle_since = time.monotonic()
+        idle.append(conn)
+
+    def discard(self, conn: _Conn) -> None:
+        conn.close()
+        self._free_slot()
+
+    def _free_slot(self) -> None:
+        waiter = self._next_waiter(None)
+        if waiter is not None:
+            waiter.set_result(None)  # the slot passes on: ``open`` stays the same
+        else:
+            self.open -= 1
+
+    def close_idle(self) -> None:
+        for idle in self.idle.values():
+            for conn in idle:
+                self.discard(conn)
+        self.idle.clear()
+
+
 class _Body(httpx.AsyncByteStream):
     """A response body read from the connection; the connection goes back to the pool once the
     body was read to its end and both sides allow keep-alive."""
 
     def __init__(
-        self,
-        transport: Http1Transport,
-        origin: tuple[str, int],
-        conn: _Conn,
-        request: httpx.Request,
-        headers: httpx.Headers,
-        no_body: bool,
+        self, pool: _Pool, conn: _Conn, request: httpx.Request, headers: httpx.Headers, no_body: bool
     ) -> None:
-        self.transport, self.origin, self.conn, self.request = transport, origin, conn, request
+        self.pool, self.conn, self.request = pool, conn, request
         self.timeout = request.extensions.get("timeout", {}).get("read")
         self.chunked = "chunked" in headers.get("transfer-encoding", "").lower()
         length = headers.get("content-length")
@@ -107,9 +251,9 @@ class _Body(httpx.AsyncByteStream):
             return
         conn, self.conn = self.conn, None  # type: ignore[assignment]
         if self.complete and self.reusable:
-            self.transport._release(self.origin, conn)
+            self.pool.release(conn)
         else:
-            conn.close()
+            self.pool.discard(conn)
 
 
 def lean_mounts(transport: Http1Transport) -> dict[str, httpx.AsyncBaseTransport] | None:
@@ -118,10 +262,20 @@ def lean_mounts(transport: Http1Transport) -> dict[str, httpx.AsyncBaseTransport
     return None if urllib.request.getproxies().get("http") else {"http://": transport}
 
 
+def _resendable(request: httpx.Request) -> bool:
+    """Whether sending ``request`` twice does no harm (see the module docstring)."""
+    return request.method in _SAFE_METHODS or IDEMPOTENCY_KEY in request.headers
+
+
 class Http1Transport(httpx.AsyncBaseTransport):
-    def __init__(self, max_idle_per_origin: int = 256, keepalive_expiry: float = 60.0) -> None:
-        self.max_idle, self.expiry = max_idle_per_origin, keepalive_expiry
-        self._idle: dict[tuple[str, int], list[_Conn]] = {}
+    def __init__(
+        self, max_connections: int = 64, max_idle_per_origin: int = 256, keepalive_expiry: float = 4.0
+    ) -> None:
+        """``keepalive_expiry``: an idle connection older than this is closed, not reused. Under
+        uvicorn's 5 s keep-alive timeout (the agentbolt server, its model engine and vLLM all
+        run on uvicorn), so a request seldom meets a connection the server is closing: one
+        without a key would not be sent again."""
+        self._pool = _Pool(max_connections, max_idle_per_origin, keepalive_expiry)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if request.url.scheme != "http":
@@ -132,21 +286,20 @@ class Http1Transport(httpx.AsyncBaseTransport):
         payload = self._head(request) + await request.aread()
         timeouts = request.extensions.get("timeout", {})
         while True:
-            conn, reused = await self._acquire(origin, request, timeouts.get("connect"))
+            conn = await self._pool.acquire(origin, request, timeouts)
             try:
                 status, headers = await self._exchange(conn, payload, request, timeouts)
-            except _Stale:
-                conn.close()
-                if reused:
-                    continue  # the server closed it while idle: it never saw this request
-                raise httpx.RemoteProtocolError(
-                    "server closed the connection without answering", request=request
-                ) from None
+            except _Unanswered as exc:
+                self._pool.discard(conn)
+                # A stale keep-alive connection: another one is fresh, or less likely stale.
+                if conn.reused and (not exc.written or _resendable(request)):
+                    continue
+                raise httpx.RemoteProtocolError(_unanswered_message(conn), request=request) from None
             except BaseException:
-                conn.close()
+                self._pool.discard(conn)
                 raise
             no_body = request.method == "HEAD" or status in _NO_BODY or status < 200
-            stream = _Body(self, origin, conn, request, headers, no_body)
+            stream = _Body(self._pool, conn, request, headers, no_body)
             return httpx.Response(
                 status, headers=headers, stream=stream, extensions={"http_version": b"HTTP/1.1"}
             )
@@ -160,66 +313,61 @@ class Http1Transport(httpx.AsyncBaseTransport):
     async def _exchange(
         self, conn: _Conn, payload: bytes, request: httpx.Request, timeouts: dict[str, Any]
     ) -> tuple[int, httpx.Headers]:
-        try:
-            conn.writer.write(payload)
-            if conn.writer.transport.get_write_buffer_size():
-                await _within(timeouts.get("write"), conn.writer.drain(), request, httpx.WriteTimeout)
-            head = await _within(
-                timeouts.get("read"), conn.reader.readuntil(b"\r\n\r\n"), request, httpx.ReadTimeout
-            )
-        except asyncio.IncompleteReadError as exc:
-            if not exc.partial:
-                raise _Stale from None
-            raise httpx.RemoteProtocolError(
-                "connection closed in the response head", request=request
-            ) from None
-        except asyncio.LimitOverrunError:
-            raise httpx.RemoteProtocolError("response head too large", request=request) from None
-        except ConnectionError:
-            raise _Stale from None
-        first, *lines = head.split(b"\r\n")
-        try:
-            status = int(first.split(None, 2)[1])
-        except (IndexError, ValueError):
-            raise httpx.RemoteProtocolError(
-                f"malformed status line {first[:80]!r}", request=request
-            ) from None
-        raw = [
-            (name.strip(), value.strip())
-            for name, _, value in (line.partition(b":") for line in lines if line)
-        ]
-        return status, httpx.Headers(raw)
-
-    async def _acquire(
-        self, origin: tuple[str, int], request: httpx.Request, timeout: float | None
-    ) -> tuple[_Conn, bool]:
-        idle = self._idle.get(origin)
-        now = time.monotonic()
-        while idle:
-            conn = idle.pop()
-            if conn.usable() and now - conn.idle_since < self.expiry:
-                return conn, True
-            conn.close()
-        try:
-            reader, writer = await _within(
-                timeout, asyncio.open_connection(*origin), request, httpx.ConnectTimeout
-            )
-        except OSError as exc:
-            raise httpx.ConnectError(
-                f"cannot connect to {origin[0]}:{origin[1]}: {exc}", request=request
-            ) from exc
-        return _Conn(reader, writer), False
-
-    def _release(self, origin: tuple[str, int], conn: _Conn) -> None:
-        idle = self._idle.setdefault(origin, [])
-        if len(idle) >= self.max_idle or not conn.usable():
-            conn.close()
-            return
-        conn.idle_since = time.monotonic()
-        idle.append(conn)
+        await _write(conn, payload, request, timeouts.get("write"))
+        status, headers = await _read_head(conn, request, timeouts.get("read"))
+        while 100 <= status < 200 and status != 101:  # interim: the final answer follows
+            try:
+                status, headers = await _read_head(conn, request, timeouts.get("read"))
+            except _Unanswered:
+                raise httpx.RemoteProtocolError(
+                    f"connection closed after an interim {status} answer", request=request
+                ) from None
+        return status, headers
 
     async def aclose(self) -> None:
-        for idle in self._idle.values():
-            for conn in idle:
-                conn.close()
-        self._idle.clear()
+        self._pool.close_idle()
+
+
+def _unanswered_message(conn: _Conn) -> str:
+    if not conn.reused:
+        return "the server closed the connection without answering"
+    return (
+        "the server closed a kept-alive connection without answering; the request may have been "
+        f"processed, so it is not sent again (not a safe method and no {IDEMPOTENCY_KEY} header)"
+    )
+
+
+async def _write(conn: _Conn, payload: bytes, request: httpx.Request, timeout: float | None) -> None:
+    """Hand the whole request to the socket; :class:`_Unanswered` (not written) if it fails."""
+    try:
+        conn.writer.write(payload)
+        # A failed send closes the transport at once (write() itself never raises): the
+        # server got part of the request at most.
+        if conn.writer.is_closing():
+            raise _Unanswered(written=False)
+        if conn.writer.transport.get_write_buffer_size():
+            await _within(timeout, conn.writer.drain(), request, httpx.WriteTimeout)
+    except ConnectionError:
+        raise _Unanswered(written=False) from None
+
+
+async def _read_head(conn: _Conn, request: httpx.Request, timeout: float | None) -> tuple[int, httpx.Headers]:
+    try:
+        head = await _within(timeout, conn.reader.readuntil(b"\r\n\r\n"), request, httpx.ReadTimeout)
+    except asyncio.IncompleteReadError as exc:
+        if not exc.partial:
+            raise _Unanswered(written=True) from None
+        raise httpx.RemoteProtocolError("connection closed in the response head", request=request) from None
+    except asyncio.LimitOverrunError:
+        raise httpx.RemoteProtocolError("response head too large", request=request) from None
+    except ConnectionError:
+        raise _Unanswered(written=True) from None
+    first, *lines = head.split(b"\r\n")
+    try:
+        status = int(first.split(None, 2)[1])
+    except (IndexError, ValueError):
+        raise httpx.RemoteProtocolError(f"malformed status line {first[:80]!r}", request=request) from None
+    raw = [
+        (name.strip(), value.strip()) for name, _, value in (line.partition(b":") for line in lines if line)
+    ]
+    return status, httpx.Headers(raw)

@@ -1,12 +1,25 @@
 """Client.pages: one loop that follows a paged endpoint's cursors, used by every reader of
-paged data (all_events, events_of, the SFT export, the prompt export)."""
+paged data (all_events, events_of, the SFT export, the prompt export); and the errors both
+clients raise for an error answer: the class its body names, else one chosen by status."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
+import pytest
 
 from agentbolt.cli.export import all_resources
-from agentbolt.client import Client
+from agentbolt.client import AsyncClient, Client, RequestError
+from agentbolt.errors import (
+    AgentboltError,
+    AttemptEnded,
+    ConfigError,
+    Conflict,
+    InvalidTransition,
+    LeaseLost,
+    NotFound,
+)
 from agentbolt.export import fetch_rollouts
 from agentbolt.schemas import AttemptStatus, EventCreate, PromptTemplate, RolloutCreate, Task
 
@@ -71,3 +84,72 @@ def test_paged_readers_against_a_real_server(client: Client):
     kept = fetch_rollouts(client, mode=None, version=None, min_reward=2.0)
     assert [r.task.id for r in kept] == ["t2", "t3", "t4"]
     assert [r.version for r in all_resources(client)] == [1]
+
+
+def _answering(status: int, body: bytes, content_type: str = "application/json") -> httpx.MockTransport:
+    return httpx.MockTransport(
+        lambda request: httpx.Response(status, content=body, headers={"content-type": content_type})
+    )
+
+
+def _error(status: int, type_: str, message: str) -> httpx.MockTransport:
+    return _answering(status, json.dumps({"error": {"type": type_, "message": message}}).encode())
+
+
+@pytest.mark.parametrize(
+    ("status", "type_", "raised"),
+    [
+        (404, "NotFound", NotFound),
+        (409, "LeaseLost", LeaseLost),
+        (409, "AttemptEnded", AttemptEnded),
+        (409, "InvalidTransition", InvalidTransition),
+        (409, "Conflict", Conflict),
+        (400, "ConfigError", ConfigError),
+    ],
+)
+def test_an_error_body_names_the_error_raised(status, type_, raised):
+    with Client("http://store", transport=_error(status, type_, "what went wrong")) as client:
+        with pytest.raises(AgentboltError) as caught:
+            client.get_rollout("ro-1")
+    assert type(caught.value) is raised
+    assert str(caught.value) == "what went wrong"
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "raised"),
+    [
+        (404, b'{"error": {"type": "http_error", "message": "Not Found"}}', NotFound),
+        (409, b'{"error": {"type": "Mystery", "message": "cannot go from a to b"}}', InvalidTransition),
+        (409, b'{"error": {"type": "Mystery", "message": "held by another worker"}}', LeaseLost),
+        (409, b"<html>proxy page</html>", LeaseLost),
+        (400, b'{"error": {"type": "bad_request", "message": "nope"}}', RequestError),
+        (422, b'{"error": {"type": "validation_error", "message": "reward: bad"}}', RequestError),
+    ],
+)
+def test_an_unknown_error_type_falls_back_to_the_status(status, body, raised):
+    with Client("http://store", transport=_answering(status, body)) as client:
+        with pytest.raises(AgentboltError) as caught:
+            client.get_rollout("ro-1")
+    assert type(caught.value) is raised
+    if raised is RequestError:
+        assert caught.value.status_code == status
+
+
+async def test_the_async_client_maps_errors_the_same_way():
+    client = AsyncClient("http://store", transport=httpx.MockTransport(_attempt_ended))
+    try:
+        with pytest.raises(AttemptEnded, match="cancelled"):
+            await client.heartbeat("at-1", "w")
+    finally:
+        await client.aclose()
+
+
+def _attempt_ended(request: httpx.Request) -> httpx.Response:
+    return httpx.Response(
+        409, json={"error": {"type": "AttemptEnded", "message": "attempt at-1 is cancelled"}}
+    )
+
+
+def test_a_real_server_error_arrives_as_its_class(client: Client):
+    with pytest.raises(NotFound, match="ro-missing"):
+        client.get_rollout("ro-missing")

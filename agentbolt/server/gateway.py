@@ -134,7 +134,9 @@ class Gateway:
         self._token_ids: dict[str, bool] = {}  # base URL -> whether it accepts return_token_ids
         self.keys = UpstreamKeys(call, config)
         self._urls: dict[tuple[str, str], httpx.URL] = {}
-        self._h1 = Http1Transport()  # plain-http upstreams (model servers on the cluster network)
+        # plain-http upstreams (model servers on the cluster network), as many calls at once as
+        # the https client below allows
+        self._h1 = Http1Transport(max_connections=1000)
         self._mounts = lean_mounts(self._h1)  # None when an http proxy is configured
         self._timeout = httpx.Timeout(config.upstream_timeout, connect=min(10.0, config.upstream_timeout))
 
