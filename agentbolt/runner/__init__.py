@@ -10,6 +10,7 @@ from agentbolt.runner.agent import (
     emit_reward,
     emit_tool_call,
     rollout,
+    rollout_thread,
 )
 from agentbolt.runner.llm import async_openai, sync_openai
 from agentbolt.runner.tracing import span
@@ -27,6 +28,7 @@ __all__ = [
     "emit_tool_call",
     "load_agent",
     "rollout",
+    "rollout_thread",
     "span",
     "sync_openai",
 ]

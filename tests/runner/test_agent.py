@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from agentbolt.errors import ConfigError
-from agentbolt.runner.agent import RolloutContext, as_agent, current_rollout, emit_reward, rollout
+from agentbolt.runner.agent import (
+    LitAgent,
+    RolloutContext,
+    as_agent,
+    current_rollout,
+    emit_message,
+    emit_reward,
+    rollout,
+    rollout_thread,
+)
 from agentbolt.schemas import (
     LLM,
     Attempt,
@@ -103,3 +114,52 @@ def test_events_get_increasing_sequence_numbers():
 def test_as_agent_rejects_non_agents():
     with pytest.raises(ConfigError):
         as_agent(42)
+
+
+def _emit_from_plain_thread(message: str) -> list[BaseException]:
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            emit_message(message)
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join(10)
+    return errors
+
+
+def test_a_plain_thread_reaches_the_only_running_rollout():
+    ctx = _ctx({})
+    with ctx.running():
+        assert _emit_from_plain_thread("hello") == []
+    assert [e.data["content"] for e in ctx.take_pending()] == ["hello"]
+    assert _emit_from_plain_thread("after the rollout") == []  # none runs: harmless, as outside one
+    assert ctx.take_pending() == []
+
+
+def test_a_plain_thread_among_several_rollouts_raises_and_rollout_thread_carries_its_own():
+    first, second = _ctx({}), _ctx({})
+    with first.running(), second.running():
+        [error] = _emit_from_plain_thread("whose?")
+        assert "rollout_thread" in str(error) and "copy_context" in str(error)
+        token = second.activate()
+        try:
+            thread = rollout_thread(emit_message, "mine", role="tool")
+        finally:
+            token.var.reset(token)
+        thread.start()
+        thread.join(10)
+    assert first.take_pending() == []
+    assert [(e.data["role"], e.data["content"]) for e in second.take_pending()] == [("tool", "mine")]
+
+
+def test_a_class_that_needs_constructor_arguments_is_a_clear_config_error():
+    class Needy(LitAgent):
+        def __init__(self, model: str, *extra: str, temperature: float = 0.5, **options: str) -> None:
+            super().__init__()
+
+    with pytest.raises(ConfigError, match=r"Needy needs constructor arguments \(model\)"):
+        as_agent(Needy)
