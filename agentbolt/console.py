@@ -6,7 +6,7 @@ import os
 
 from rich.console import Console
 
-__all__ = ["make_console"]
+__all__ = ["make_console", "print_line"]
 
 # Width when writing to a file or a CI log: rich would fall back to 80 columns, which cuts
 # the training tables' headers and numbers to "…".
@@ -19,3 +19,11 @@ def make_console(stderr: bool = False) -> Console:
     if not console.is_terminal and "COLUMNS" not in os.environ:
         console = Console(stderr=stderr, width=LOG_WIDTH)
     return console
+
+
+def print_line(console: Console, text: str) -> None:
+    """One plain progress line for a log or CI: no markup, no highlighting, never wrapped.
+
+    Rich writes and flushes the file after each print, so the line shows at once even when
+    stdout is a pipe."""
+    console.print(text, markup=False, highlight=False, soft_wrap=True)

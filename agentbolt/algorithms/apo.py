@@ -26,8 +26,15 @@ Records. Resources versions are immutable and a score exists only after rollouts
 version, so each candidate is published twice: a *trial* version the rollouts are pinned to
 (metadata ``{"algorithm": "apo", "stage": "trial", "round", "parent"}``), then a *scored*
 version with the same resources (``"stage": "scored"``, ``"candidate"``: the trial version,
-``"scores": {"train", "val"}``). The seed gets a scored version of its own (round 0). At the end
-the best prompt is published once more as the latest version, so whatever runs next uses it.
+``"scores": {"train", "val"}``). The seed gets a scored version of its own (round 0). Both are
+published with ``trial=True``: the server never makes them the latest, so runners outside this
+run keep the seed while unvalidated prompts are tried, and a run that crashes leaves the seed
+(or a previous run's best) as the latest. At the end the best prompt is published once more as
+a normal version, the latest, so whatever runs next uses it.
+
+The optimizer model's auth and configuration errors (HTTP 400, 401, 403, 404 and the like)
+stop the run at once with a :class:`~agentbolt.errors.ConfigError`; only transient ones
+(timeouts, connection errors, 408, 409, 429, 5xx) are retried.
 
 The result never scores below the seed on validation: the seed stays in the candidate pool all
 run long and wins ties (the same validation batch for all; a noisy agent is measured once).
@@ -52,7 +59,8 @@ from rich.syntax import Syntax
 from rich.table import Table
 
 from agentbolt.algorithms.apo_optimizer import APOStats, Optimizer, pick_examples, run_record, score_of
-from agentbolt.algorithms.base import Algorithm, TrainContext, run_rollouts
+from agentbolt.algorithms.base import DEFAULT_MAX_ATTEMPTS, Algorithm, TrainContext, run_rollouts
+from agentbolt.console import print_line
 from agentbolt.errors import ConfigError
 from agentbolt.schemas import LLM, Mode, PromptTemplate, Resources, Rollout, Task
 
@@ -185,6 +193,9 @@ class APO(Algorithm):
     """Seconds to wait for one batch of rollouts; stragglers are cancelled (and score 0)."""
     rollout_timeout: float | None = None
     """Seconds one attempt may take before the server ends it."""
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    """Attempts per rollout: a dead runner's rollouts are retried; an agent that raises is not
+    (a candidate is never scored on the best of several tries)."""
     seed: int = 0
     """Seed of the task sampling and example picking."""
 
@@ -196,7 +207,7 @@ class APO(Algorithm):
             raise ConfigError(
                 f"APO needs a PromptTemplate resource named {self.prompt_resource!r} to start from"
             )
-        search = _Search(self, ctx, self._optimizer(base))
+        search = _Search(self, ctx, base, self._optimizer(base))
         try:
             # A log file gets one line per candidate instead of a live table (see _Search._row).
             live = ctx.console.is_terminal
@@ -255,8 +266,11 @@ class APO(Algorithm):
 class _Search:
     """The state of one APO run: the candidate pool, cached training runs, the progress table."""
 
-    def __init__(self, apo: APO, ctx: TrainContext, optimizer: Optimizer) -> None:
+    def __init__(self, apo: APO, ctx: TrainContext, base: Resources, optimizer: Optimizer) -> None:
         self.apo, self.ctx, self.client, self.optimizer = apo, ctx, ctx.client, optimizer
+        # Every candidate is the starting resources with another prompt (never the latest's
+        # resources: a version published meanwhile by someone else is not this run's base).
+        self.base = base
         self.stats = optimizer.stats
         self.rng = random.Random(apo.seed)
         self.run_id = uuid.uuid4().hex[:12]
@@ -339,6 +353,7 @@ class _Search:
             resources_version=cand.version,
             timeout=self.apo.batch_timeout,
             rollout_timeout=self.apo.rollout_timeout,
+            max_attempts=self.apo.max_attempts,
             console=console,
             label=f"v{cand.version} {mode.value}",
             metadata={"algorithm": "apo", "run": self.run_id, "round": cand.round},
@@ -359,9 +374,9 @@ class _Search:
         cand.val_by_task = {r.task.id: score_of(r) for r in rollouts}
         cand.val = _mean([score_of(r) for r in rollouts])
 
-    def _publish(self, prompt: str, metadata: dict[str, Any]) -> int:
-        latest = self.client.latest_resources()
-        resources = dict(latest.resources) if latest else {}
+    def _publish(self, prompt: str, metadata: dict[str, Any], trial: bool = True) -> int:
+        """A version of the base resources with ``prompt``; a trial unless it is the final best."""
+        resources = dict(self.base.resources)
         old = resources.get(self.apo.prompt_resource)
         engine = old.engine if isinstance(old, PromptTemplate) else "f-string"
         resources[self.apo.prompt_resource] = PromptTemplate(template=prompt, engine=engine)
@@ -371,7 +386,7 @@ class _Search:
             "prompt_resource": self.apo.prompt_resource,
             **metadata,
         }
-        return self.client.publish_resources(resources, meta).version
+        return self.client.publish_resources(resources, meta, trial=trial).version
 
     def _scores_meta(self, cand: Candidate, stage: str) -> dict[str, Any]:
         return {
@@ -399,11 +414,11 @@ class _Search:
         cells = (str(r), version, parent, _fmt(train), _fmt(val), f"{_fmt(best.val)} (v{best.version})", note)
         self.table.add_row(*cells)
         if not self.ctx.console.is_terminal:
-            self.ctx.console.print("APO " + " | ".join(cells), markup=False, highlight=False)
+            print_line(self.ctx.console, "APO " + " | ".join(cells))
 
     def finish(self) -> APOResult:
         best, seed = max(self.pool, key=Candidate.rank), self.pool[0]
-        published = self._publish(best.prompt, self._scores_meta(best, "best"))
+        published = self._publish(best.prompt, self._scores_meta(best, "best"), trial=False)
         beam = self.apo.strategy == "beam"
         front = select_beam(self.pool, self.apo.beam_width) if beam else pareto_front(self.pool)
         return APOResult(

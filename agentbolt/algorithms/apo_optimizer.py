@@ -2,10 +2,13 @@
 and the checks every answer must pass.
 
 Any OpenAI-compatible endpoint serves as the optimizer. Each call has a timeout and no hidden
-retries (the ``openai`` client's own are off): a failed call, an empty answer, an answer without
-``<prompt>...</prompt>``, one over the length limit, or a prompt already tried is counted in
-:class:`APOStats` and asked again up to ``retries`` times with backoff, then given up on. Nothing
-an optimizer says can stop a run.
+retries (the ``openai`` client's own are off): a transient failure (a timeout, a lost connection,
+HTTP 408, 409, 429 or 5xx), an empty answer, an answer without ``<prompt>...</prompt>``, one over
+the length limit, or a prompt already tried is counted in :class:`APOStats` and asked again up to
+``retries`` times with backoff, then given up on. Any other HTTP error (400 bad request, 401 bad
+key, 403, 404 unknown model...) says the run is misconfigured and will not heal: it stops the run
+at once with a :class:`~agentbolt.errors.ConfigError` naming the model and the status, instead
+of quietly returning the seed prompt.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import openai
 
 from agentbolt.adapters import latest_attempt, to_chat_rows
 from agentbolt.client import Client
+from agentbolt.errors import ConfigError
 from agentbolt.schemas import EventType, Rollout, RolloutStatus
 
 __all__ = [
@@ -207,7 +211,7 @@ class Optimizer:
         stats: APOStats,
     ) -> None:
         self.client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=0)
-        self.model, self.retries, self.backoff = model, retries, backoff
+        self.base_url, self.model, self.retries, self.backoff = base_url, model, retries, backoff
         self.max_prompt_chars, self.temperature, self.max_tokens = max_prompt_chars, temperature, max_tokens
         self.stats = stats
 
@@ -261,11 +265,27 @@ class Optimizer:
             )
         except (openai.APIError, ValueError) as exc:  # ValueError: a body that is not JSON
             self.stats.optimizer_errors += 1
+            if isinstance(exc, openai.APIStatusError) and not _transient(exc.status_code):
+                raise self._config_error(exc) from None
             self.stats.timeouts += isinstance(exc, openai.APITimeoutError)
             return None
         text = _content(response)
         self.stats.optimizer_errors += text is None
         return text
+
+    def _config_error(self, exc: openai.APIStatusError) -> ConfigError:
+        body = exc.body
+        detail = body.get("message") if isinstance(body, dict) else None
+        return ConfigError(
+            f"APO's optimizer model {self.model!r} at {self.base_url} answered HTTP {exc.status_code}"
+            f" ({detail or exc.message}): check optimizer_base_url, optimizer_model and the API key"
+            " (optimizer_api_key or $OPENAI_API_KEY)"
+        )
+
+
+def _transient(status: int) -> bool:
+    """What the openai client itself would retry: time-outs, conflicts, rate limits, 5xx."""
+    return status in (408, 409, 429) or status >= 500
 
 
 def _content(response: Any) -> str | None:

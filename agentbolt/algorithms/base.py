@@ -17,7 +17,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from agentbolt.client import Client
 from agentbolt.schemas import Mode, Rollout, RolloutCreate, RolloutStatus, Task
 
-__all__ = ["Algorithm", "BatchResult", "TrainContext", "run_rollouts", "validate"]
+__all__ = ["DEFAULT_MAX_ATTEMPTS", "Algorithm", "BatchResult", "TrainContext", "run_rollouts", "validate"]
+
+DEFAULT_MAX_ATTEMPTS = 3
+"""Attempts per rollout unless the user says otherwise. The store retries only infrastructure
+failures (a lost lease, a dead runner, a released attempt); an agent that raises fails its rollout
+at once, so a retry never turns a bad run into a good one."""
 
 
 @dataclass
@@ -69,7 +74,7 @@ def run_rollouts(
     group_prefix: str | None = None,
     timeout: float = 600.0,
     rollout_timeout: float | None = None,
-    max_attempts: int = 1,
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS,
     console: Console | None = None,
     label: str = "rollouts",
     metadata: dict[str, Any] | None = None,
@@ -79,7 +84,8 @@ def run_rollouts(
 
     With ``group_prefix`` the copies of one task share ``group_id = f"{prefix}:{task.id}"``
     (a GRPO group). Stragglers still running at the deadline are cancelled, so a step can
-    never hang on one slow runner.
+    never hang on one slow runner. ``Rollout.attempts`` of the result tells which rollouts were
+    retried.
     """
     items = [
         RolloutCreate(
@@ -113,6 +119,7 @@ def validate(
     rollout_timeout: float | None,
     label: str = "validation",
     progress: Progress | None = None,
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS,
 ) -> BatchResult | None:
     """Run every validation task once with resources ``version``; None without validation tasks."""
     if not ctx.val_tasks:
@@ -124,6 +131,7 @@ def validate(
         resources_version=version,
         timeout=timeout,
         rollout_timeout=rollout_timeout,
+        max_attempts=max_attempts,
         console=ctx.console,
         label=label,
         progress=progress,

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from rich.table import Table
 
-from agentbolt.algorithms.base import Algorithm, BatchResult, TrainContext, run_rollouts
+from agentbolt.algorithms.base import DEFAULT_MAX_ATTEMPTS, Algorithm, BatchResult, TrainContext, run_rollouts
 from agentbolt.schemas import Mode
 
 __all__ = ["EvalSummary", "Evaluate", "summary_table"]
@@ -53,7 +53,8 @@ class Evaluate(Algorithm):
     """Seconds to wait for the whole batch; stragglers are cancelled and counted."""
     rollout_timeout: float | None = None
     """Seconds one attempt may take before the server ends it."""
-    max_attempts: int = 1
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    """Attempts per rollout: infrastructure failures are retried, an agent that raises is not."""
 
     def run(self, ctx: TrainContext) -> EvalSummary:
         tasks, mode = (ctx.val_tasks, Mode.VAL) if ctx.val_tasks else (ctx.train_tasks, Mode.TRAIN)

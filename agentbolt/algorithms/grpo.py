@@ -31,8 +31,15 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from agentbolt.adapters import TrajectoryRow, to_trajectories
-from agentbolt.algorithms.base import Algorithm, BatchResult, TrainContext, run_rollouts, validate
+from agentbolt.adapters import TrajectoryRow, latest_attempt, to_trajectories
+from agentbolt.algorithms.base import (
+    DEFAULT_MAX_ATTEMPTS,
+    Algorithm,
+    BatchResult,
+    TrainContext,
+    run_rollouts,
+    validate,
+)
 from agentbolt.algorithms.losses import (
     Batch,
     PolicyLoss,
@@ -52,6 +59,7 @@ from agentbolt.algorithms.train_state import (
     optimizer_step,
     save_checkpoint,
 )
+from agentbolt.console import print_line
 from agentbolt.schemas import Mode, ModelWeights, Rollout, RolloutStatus, Task
 
 __all__ = ["GRPO", "GRPOResult", "success_rate"]
@@ -108,6 +116,10 @@ class GRPO(Algorithm):
     step_timeout: float = 600.0
     """Seconds a step waits for its rollouts; stragglers are cancelled."""
     rollout_timeout: float | None = 300.0
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    """Attempts per rollout. A runner that dies or loses its lease has its rollouts retried, so a
+    group keeps its members; an agent that raises fails at once (training only on the runs that
+    survived retries would bias the update). Retried samples are counted per step."""
     llm_resource: str = "llm"
     """Name of the LLM resource the agent reads."""
     sampling: dict[str, Any] = field(default_factory=lambda: {"temperature": 1.0})
@@ -211,6 +223,8 @@ class GRPO(Algorithm):
             history.append(row)
             log.write(row)
             _add_row(table, row)
+            if not ctx.console.is_terminal:  # a log or CI shows nothing live: one line per step
+                print_line(ctx.console, _line(row))
 
         with Live(Group(table, progress), console=ctx.console, refresh_per_second=4, transient=False):
             if start == 0:
@@ -247,7 +261,12 @@ class GRPO(Algorithm):
 
     def _validate(self, ctx: TrainContext, version: int, progress: Progress) -> float | None:
         batch = validate(
-            ctx, version, timeout=self.step_timeout, rollout_timeout=self.rollout_timeout, progress=progress
+            ctx,
+            version,
+            timeout=self.step_timeout,
+            rollout_timeout=self.rollout_timeout,
+            progress=progress,
+            max_attempts=self.max_attempts,
         )
         return success_rate(batch, self.success_threshold) if batch is not None else None
 
@@ -304,6 +323,7 @@ class GRPO(Algorithm):
             group_prefix=f"{ctx.run_dir.name}:s{step}",
             timeout=self.step_timeout,
             rollout_timeout=self.rollout_timeout,
+            max_attempts=self.max_attempts,
             progress=progress,
             label=f"step {step} rollouts",
         )
@@ -326,14 +346,17 @@ class GRPO(Algorithm):
         events = ctx.client.events_of([r.id for rs in kept.values() for r in rs], type=["llm_call", "reward"])
         for rollouts in kept.values():
             for r in rollouts:
+                # Only the attempt that finished: a retried rollout's lost attempt may have made
+                # model calls too, and its reward is not theirs.
                 rows, stats = to_trajectories(
-                    events[r.id], reward=r.reward, group_id=r.group_id, task_id=r.task.id
+                    latest_attempt(events[r.id]), reward=r.reward, group_id=r.group_id, task_id=r.task.id
                 )
                 traj_rows += rows
                 mismatches += stats.prefix_mismatches
                 gen_tokens += sum(row.num_model_tokens for row in rows)
         train_rows, adv = grouped_advantages(traj_rows)
         data = {
+            "samples": len({(row.rollout_id, row.attempt_id) for row in traj_rows}),
             "groups": adv.groups,
             "zero_spread_groups": adv.zero_spread_groups,
             "dropped_groups": len(tasks) - len(kept),
@@ -367,6 +390,7 @@ def _reward_stats(batch: BatchResult, threshold: float) -> dict[str, Any]:
         "success": success_rate(batch, threshold),
         "rollouts": len(batch.rollouts),
         "failed": len(batch.failed),
+        "retried": sum(1 for r in batch.rollouts if r.attempts > 1),
     }
 
 
@@ -388,6 +412,7 @@ _COLUMNS = (
     ("clip_fraction", "{:.3f}"),
     ("entropy", "{:.2f}"),
     ("zero_spread_groups", "{}"),
+    ("retried", "{}"),
     ("t_rollouts", "{:.1f}s"),
     ("t_update", "{:.1f}s"),
     ("t_sync", "{:.1f}s"),
@@ -401,12 +426,20 @@ def _metrics_table() -> Table:
     return table
 
 
+def _cells(row: dict[str, Any]) -> list[str]:
+    return [fmt.format(row[name]) if row.get(name) is not None else "-" for name, fmt in _COLUMNS]
+
+
 def _add_row(table: Table, row: dict[str, Any]) -> None:
-    cells = []
-    for name, fmt in _COLUMNS:
-        value = row.get(name)
-        cells.append(fmt.format(value) if value is not None else "-")
-    table.add_row(*cells)
+    table.add_row(*_cells(row))
+
+
+def _line(row: dict[str, Any]) -> str:
+    """The table's row as one plain line: ``GRPO step 3 | success 50% | reward mean 0.412 | ...``."""
+    pairs = [
+        f"{name.replace('_', ' ')} {cell}" for (name, _), cell in zip(_COLUMNS, _cells(row), strict=True)
+    ]
+    return "GRPO " + " | ".join(pairs)
 
 
 def _jsonable(value: Any) -> Any:

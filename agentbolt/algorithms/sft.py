@@ -30,23 +30,32 @@ import contextlib
 import copy
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from torch import nn
 
 from agentbolt.adapters import AdapterStats, TrajectoryRow, latest_attempt, to_trajectories
-from agentbolt.algorithms.base import Algorithm, BatchResult, TrainContext, run_rollouts, validate
+from agentbolt.algorithms.base import (
+    DEFAULT_MAX_ATTEMPTS,
+    Algorithm,
+    BatchResult,
+    TrainContext,
+    run_rollouts,
+    validate,
+)
 from agentbolt.algorithms.evaluate import EvalSummary
 from agentbolt.algorithms.losses import TrainRow
 from agentbolt.algorithms.policy import PolicyServer, publish, serve_policy
 from agentbolt.algorithms.sft_train import TrainStats, eval_loss, select_rollouts, sft_rows, train_rows
 from agentbolt.algorithms.train_state import TrainConfig, TrainState, export_weights, make_train_state
+from agentbolt.console import print_line
 from agentbolt.schemas import EventType, Mode, ModelWeights, Rollout
 
 __all__ = [
@@ -139,6 +148,8 @@ class SFT(Algorithm):
     round_timeout: float = 900.0
     """Seconds a round waits for its rollouts (and validation for its own); stragglers are cancelled."""
     rollout_timeout: float | None = 300.0
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    """Attempts per rollout: a dead runner's rollouts are retried; an agent that raises is not."""
     llm_resource: str = "llm"
     """Name of the LLM resource the agent reads (pointed at the policy server)."""
     weights_resource: str = "policy_weights"
@@ -234,6 +245,7 @@ class SFT(Algorithm):
             group_prefix=f"{ctx.run_dir.name}:sft{r}",
             timeout=self.round_timeout,
             rollout_timeout=self.rollout_timeout,
+            max_attempts=self.max_attempts,
             console=ctx.console,
             label=f"round {r} rollouts",
         )
@@ -252,21 +264,7 @@ class SFT(Algorithm):
 
     def _train(self, ctx: TrainContext, state: TrainState, rows: list[TrainRow], r: int) -> TrainStats:
         total = self.epochs * math.ceil(len(rows) / self.batch_size)
-        progress = Progress(
-            TextColumn(f"[bold]round {r} training"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]}"),
-            TimeElapsedColumn(),
-            console=ctx.console,
-            transient=True,
-        )
-        with progress:
-            bar = progress.add_task("train", total=total, loss="-")
-
-            def on_step(m: dict[str, float]) -> None:
-                progress.update(bar, advance=1, loss=f"{m.get('loss', float('nan')):.4f}")
-
+        with _training_bar(ctx.console, r) as progress:
             return train_rows(
                 state,
                 rows,
@@ -277,7 +275,7 @@ class SFT(Algorithm):
                 pad_id=_pad_id(state.model),
                 seed=self.seed * 1000 + r,
                 bf16=self.bf16,
-                on_step=on_step,
+                on_step=_step_reporter(ctx.console, progress, r, total),
             )
 
     def _ship(
@@ -296,12 +294,48 @@ class SFT(Algorithm):
 
     def _validate(self, ctx: TrainContext, version: int, label: str) -> EvalSummary | None:
         batch = validate(
-            ctx, version, timeout=self.round_timeout, rollout_timeout=self.rollout_timeout, label=label
+            ctx,
+            version,
+            timeout=self.round_timeout,
+            rollout_timeout=self.rollout_timeout,
+            label=label,
+            max_attempts=self.max_attempts,
         )
         return EvalSummary.of(batch) if batch is not None else None
 
 
 # ---------------------------------------------------------------------------- helpers
+
+
+def _training_bar(console: Console, r: int) -> Progress:
+    return Progress(
+        TextColumn(f"[bold]round {r} training"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    )
+
+
+def _step_reporter(
+    console: Console, progress: Progress, r: int, total: int
+) -> Callable[[dict[str, float]], None]:
+    """Advances the bar after each optimizer step; off a terminal, where the bar shows nothing,
+    prints one plain line per step with the same figures."""
+    bar = progress.add_task("train", total=total, loss="-")
+    done = 0
+
+    def on_step(m: dict[str, float]) -> None:
+        nonlocal done
+        done += 1
+        loss = f"{m.get('loss', float('nan')):.4f}"
+        progress.update(bar, completed=done, loss=loss)
+        if not console.is_terminal:
+            print_line(console, f"SFT round {r} training {done}/{total} | loss {loss}")
+
+    return on_step
 
 
 def _pad_id(model: nn.Module) -> int:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import http.server
 import importlib.util
 import io
+import json
 import re
 import threading
 import time
@@ -25,8 +27,10 @@ from agentbolt import LLM, LitAgent, PromptTemplate, Task, Trainer
 from agentbolt.algorithms.apo import APO, APOResult, Candidate, pareto_front, select_beam
 from agentbolt.algorithms.apo_optimizer import extract_prompt
 from agentbolt.cli.export import export_app
+from agentbolt.client import Client
+from agentbolt.errors import ConfigError
 from agentbolt.runner.worker import Runner
-from agentbolt.schemas import Mode
+from agentbolt.schemas import Mode, Rollout, RolloutCreate
 from agentbolt.server import ServerConfig, ServerThread
 from agentbolt.server.run import free_port
 
@@ -219,6 +223,12 @@ def test_records_versions_and_export(rig: ServerThread, tmp_path: Path) -> None:
             }
             val = client.list_rollouts(resources_version=cand.version, mode=Mode.VAL).items
             assert len(val) == 2 and {r.resources_version for r in val} == {cand.version}
+            # a trial never became the latest: only the seed (published by the Trainer) and the
+            # final best are normal versions
+            assert client.get_resources(cand.version).trial is (cand.parent is not None)
+            assert client.get_resources(cand.record_version or 0).trial
+        normal = {v.version for v in client.list_resources().items if not v.trial}
+        assert normal == {result.seed_version, result.published_version}
     out = tmp_path / "best.txt"
     cli = CliRunner().invoke(
         export_app, ["prompt", "--server", rig.url, "--version", "best", "--out", str(out)]
@@ -227,6 +237,105 @@ def test_records_versions_and_export(rig: ServerThread, tmp_path: Path) -> None:
     assert out.read_text() == result.best_prompt == "Seed. KEYWORD 0"
     args = ["prompt", "--server", rig.url, "--version", str(result.seed_version), "--out", str(out)]
     assert CliRunner().invoke(export_app, args).exit_code == 0 and out.read_text() == "Seed."
+
+
+def test_a_crash_after_a_trial_leaves_the_seed_latest(rig: ServerThread, tmp_path: Path) -> None:
+    """The optimizer answers the first critique and rewrite, then fails with a 401: the run
+    stops with the first child already published as a trial, and the seed is still the latest."""
+    faults: list[Fault] = [("pass", ""), ("pass", ""), ("status", 401)]
+    with ScriptedOptimizer(rewrite=lambda p, n: f"<prompt>{p} KEYWORD</prompt>", faults=faults) as double:
+        apo = _fast(rounds=1, beam_width=1, branch_factor=2, optimizer_retries=3)
+        with pytest.raises(ConfigError, match="HTTP 401"):
+            _fit(apo, rig.url, double, "Seed.", _tasks("KEYWORD"), n_runners=0, run_dir=tmp_path)
+        assert len(double.kinds("critique")) == 2  # the 401 was not retried
+        with Client(rig.url) as client:
+            versions = sorted(client.list_resources().items, key=lambda v: v.version)
+            latest = client.latest_resources()
+            unpinned = _run_unpinned(client)
+    seed = versions[0].version
+    assert latest is not None and latest.version == seed and not latest.trial
+    assert latest.resources["system_prompt"].template == "Seed."  # type: ignore[union-attr]
+    trials = [v for v in versions if v.trial]
+    assert [v.metadata["stage"] for v in trials] == ["scored", "trial", "scored"]
+    assert trials[1].resources["system_prompt"].template == "Seed. KEYWORD"  # type: ignore[union-attr]
+    # a rollout that is not pinned runs with the latest, never with a trial
+    assert unpinned.resources_version == seed and unpinned.reward == 0.0
+
+
+def _run_unpinned(client: Client) -> Rollout:
+    """Run one rollout that names no resources version, to its end."""
+    [rollout] = client.enqueue([RolloutCreate(task=Task(id="unpinned", data={"q": "?", "kw": "KEYWORD"}))])
+    deadline = time.monotonic() + 30
+    while not rollout.status.is_final and time.monotonic() < deadline:
+        rollout = client.wait([rollout.id], timeout=2).rollouts[0]
+    return rollout
+
+
+class DenyingAPI:
+    """TEST DOUBLE for a hosted OpenAI-compatible API on 127.0.0.1 - not a real service: every
+    request gets ``status`` with an OpenAI-style error body, and is counted."""
+
+    def __init__(self, status: int) -> None:
+        self.status, self.requests = status, 0
+        double = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                double.requests += 1
+                error = {"message": f"scripted {double.status}", "type": "invalid_request_error"}
+                body = json.dumps({"error": error}).encode()
+                self.send_response(double.status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def __enter__(self) -> DenyingAPI:
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("status", [400, 401, 403, 404])
+def test_optimizer_config_errors_stop_the_run_at_once(rig: ServerThread, tmp_path: Path, status: int) -> None:
+    with ScriptedOptimizer(rewrite=lambda p, n: "unused") as agent_llm, DenyingAPI(status) as hosted:
+        apo = _fast(
+            rounds=2, optimizer_retries=4, optimizer_base_url=hosted.base_url, optimizer_model="gpt-test"
+        )
+        with pytest.raises(ConfigError) as caught:
+            _fit(apo, rig.url, agent_llm, "Seed.", _tasks("KEYWORD"), n_runners=0, run_dir=tmp_path)
+    message = str(caught.value)
+    assert "'gpt-test'" in message and f"HTTP {status}" in message and f"scripted {status}" in message
+    assert hosted.base_url in message and hosted.requests == 1
+
+
+@pytest.mark.parametrize("status", [429, 503])
+def test_transient_optimizer_errors_are_retried(rig: ServerThread, tmp_path: Path, status: int) -> None:
+    with ScriptedOptimizer(rewrite=lambda p, n: "unused") as agent_llm, DenyingAPI(status) as hosted:
+        apo = _fast(
+            rounds=1,
+            beam_width=1,
+            branch_factor=1,
+            optimizer_retries=2,
+            optimizer_base_url=hosted.base_url,
+            optimizer_model="gpt-test",
+        )
+        result, _ = _fit(apo, rig.url, agent_llm, "Seed.", _tasks("KEYWORD"), n_runners=0, run_dir=tmp_path)
+    assert hosted.requests == 3 and result.stats.optimizer_errors == 3 and result.stats.retries == 2
+    assert result.stats.skipped_candidates == 1 and result.best_prompt == "Seed."
 
 
 def test_never_worse_than_the_seed_and_budget_stops(rig: ServerThread, tmp_path: Path) -> None:

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import io
 import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from agentbolt import LitAgent, Task, Trainer
 from agentbolt.algorithms.grpo import GRPO
@@ -124,3 +132,77 @@ def test_grpo_against_a_remote_vllm_style_server(tiny, tmp_path):
         served_models = [m["id"] for m in httpx.get(f"{served.base_url}/models").json()["data"]]
         assert "policy-step-1" in served_models
         assert engine.version == "policy-step-1"
+
+
+class VictimAgent(VowelAgent):
+    """VowelAgent, except that the first rollout of the run (whichever runner process claims it)
+    makes its model call, writes its process id to ``victim.pid`` and waits to be killed."""
+
+    async def execute_rollout(self, task: Task) -> float:
+        reward = await super().execute_rollout(task)
+        marker = Path(task.data["dir"]) / "victim.claimed"
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return reward
+        pid_file = Path(task.data["dir"]) / "victim.pid"
+        pid_file.with_suffix(".tmp").write_text(str(os.getpid()))
+        pid_file.with_suffix(".tmp").rename(pid_file)
+        await asyncio.sleep(60)  # the test SIGKILLs this process long before
+        return reward
+
+
+def _kill_the_victim(folder: Path, killed: list[int], stop: threading.Event) -> None:
+    """SIGKILL the runner process named in ``victim.pid`` once it appears (a child of this test
+    process, never the test itself)."""
+    pid_file = folder / "victim.pid"
+    while not stop.is_set() and not pid_file.exists():
+        time.sleep(0.05)
+    if stop.is_set():
+        return
+    pid = int(pid_file.read_text())
+    parent = next(
+        line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("PPid")
+    )
+    assert pid != os.getpid() and int(parent.split()[1]) == os.getpid()
+    os.kill(pid, signal.SIGKILL)
+    killed.append(pid)
+
+
+def test_a_runner_killed_mid_step_loses_no_group_member(tiny, tmp_path):
+    """Two runner processes and a 3 s lease; one is SIGKILLed while it holds attempts of step 1.
+    Its rollouts come back after the lease expires, the other runner finishes them, every group
+    keeps its 4 members, and only each rollout's last attempt is trained on."""
+    algo = _grpo(tiny, 1)
+    algo.val_every, algo.plot = 0, False
+    train = [{"id": f"t{i}", "q": f"say something {i}", "dir": str(tmp_path)} for i in range(2)]
+    out = io.StringIO()
+    killed: list[int] = []
+    stop = threading.Event()
+    watcher = threading.Thread(target=_kill_the_victim, args=(tmp_path, killed, stop), daemon=True)
+    watcher.start()
+    trainer = Trainer(
+        algo,
+        n_runners=2,
+        runner_concurrency=4,
+        run_dir=tmp_path / "run",
+        lease_seconds=3,
+        console=Console(file=out, width=140),
+    )
+    try:
+        result = trainer.fit(VictimAgent(), train, [])
+    finally:
+        stop.set()
+        watcher.join(5)
+    assert len(killed) == 1
+    step = result.history[1]
+    assert (step["step"], step["rollouts"], step["failed"], step["dropped_groups"]) == (1, 8, 0, 0)
+    assert step["retried"] >= 1 and step["groups"] == 2
+    assert step["samples"] == 8  # the killed attempt's model call is not a sample of its own
+    logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[1])
+    assert logged["retried"] == step["retried"]
+    # off a terminal: one plain line per step, with the table's figures
+    lines = [x for x in out.getvalue().splitlines() if x.startswith("GRPO step 1 |")]
+    assert len(lines) == 1
+    assert f"| reward mean {step['reward_mean']:.3f} |" in lines[0]
+    assert f"| retried {step['retried']} |" in lines[0]

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import io
 import itertools
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -260,7 +262,9 @@ def test_a_run_trains_publishes_and_swaps_weights(
         policy=policy,
         policy_model=tiny_model(),
     )
-    trainer = Trainer(algo, n_runners=0, server_url=server.url, run_dir=tmp_path, console=Console(quiet=True))
+    out = io.StringIO()  # not a terminal: the training bar becomes plain lines
+    console = Console(file=out, width=140)
+    trainer = Trainer(algo, n_runners=0, server_url=server.url, run_dir=tmp_path, console=console)
     result = trainer.fit(scripted, train, val)
 
     assert len(result.rounds) == 2 and result.val_before is not None and result.val_before.count == 1
@@ -279,6 +283,14 @@ def test_a_run_trains_publishes_and_swaps_weights(
     round2 = client.list_rollouts(mode=Mode.TRAIN, resources_version=first.resources_version, limit=100).items
     assert len(round2) == 8
     assert (tmp_path / "sft" / "rounds.jsonl").read_text().count("\n") == 2
+    lines = re.findall(r"^SFT round (\d) training (\d)/(\d) \| loss (\d+\.\d{4})$", out.getvalue(), re.M)
+    assert [line[:3] for line in lines] == [
+        ("1", "1", "2"),
+        ("1", "2", "2"),
+        ("2", "1", "2"),
+        ("2", "2", "2"),
+    ]
+    assert first.train.loss_last == pytest.approx(float(lines[1][3]), abs=1e-4)
 
 
 # ---------------------------------------------------------------------------- end to end, real engine

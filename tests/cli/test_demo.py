@@ -1,0 +1,78 @@
+"""``agentbolt demo`` with its output going to a pipe, as in a log or CI: a plain line per GRPO
+step, written out as each step ends (not at exit), with the figures of the live table."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from agentbolt.engine import tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny"))
+
+
+def _lines(proc: subprocess.Popen[str]) -> queue.Queue[str | None]:
+    """The process's output lines as they arrive; None once it closed its output."""
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line.rstrip("\n"))
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    return lines
+
+
+def _until(lines: queue.Queue[str | None], prefix: str, deadline: float, seen: list[str]) -> str:
+    while (line := lines.get(timeout=max(0.1, deadline - time.monotonic()))) is not None:
+        seen.append(line)
+        if line.startswith(prefix):
+            return line
+    raise AssertionError(f"no line starting with {prefix!r} in:\n" + "\n".join(seen))
+
+
+def _steps(metrics: Path) -> list[dict[str, object]]:
+    return [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
+
+
+def test_demo_off_a_terminal_prints_a_flushed_line_per_step(tiny: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = ["--model", str(tiny), "--steps", "2", "--group-size", "2", "--tasks-per-step", "2"]
+    args += ["--val-tasks", "2", "--concurrency", "4", "--run-dir", str(run_dir)]
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agentbolt", "demo", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        lines, seen = _lines(proc), list[str]()
+        deadline = time.monotonic() + 300
+        first = _until(lines, "GRPO step 1 |", deadline, seen)
+        # read while step 2 still runs: a line held in a buffer would only come at exit
+        assert [s["step"] for s in _steps(run_dir / "metrics.jsonl")] == [0, 1]
+        second = _until(lines, "GRPO step 2 |", deadline, seen)
+        assert proc.wait(timeout=max(1.0, deadline - time.monotonic())) == 0, "\n".join(seen)
+    finally:
+        proc.kill()
+        proc.wait(10)
+    steps = _steps(run_dir / "metrics.jsonl")
+    assert [s["step"] for s in steps] == [0, 1, 2]
+    for line, row in zip((first, second), steps[1:], strict=True):
+        assert f"| success {row['success']:.0%} | reward mean {row['reward_mean']:.3f} |" in line
+        assert f"| retried {row['retried']} | t rollouts {row['t_rollouts']:.1f}s |" in line
