@@ -158,7 +158,7 @@ def demo_command(
 ) -> None:
     """Train SmolLM2-135M with GRPO to use a calculator tool; prints before/after and a plot."""
     from agentbolt.algorithms.grpo import GRPO
-    from agentbolt.console import make_console
+    from agentbolt.console import make_console, print_line
     from agentbolt.trainer import Trainer
 
     console = make_console()
@@ -180,6 +180,12 @@ def demo_command(
         run_dir=run_dir,
         console=console,
         resources={"system_prompt": PromptTemplate(template=SYSTEM_PROMPT, engine="plain")},
+    )
+    # Said first: the untrained model's validation comes before the first step's line.
+    print_line(
+        console,
+        f"agentbolt demo: GRPO on {model}, {steps} steps of {tasks_per_step} tasks x {group_size} "
+        f"rollouts; held-out success on {val_tasks} tasks before and after; run folder {run_dir}",
     )
     t0 = time.perf_counter()
     result = trainer.fit(CalculatorAgent(), make_tasks(256, seed=1), make_tasks(val_tasks, seed=2))

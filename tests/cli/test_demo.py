@@ -63,6 +63,7 @@ def test_demo_off_a_terminal_prints_a_flushed_line_per_step(tiny: Path, tmp_path
     try:
         lines, seen = _lines(proc), list[str]()
         deadline = time.monotonic() + 300
+        _until(lines, f"agentbolt demo: GRPO on {tiny}, 2 steps of 2 tasks x 2 rollouts;", deadline, seen)
         first = _until(lines, "GRPO step 1 |", deadline, seen)
         # read while step 2 still runs: a line held in a buffer would only come at exit
         assert [s["step"] for s in _steps(run_dir / "metrics.jsonl")] == [0, 1]
