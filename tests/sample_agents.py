@@ -73,13 +73,15 @@ class AsyncSleeper(LitAgent):
 
 @rollout
 def big_events(task: Task) -> float:
-    """Emits what the server refuses (an int over 64 bits, or a message of ``big`` characters)
-    between two events it takes."""
+    """Emits what the server refuses (an int over 64 bits, a message of ``big`` characters) or
+    what JSON cannot carry, between two events it takes."""
     emit_message("before")
     if task.data.get("huge_int"):
         emit_event("counter", {"n": 2**70})
     if task.data.get("big"):
         emit_message("x" * int(task.data["big"]))
+    if task.data.get("unencodable"):
+        emit_event("handle", {"socket": object()})
     emit_message("after")
     return 1.0
 

@@ -86,7 +86,10 @@ def reward_of(result: Any, ctx: RolloutContext) -> float | None:
     if isinstance(result, bool):
         return float(result)
     if isinstance(result, int | float):
-        return float(result)
+        try:
+            return float(result)
+        except OverflowError:  # an int beyond any float: not finite, and said so by the caller
+            return math.inf if result > 0 else -math.inf
     if isinstance(result, Trajectory) and result.total_reward is not None:
         return float(result.total_reward)
     return float(sum(ctx.rewards)) if ctx.rewards else None
@@ -112,12 +115,13 @@ def _clip(text: str | None) -> str | None:
 
 
 def _refused(exc: BaseException) -> bool:
-    """The server refused the request's content (not the attempt, not the transport)."""
-    return (
-        isinstance(exc, AgentboltError)
-        and not isinstance(exc, LeaseLost | NotFound)
-        and getattr(exc, "status_code", None) in _REFUSED
-    )
+    """The request's content is at fault (not the attempt, not the transport): the server
+    refused it, or it could not even be encoded (an event holding an object JSON cannot carry)."""
+    if isinstance(exc, LeaseLost | NotFound):
+        return False
+    if isinstance(exc, AgentboltError):
+        return getattr(exc, "status_code", None) in _REFUSED
+    return isinstance(exc, ValueError | TypeError)  # pydantic's serialization error is a ValueError
 
 
 class Runner:
@@ -328,17 +332,7 @@ class Runner:
             finally:
                 ctx_token.var.reset(ctx_token)
             return AttemptStatus.FAILED, None, f"{type(exc).__name__}: {exc}"
-        reward = reward_of(result, ctx)
-        if isinstance(result, Trajectory):
-            ctx.emit("trajectory", result.model_dump(mode="json"))
-        if reward is not None and not math.isfinite(reward):
-            # Decided here: the server would refuse it, and the attempt would wait out its lease.
-            error = f"reward is not a finite number: {reward}"
-            _record_failure(ctx, "InvalidReward", error)
-            return AttemptStatus.FAILED, None, error
-        if reward is not None:
-            ctx.emit(EventType.REWARD, {"value": reward, "final": True})
-        return AttemptStatus.SUCCEEDED, reward, None
+        return _judge(ctx, result)
 
     async def _await_agent(self, work: asyncio.Task[Any], watch: _Watch) -> Any:
         """Await the agent. Once stopping, give it ``grace`` seconds, then release it; once
@@ -440,7 +434,7 @@ class Runner:
         send the rest, and drop those (recording why: the attempt will fail with it)."""
         try:
             await self.client.add_events(ctx.attempt.id, events, self.worker_id)
-        except AgentboltError as exc:
+        except Exception as exc:
             if not _refused(exc):
                 raise
             if len(events) > 1:
@@ -448,7 +442,8 @@ class Runner:
                 await self._upload(ctx, events[:half], watch)
                 await self._upload(ctx, events[half:], watch)
                 return
-            reason = f"the server refused event {events[0].sequence} ({events[0].type}): {exc}"
+            who = "the server refused" if isinstance(exc, AgentboltError) else "could not encode"
+            reason = f"{who} event {events[0].sequence} ({events[0].type}): {exc}"
             log.warning("attempt %s: %s", ctx.attempt.id, reason)
             watch.refused.append(reason)
             _record_failure(ctx, "EventRefused", reason)
@@ -513,6 +508,22 @@ class Runner:
             reason = f"the server refused the attempt's outcome ({status.value}): {exc}"
         await self.client.finish(ctx.attempt.id, AttemptStatus.FAILED, None, _clip(reason), self.worker_id)
         return AttemptStatus.FAILED
+
+
+def _judge(ctx: RolloutContext, result: Any) -> tuple[AttemptStatus, float | None, str | None]:
+    """The outcome of an agent that returned ``result``: its reward, or a failure when that is
+    not a finite number (decided here: the server would refuse it, and the attempt would then
+    wait out its lease)."""
+    reward = reward_of(result, ctx)
+    if isinstance(result, Trajectory):
+        ctx.emit("trajectory", result.model_dump(mode="json"))
+    if reward is not None and not math.isfinite(reward):
+        error = f"reward is not a finite number: {reward}"
+        _record_failure(ctx, "InvalidReward", error)
+        return AttemptStatus.FAILED, None, error
+    if reward is not None:
+        ctx.emit(EventType.REWARD, {"value": reward, "final": True})
+    return AttemptStatus.SUCCEEDED, reward, None
 
 
 def _record_failure(ctx: RolloutContext, kind: str, message: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 
 import pytest
@@ -17,6 +18,7 @@ from agentbolt.runner.agent import (
     rollout,
     rollout_thread,
 )
+from agentbolt.runner.worker import reward_of
 from agentbolt.schemas import (
     LLM,
     Attempt,
@@ -163,3 +165,9 @@ def test_a_class_that_needs_constructor_arguments_is_a_clear_config_error():
 
     with pytest.raises(ConfigError, match=r"Needy needs constructor arguments \(model\)"):
         as_agent(Needy)
+
+
+def test_an_int_reward_beyond_any_float_is_infinite_not_an_overflow():
+    ctx = _ctx({})
+    assert reward_of(10**400, ctx) == math.inf and reward_of(-(10**400), ctx) == -math.inf
+    assert reward_of(True, ctx) == 1.0 and reward_of(3, ctx) == 3.0

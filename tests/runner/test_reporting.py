@@ -75,17 +75,23 @@ def test_events_the_server_refuses_are_dropped_and_fail_the_attempt_with_the_rea
         db=str(tmp_path / "s.db"), lease_seconds=30.0, sweep_interval=0.1, max_body_bytes=64 * 1024
     )
     with ServerThread(config) as srv, Client(srv.url) as client:
-        huge, big, fine = _enqueue(client, [{"huge_int": True}, {"big": 100_000}, {}], max_attempts=1)
-        runner = Runner(_agent("big_events"), srv.url, concurrency=3, max_rollouts=3)
+        datas = [{"huge_int": True}, {"big": 100_000}, {"unencodable": True}, {}]
+        huge, big, unencodable, fine = _enqueue(client, datas, max_attempts=1)
+        runner = Runner(_agent("big_events"), srv.url, concurrency=4, max_rollouts=4)
         started = time.monotonic()
         _run(runner, 20)
         assert time.monotonic() - started < 10
-        final = _final(client, [huge.id, big.id, fine.id], timeout=5)
+        final = _final(client, [huge.id, big.id, unencodable.id, fine.id], timeout=5)
         assert final[fine.id].status == RolloutStatus.SUCCEEDED
-        for ro, why in ((huge, "64 bits"), (big, "HTTP 413")):
+        for ro, why in (
+            (huge, "the server refused event 1 (counter)"),
+            (big, "the server refused event 1 (message): HTTP 413"),
+            (unencodable, "could not encode event 1 (handle)"),
+        ):
             rollout = final[ro.id]
             assert rollout.status == RolloutStatus.FAILED
-            assert "the server refused event" in (rollout.error or "") and why in (rollout.error or "")
+            assert why in (rollout.error or ""), rollout.error
+            assert ro is not huge or "64 bits" in (rollout.error or "")
             [attempt] = client.list_attempts(ro.id)
             assert attempt.status == AttemptStatus.FAILED and why in (attempt.error or "")
             events = client.all_events(ro.id)
@@ -93,7 +99,7 @@ def test_events_the_server_refuses_are_dropped_and_fail_the_attempt_with_the_rea
             assert [e.data["content"] for e in events if e.type == "message"] == ["before", "after"]
             [record] = [e for e in events if e.type == "exception"]
             assert record.data["type"] == "EventRefused" and why in record.data["message"]
-        assert runner.completed == 1 and runner.failed == 2 and runner.lost == 0
+        assert runner.completed == 1 and runner.failed == 3 and runner.lost == 0
 
 
 def test_a_failing_upload_does_not_stop_the_heartbeats(tmp_path):
