@@ -24,7 +24,6 @@ import contextvars
 import importlib
 import importlib.util
 import logging
-import math
 import os
 import signal
 import socket
@@ -38,20 +37,16 @@ from typing import Any
 from agentbolt.client import AsyncClient, RetryPolicy
 from agentbolt.errors import AgentboltError, ConfigError, LeaseLost, NotFound
 from agentbolt.runner.agent import LitAgent, RolloutContext, as_agent, emit_exception
+from agentbolt.runner.outcome import clip, content_at_fault, judge, record_failure
 from agentbolt.runner.tracing import Tracer, tracing_enabled
-from agentbolt.schemas import AttemptStatus, Claim, EventCreate, EventType, Trajectory
+from agentbolt.schemas import AttemptStatus, Claim, EventCreate
 
-__all__ = ["Runner", "load_agent", "reward_of"]
+__all__ = ["Runner", "load_agent"]
 
 log = logging.getLogger("agentbolt.runner")
 
-# Statuses with which the server refuses what was sent (bad data, a body over its limit):
-# sending the same bytes again cannot succeed.
-_REFUSED = frozenset({400, 413, 422})
 _CANCEL_WAIT = 1.0
 """Seconds a cancelled async agent gets to unwind before its slot moves on without it."""
-_MAX_ERROR = 10_000
-"""Characters of an error message sent with a finish (the server takes up to 100,000)."""
 
 
 def load_agent(spec: str) -> LitAgent:
@@ -80,21 +75,6 @@ def load_agent(spec: str) -> LitAgent:
     return as_agent(obj)
 
 
-def reward_of(result: Any, ctx: RolloutContext) -> float | None:
-    """The rollout's reward: a returned number, a Trajectory's total_reward, else the sum of
-    the rollout-level rewards the agent emitted (None if it emitted none)."""
-    if isinstance(result, bool):
-        return float(result)
-    if isinstance(result, int | float):
-        try:
-            return float(result)
-        except OverflowError:  # an int beyond any float: not finite, and said so by the caller
-            return math.inf if result > 0 else -math.inf
-    if isinstance(result, Trajectory) and result.total_reward is not None:
-        return float(result.total_reward)
-    return float(sum(ctx.rewards)) if ctx.rewards else None
-
-
 @dataclass
 class _Watch:
     """What the keepalive learned about one attempt while its agent ran."""
@@ -108,20 +88,6 @@ class _Watch:
     def end(self, exc: Exception) -> None:
         self.why = str(exc)
         self.ended.set()
-
-
-def _clip(text: str | None) -> str | None:
-    return text if text is None or len(text) <= _MAX_ERROR else text[: _MAX_ERROR - 1] + "…"
-
-
-def _refused(exc: BaseException) -> bool:
-    """The request's content is at fault (not the attempt, not the transport): the server
-    refused it, or it could not even be encoded (an event holding an object JSON cannot carry)."""
-    if isinstance(exc, LeaseLost | NotFound):
-        return False
-    if isinstance(exc, AgentboltError):
-        return getattr(exc, "status_code", None) in _REFUSED
-    return isinstance(exc, ValueError | TypeError)  # pydantic's serialization error is a ValueError
 
 
 class Runner:
@@ -332,7 +298,7 @@ class Runner:
             finally:
                 ctx_token.var.reset(ctx_token)
             return AttemptStatus.FAILED, None, f"{type(exc).__name__}: {exc}"
-        return _judge(ctx, result)
+        return judge(ctx, result)
 
     async def _await_agent(self, work: asyncio.Task[Any], watch: _Watch) -> Any:
         """Await the agent. Once stopping, give it ``grace`` seconds, then release it; once
@@ -435,7 +401,7 @@ class Runner:
         try:
             await self.client.add_events(ctx.attempt.id, events, self.worker_id)
         except Exception as exc:
-            if not _refused(exc):
+            if not content_at_fault(exc):
                 raise
             if len(events) > 1:
                 half = len(events) // 2
@@ -446,7 +412,7 @@ class Runner:
             reason = f"{who} event {events[0].sequence} ({events[0].type}): {exc}"
             log.warning("attempt %s: %s", ctx.attempt.id, reason)
             watch.refused.append(reason)
-            _record_failure(ctx, "EventRefused", reason)
+            record_failure(ctx, "EventRefused", reason)
 
     async def _report(
         self,
@@ -500,32 +466,11 @@ class Runner:
     ) -> AttemptStatus:
         """Finish the attempt; if the server refuses that outcome, fail it with the reason."""
         try:
-            await self.client.finish(ctx.attempt.id, status, reward, _clip(error), self.worker_id)
+            await self.client.finish(ctx.attempt.id, status, reward, clip(error), self.worker_id)
             return status
         except AgentboltError as exc:
-            if not _refused(exc) or status == AttemptStatus.FAILED:
+            if not content_at_fault(exc) or status == AttemptStatus.FAILED:
                 raise
             reason = f"the server refused the attempt's outcome ({status.value}): {exc}"
-        await self.client.finish(ctx.attempt.id, AttemptStatus.FAILED, None, _clip(reason), self.worker_id)
+        await self.client.finish(ctx.attempt.id, AttemptStatus.FAILED, None, clip(reason), self.worker_id)
         return AttemptStatus.FAILED
-
-
-def _judge(ctx: RolloutContext, result: Any) -> tuple[AttemptStatus, float | None, str | None]:
-    """The outcome of an agent that returned ``result``: its reward, or a failure when that is
-    not a finite number (decided here: the server would refuse it, and the attempt would then
-    wait out its lease)."""
-    reward = reward_of(result, ctx)
-    if isinstance(result, Trajectory):
-        ctx.emit("trajectory", result.model_dump(mode="json"))
-    if reward is not None and not math.isfinite(reward):
-        error = f"reward is not a finite number: {reward}"
-        _record_failure(ctx, "InvalidReward", error)
-        return AttemptStatus.FAILED, None, error
-    if reward is not None:
-        ctx.emit(EventType.REWARD, {"value": reward, "final": True})
-    return AttemptStatus.SUCCEEDED, reward, None
-
-
-def _record_failure(ctx: RolloutContext, kind: str, message: str) -> None:
-    """An ``exception`` event saying why the runner failed the attempt (not the agent's raise)."""
-    ctx.emit(EventType.EXCEPTION, {"type": kind, "message": _clip(message), "traceback": ""})

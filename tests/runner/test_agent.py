@@ -18,7 +18,7 @@ from agentbolt.runner.agent import (
     rollout,
     rollout_thread,
 )
-from agentbolt.runner.worker import reward_of
+from agentbolt.runner.outcome import reward_of
 from agentbolt.schemas import (
     LLM,
     Attempt,
