@@ -120,12 +120,15 @@ class Runner:
         """Used only with a server that does not say which lease it granted."""
         self.poll_wait, self.flush_interval, self.flush_size = poll_wait, flush_interval, flush_size
         self.grace, self.max_rollouts = grace, max_rollouts
-        # Retry forever while the server is down: a runner outlives server restarts.
+        # Retry forever while the server is down: a runner outlives server restarts. A slot has
+        # at most three calls in flight (a long-poll, or a heartbeat, an upload and a finish),
+        # so a heartbeat never waits for a free connection.
         self.client = AsyncClient(
             server_url,
             token,
             timeout=request_timeout,
             retry=RetryPolicy(attempts=0, base_delay=0.2, max_delay=5.0),
+            max_connections=max(100, 3 * self.concurrency),
         )
         self.completed = 0
         self.failed = 0
