@@ -16,9 +16,9 @@ are skipped: the final answer follows them on the same connection.
 Sent at most once: a reused keep-alive connection may turn out closed by the server. If it
 failed before the whole request was written, the server cannot have acted on it, and it is
 sent again on another connection. Once written, the server may have processed it before the
-connection dropped, so it is sent again only when that is harmless: a safe method (GET, HEAD)
-or a request carrying an ``Idempotency-Key`` (the server answers a repeated key with its first
-result). Otherwise the error goes to the caller, whose retry policy decides.
+connection dropped, so it is sent again only when that is harmless: a safe method (GET, HEAD,
+OPTIONS, TRACE) or a request carrying an ``Idempotency-Key`` (the server answers a repeated key
+with its first result). Otherwise the error goes to the caller, whose retry policy decides.
 
 At most ``max_connections`` connections are open per transport, idle ones included; a caller
 beyond that waits for one (httpx's ``pool`` timeout), and takes an idle connection to another
