@@ -363,6 +363,7 @@ class ResourcesCreate(_Strict):
     metadata: dict[str, Any] = Field(default_factory=dict)
     trial: bool = Field(
         default=False,
+        strict=True,  # a JSON boolean: lax mode would take 0 or "yes"
         description="a trial (e.g. an APO candidate): never the latest version; only rollouts pinned to it use it",
     )
 
