@@ -17,6 +17,11 @@ Choices worth knowing:
   and 429/502/503 answers. A read timeout or a broken stream is reported, not retried.
 - An upstream that rejects ``return_token_ids`` (400 naming it) is asked again without it and
   remembered; its calls are recorded with ``token_ids: null``.
+- A call the agent's client retried is one record: a try with the same ``Idempotency-Key``, or
+  with ``x-stainless-retry-count`` above 0 and the same body as an earlier call of the attempt,
+  joins that call's record (:mod:`agentbolt.store.calls`).
+- An attempt that is no longer running (finished, cancelled, lease expired) takes no calls:
+  409 ``AttemptEnded`` naming its state.
 - Cost: the POST routes are served by a pure ASGI fast path
   (:class:`~agentbolt.server.routes.gateway.GatewayFastPath`) and plain-http upstreams go
   through a lean keep-alive transport (:mod:`agentbolt.http1`); FastAPI routing and httpx's
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import random
 import time
@@ -41,7 +47,7 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from agentbolt.errors import NotFound
+from agentbolt.errors import AttemptEnded, NotFound
 from agentbolt.http1 import Http1Transport, lean_mounts
 from agentbolt.schemas import LLM, AttemptStatus, EventCreate, EventType
 from agentbolt.server.config import ServerConfig
@@ -65,6 +71,7 @@ __all__ = ["Gateway"]
 log = logging.getLogger("agentbolt.gateway")
 
 RETRY_STATUSES = (429, 502, 503)
+MAX_KEY_LENGTH = 200  # a longer Idempotency-Key is recorded by its hash
 MAX_TRIES = 4
 _PATHS = {CHAT: "chat/completions", COMPLETIONS: "completions"}
 
@@ -105,6 +112,24 @@ class _Target:
         return next(iter(self.llms.items()))
 
 
+@dataclass(frozen=True)
+class _Try:
+    """Which logical call a request is a try of: what the agent's client said about it."""
+
+    key: str | None  # its Idempotency-Key
+    body_sha256: str
+    retry: int | None  # its x-stainless-retry-count
+
+    @classmethod
+    def of(cls, request: Request, body: bytes) -> _Try:
+        key = request.headers.get("idempotency-key") or None
+        if key is not None and len(key) > MAX_KEY_LENGTH:
+            key = hashlib.sha256(key.encode()).hexdigest()
+        count = request.headers.get("x-stainless-retry-count", "")
+        retry = int(count) if count.isdigit() and len(count) < 6 else None
+        return cls(key, hashlib.sha256(body).hexdigest(), retry)
+
+
 @dataclass
 class _ForwardedCall:
     """One model call in flight: where it goes and what the record needs."""
@@ -118,6 +143,7 @@ class _ForwardedCall:
     key: str | None
     started: float  # wall clock, the event's timestamp
     t0: float  # perf_counter, for latency
+    try_of: _Try
 
     def elapsed_ms(self) -> float:
         return round((time.perf_counter() - self.t0) * 1000, 3)
@@ -166,11 +192,8 @@ class Gateway:
                 404, f"attempt {attempt_id!r} is not part of rollout {rollout_id!r}", "not_found_error"
             )
         if attempt.status != AttemptStatus.RUNNING:
-            raise _Refused(
-                409,
-                f"attempt {attempt_id!r} is {attempt.status.value}; it takes no more calls",
-                "conflict_error",
-            )
+            message = f"attempt {attempt_id!r} is {attempt.status.value}, not running: it takes no more calls"
+            raise _Refused(409, message, AttemptEnded.__name__)
         found = self._targets.get(attempt_id)
         if found is None:
             found = await self._load_target(rollout_id, attempt_id)
@@ -190,8 +213,9 @@ class Gateway:
 
     async def forward(self, request: Request, rollout_id: str, attempt_id: str, endpoint: str) -> Response:
         started, t0 = time.time(), time.perf_counter()
+        raw = await request.body()
         try:
-            body = orjson.loads(await request.body())
+            body = orjson.loads(raw)
         except orjson.JSONDecodeError:
             body = None
         if not isinstance(body, dict):
@@ -207,7 +231,9 @@ class Gateway:
             return exc.response()
         ask_ids = self._token_ids.get(llm.base_url, True)
         payload, wants = prepare(endpoint, body, ask_ids)
-        call = _ForwardedCall(target, resource, llm, endpoint, body, wants, key, started, t0)
+        call = _ForwardedCall(
+            target, resource, llm, endpoint, body, wants, key, started, t0, _Try.of(request, raw)
+        )
         try:
             upstream = await self._send_with_fallback(call, payload)
         except httpx.TimeoutException as exc:
@@ -462,8 +488,16 @@ class Gateway:
 
     async def _record(self, call: _ForwardedCall, data: dict[str, Any]) -> None:
         event = EventCreate(type=EventType.LLM_CALL, timestamp=call.started, data=data)
+        tried = call.try_of
         try:
-            await self.call(self.store.record_events, call.target.attempt_id, [event])
+            await self.call(
+                self.store.record_call,
+                call.target.attempt_id,
+                event,
+                tried.key,
+                tried.body_sha256,
+                tried.retry,
+            )
         except Exception:  # the agent still gets its answer; the lost record is logged
             log.exception("could not record an llm_call for attempt %s", call.target.attempt_id)
 

@@ -4,7 +4,9 @@ A span lands in the rollout named by its attributes (or its resource's):
 ``agentbolt.attempt_id`` (and ``agentbolt.rollout_id``, checked when both are given; a rollout id
 alone means its latest attempt). Spans without them, or for unknown attempts, are rejected and
 counted in the OTLP ``partial_success`` answer, as the protocol asks. Spans may arrive after
-their attempt ended (exporters batch), so ended attempts still take them.
+their attempt ended (exporters batch), so ended attempts still take them. A span the attempt
+holds already (same trace and span id: an exporter that retried, a collector that delivered
+twice) is skipped.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ __all__ = [
     "BadPayload",
     "OtlpIngest",
     "decode",
+    "span_key",
     "spans_from_otlp",
 ]
 
@@ -184,6 +187,13 @@ def decode(raw: bytes, content_type: str, encoding: str, limit: int) -> tuple[di
     return body, False
 
 
+def span_key(data: dict[str, Any]) -> str | None:
+    """What recognises a span delivered again: its trace and span id (none without both)."""
+    if data["trace_id"] and data["span_id"]:
+        return f"span:{data['trace_id']}:{data['span_id']}"
+    return None
+
+
 class OtlpIngest:
     def __init__(self, call: StoreCaller, config: ServerConfig) -> None:
         self.call, self.store, self.config = call, call.store, config
@@ -211,6 +221,7 @@ class OtlpIngest:
     async def ingest(self, body: dict[str, Any], from_protobuf: bool) -> tuple[int, str]:
         """Record the spans; return (rejected count, why)."""
         by_attempt: dict[str, list[EventCreate]] = defaultdict(list)
+        keys: dict[str, list[str | None]] = defaultdict(list)
         cache: dict[tuple[Any, Any], str | None] = {}
         rejected, unrouted = 0, 0
         for route, data in spans_from_otlp(body, from_protobuf):
@@ -224,8 +235,9 @@ class OtlpIngest:
             by_attempt[attempt_id].append(
                 EventCreate(type=EventType.SPAN, timestamp=data["start_time"] or 0.0, data=data)
             )
+            keys[attempt_id].append(span_key(data))
         for attempt_id, events in by_attempt.items():
-            await self.call(self.store.record_events, attempt_id, events)
+            await self.call(self.store.record_events, attempt_id, events, keys[attempt_id])
         why = []
         if unrouted:
             why.append(f"{unrouted} span(s) carry no {ATTEMPT_ATTR} / {ROLLOUT_ATTR} attribute")

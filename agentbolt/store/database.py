@@ -58,9 +58,9 @@ class Database(abc.ABC):
         """``rows`` were just added to ``tables``: the backend may refresh its planner's statistics."""
 
     @abc.abstractmethod
-    def serialize(self, tx: Tx, what: int) -> None:
-        """Make transactions that call this with the same ``what`` run one after another (until
-        commit)."""
+    def serialize(self, tx: Tx, what: int, on: str = "") -> None:
+        """Make transactions that call this with the same ``what`` and ``on`` (e.g. one
+        attempt's id) run one after another (until commit)."""
 
     @abc.abstractmethod
     def lock_schema(self, tx: Tx) -> None:

@@ -202,9 +202,10 @@ class PostgresDatabase(Database):
                 tx.run(pgsql.SQL("ANALYZE {}").format(pgsql.Identifier(table)).as_string(None))
         return True
 
-    def serialize(self, tx: Tx, what: int) -> None:
-        # a transaction-scoped advisory lock, per schema (stores in other schemas do not wait)
-        tx.run("SELECT pg_advisory_xact_lock(?, hashtext(current_schema()))", (_SECTION_LOCK + what,))
+    def serialize(self, tx: Tx, what: int, on: str = "") -> None:
+        # a transaction-scoped advisory lock, per schema (stores in other schemas do not wait);
+        # two values of ``on`` whose hashes collide only wait for each other, harmlessly
+        tx.run("SELECT pg_advisory_xact_lock(?, hashtext(current_schema() || ?))", (_SECTION_LOCK + what, on))
 
     def lock_schema(self, tx: Tx) -> None:
         # per schema: stores in other schemas of the same database do not wait

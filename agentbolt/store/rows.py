@@ -28,6 +28,7 @@ __all__ = [
     "finite",
     "from_json",
     "int_cursor",
+    "keyed_event_rows",
     "page_limit",
     "parse_event_cursor",
     "rollout_from_row",
@@ -107,6 +108,19 @@ def event_rows(events: Sequence[EventCreate]) -> list[tuple[Any, ...]]:
                 continue
             seen.add(e.sequence)
         rows.append((e.sequence, e.type, e.timestamp, to_json(e.data)))
+    return rows
+
+
+def keyed_event_rows(events: Sequence[EventCreate], keys: Sequence[str | None]) -> list[tuple[Any, ...]]:
+    """(type, timestamp, data, call key) of each server-recorded event, a key repeated in the
+    batch once."""
+    rows, seen = [], set()
+    for e, key in zip(events, keys, strict=True):
+        if key is not None:
+            if key in seen:
+                continue
+            seen.add(key)
+        rows.append((e.type, e.timestamp, to_json(e.data), key))
     return rows
 
 

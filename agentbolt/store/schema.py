@@ -49,6 +49,25 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
                 claims INTEGER NOT NULL DEFAULT 0)""",
         ],
     ),
+    (
+        # Issue 18: each key lives on the row its request created (so it is kept as long as the
+        # row); trial resources versions are never the latest.
+        2,
+        [
+            "ALTER TABLE attempts ADD COLUMN claim_key TEXT",
+            "ALTER TABLE attempts ADD COLUMN finish_key TEXT",
+            # NULLs are distinct: attempts claimed without a key never conflict
+            "CREATE UNIQUE INDEX attempts_claim_key ON attempts (worker_id, claim_key)",
+            "ALTER TABLE resources ADD COLUMN request_key TEXT",
+            "ALTER TABLE resources ADD COLUMN trial INTEGER NOT NULL DEFAULT 0",
+            "CREATE UNIQUE INDEX resources_request_key ON resources (request_key)",
+            "CREATE INDEX resources_latest ON resources (trial, version)",
+            # what the server recognises a repeat of its own records by (a span's trace and span
+            # id, a model call's key or body hash); only those rows are indexed
+            "ALTER TABLE events ADD COLUMN call_key TEXT",
+            "CREATE INDEX events_call_key ON events (attempt_id, call_key) WHERE call_key IS NOT NULL",
+        ],
+    ),
 ]
 
 _APPLIED = (

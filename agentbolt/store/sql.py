@@ -5,94 +5,98 @@ A backend (:mod:`.sqlite`, :mod:`.postgres`) supplies only a :class:`~.database.
 connections, transactions (and statements that commit on their own), placeholder style, the
 planner's statistics — and the few words that differ: how dequeue locks the row it claims, the
 schema's types. The schema and its migrations are in :mod:`.schema`, the mapping of rows to
-models in :mod:`.rows`. The store is synchronous; the server decides how to call it (directly
-for SQLite, from a thread for PostgreSQL).
+models in :mod:`.rows`, the reads in :mod:`.queries`. The store is synchronous; the server
+decides how to call it (directly for SQLite, from a thread for PostgreSQL).
 
 The hot operations are few statements each, since on PostgreSQL every statement is a round
 trip: a claim is one ``UPDATE ... RETURNING``, the attempt's ``INSERT`` and the worker's row; a
 batch of events one ``INSERT ... SELECT`` that checks the attempt in the same statement; a
 finish two ``UPDATE`` statements.
+
+Retried writes: every write a client may repeat takes the request's idempotency key and keeps
+it on the row the first request created, in the same transaction, so a repeat finds it there
+(for as long as that row exists) and answers with the first result: an enqueue derives the ids
+of its new rollouts from the key, a dequeue keeps it on its attempt, a finish on the attempt it
+ended, a publish on its resources version.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
-import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from agentbolt.errors import LeaseLost, NotFound
+from agentbolt.errors import AttemptEnded, NotFound
 from agentbolt.schemas import (
     Attempt,
     AttemptFinish,
     AttemptStatus,
     Claim,
-    Event,
     EventCreate,
-    Mode,
-    Page,
     Resources,
     ResourcesCreate,
     Rollout,
     RolloutCreate,
     RolloutStatus,
-    Worker,
+    Task,
     check_transition,
     new_id,
     now,
 )
+from agentbolt.store.calls import CALLS_LOCK, record_call
 from agentbolt.store.database import Database, Tx
+from agentbolt.store.queries import Queries
 from agentbolt.store.rows import (
     ATTEMPT_COLS,
     RETURNED_ROLLOUT,
-    ROLLOUT_COLS,
-    ROLLOUT_FROM,
     attempt_from_row,
-    event_cursor,
-    event_from_row,
     event_rows,
-    finite,
-    from_json,
-    int_cursor,
-    page_limit,
-    parse_event_cursor,
+    keyed_event_rows,
     rollout_from_row,
     to_json,
 )
 from agentbolt.store.schema import migrate
 from agentbolt.store.statements import (
     EVENTS_PER_INSERT,
+    LATEST_VERSION,
     NEXT_QUEUED,
-    RUNNING,
     attempt_row,
+    cancel_running,
     end_attempt,
     expire_lapsed,
     held,
     insert_events,
+    insert_keyed_events,
     insert_rollout,
     rollouts_by_id,
-    sql_literal,
     touch_worker,
 )
 
-__all__ = ["Database", "SqlStore", "Tx"]
+__all__ = ["Database", "SqlStore", "Tx", "keyed_rollout_id"]
 
 DEFAULT_LEASE_SECONDS = 30.0
 # dequeue ends lapsed attempts itself at most this often (seconds); the server's sweep runs too
 EXPIRE_EVERY = 0.05
 # serialize() key of publish_resources (any constant distinct from other serialized sections)
 _PUBLISH_LOCK = 1
+# serialize() key of the repeats of one dequeue (with ``on``: the worker and the key)
+_CLAIM_LOCK = 3
 
 
-class SqlStore:
+def keyed_rollout_id(key: str, index: int) -> str:
+    """The id of the ``index``-th item of an enqueue with idempotency key ``key`` (an item
+    without an id of its own): a retried enqueue names the same rollouts."""
+    return "ro-" + hashlib.sha256(f"{key}:{index}".encode()).hexdigest()[:24]
+
+
+class SqlStore(Queries):
     """Queue with leases, attempts, events and versioned resources over a :class:`Database`."""
 
     def __init__(self, db: Database, lease_seconds: float = DEFAULT_LEASE_SECONDS) -> None:
-        self.db = db
+        super().__init__(db)
         self.lease_seconds = lease_seconds
-        self._resources_cache: dict[int, Resources] = {}
-        self._cache_lock = threading.Lock()
         self._expired_at = -math.inf  # when dequeue last ended lapsed attempts
         migrate(db)
 
@@ -108,29 +112,31 @@ class SqlStore:
         with self.db.transaction() as tx:
             yield tx
 
-    @contextmanager
-    def _read(self) -> Iterator[Tx]:
-        """Reads (and single-statement writes): no BEGIN/COMMIT round trips on PostgreSQL."""
-        with self.db.autocommit() as tx:
-            yield tx
-
     # ------------------------------------------------------------------ enqueue
 
-    def enqueue(self, items: Sequence[RolloutCreate]) -> list[Rollout]:
-        """Create rollouts (and their tasks). An item whose ``id`` exists already is returned as is."""
+    def enqueue(self, items: Sequence[RolloutCreate], key: str | None = None) -> list[Rollout]:
+        """Create rollouts (and their tasks). An item whose ``id`` exists already is returned as
+        is; with ``key``, items without an id get ids derived from it (:func:`keyed_rollout_id`),
+        so a repeat returns the first enqueue's rollouts. A task id stored with other data or
+        metadata is a :class:`~agentbolt.errors.Conflict`."""
         ts = now()
-        ids = [item.id or new_id("ro") for item in items]
+        ids = [item.id or (keyed_rollout_id(key, i) if key else new_id("ro")) for i, item in enumerate(items)]
+        tasks: dict[str, Task] = {}
         with self._tx() as tx:
             for rid, item in zip(ids, items, strict=True):
-                insert_rollout(tx, rid, item, ts)
+                insert_rollout(tx, rid, item, ts, fixed=item.id is not None or key is not None, tasks=tasks)
             created = rollouts_by_id(tx, ids)
         self.db.inserted(("rollouts", "tasks"), len(items))
         return created
 
     # ------------------------------------------------------------------ dequeue and leases
 
-    def dequeue(self, worker_id: str, lease_seconds: float | None = None) -> Claim | None:
-        """Claim one new attempt for the oldest queued rollout, or return None.
+    def dequeue(
+        self, worker_id: str, lease_seconds: float | None = None, key: str | None = None
+    ) -> Claim | None:
+        """Claim one new attempt for the oldest queued rollout, or return None. With ``key``, a
+        repeat (by the same worker) returns the claim the first one made, even if its answer was
+        lost or it is still being made, and never claims a second rollout.
 
         One transaction: end lapsed attempts first (so their rollouts can be claimed now; at
         most every ``EXPIRE_EVERY`` seconds per store, the server's sweep does the rest), then
@@ -139,56 +145,79 @@ class SqlStore:
         lease = lease_seconds or self.lease_seconds
         ts = now()
         with self._tx() as tx:
+            if key is not None:
+                # repeats of one dequeue run one after another, so a repeat sees what the first
+                # one claimed (a repeat that found every row locked would answer "no work")
+                self.db.serialize(tx, _CLAIM_LOCK, f"{worker_id}:{key}")
+                first = tx.one(
+                    f"SELECT {ATTEMPT_COLS} FROM attempts WHERE worker_id = ? AND claim_key = ?",
+                    (worker_id, key),
+                )
+                if first is not None:
+                    attempt = attempt_from_row(first)
+                    return self._as_claim(rollouts_by_id(tx, [attempt.rollout_id])[0], attempt, lease)
             if ts - self._expired_at >= EXPIRE_EVERY or ts < self._expired_at:
                 expire_lapsed(tx, ts)
                 self._expired_at = ts
-            row = tx.one(
-                f"UPDATE rollouts SET status = ?, attempts = attempts + 1, last_attempt = last_attempt + 1, "
-                f"resources_version = COALESCE(resources_version, (SELECT MAX(version) FROM resources)), "
-                f"started_at = COALESCE(started_at, ?), updated_at = ? "
-                f"WHERE qseq = ({NEXT_QUEUED} {self.db.claim_lock}) "
-                f"RETURNING {RETURNED_ROLLOUT}, last_attempt",
-                (RolloutStatus.RUNNING.value, ts, ts),
-            )
-            if row is None:
-                touch_worker(tx, worker_id, ts, claimed=0)
-                return None
-            rollout, number = rollout_from_row(row[:-1]), row[-1]
-            deadline = ts + rollout.timeout_seconds if rollout.timeout_seconds else None
-            attempt = Attempt(
-                id=new_id("at"),
-                rollout_id=rollout.id,
-                number=number,
-                worker_id=worker_id,
-                status=AttemptStatus.RUNNING,
-                started_at=ts,
-                heartbeat_at=ts,
-                lease_expires_at=ts + lease,
-            )
-            tx.run(
-                f"INSERT INTO attempts ({ATTEMPT_COLS}, deadline) VALUES (?, ?, ?, ?, ?, ?, ?, ?, NULL, NULL, NULL, ?)",
-                (
-                    attempt.id,
-                    rollout.id,
-                    number,
-                    worker_id,
-                    AttemptStatus.RUNNING.value,
-                    ts,
-                    ts,
-                    ts + lease,
-                    deadline,
-                ),
-            )
-            touch_worker(tx, worker_id, ts, claimed=1)
+            claimed = self._claim(tx, worker_id, ts, lease, key)
+            touch_worker(tx, worker_id, ts, claimed=int(claimed is not None))
+        return self._as_claim(*claimed, lease) if claimed is not None else None
+
+    def _as_claim(self, rollout: Rollout, attempt: Attempt, lease: float) -> Claim:
         version = rollout.resources_version
         resources = self.get_resources(version) if version is not None else None
-        return Claim(rollout=rollout, attempt=attempt, resources=resources)
+        return Claim(rollout=rollout, attempt=attempt, resources=resources, lease_seconds=lease)
+
+    def _claim(
+        self, tx: Tx, worker_id: str, ts: float, lease: float, key: str | None
+    ) -> tuple[Rollout, Attempt] | None:
+        """Mark the oldest queued rollout running and insert its new attempt."""
+        row = tx.one(
+            f"UPDATE rollouts SET status = ?, attempts = attempts + 1, last_attempt = last_attempt + 1, "
+            f"resources_version = COALESCE(resources_version, {LATEST_VERSION}), "
+            f"started_at = COALESCE(started_at, ?), updated_at = ? "
+            f"WHERE qseq = ({NEXT_QUEUED} {self.db.claim_lock}) "
+            f"RETURNING {RETURNED_ROLLOUT}, last_attempt",
+            (RolloutStatus.RUNNING.value, ts, ts),
+        )
+        if row is None:
+            return None
+        rollout, number = rollout_from_row(row[:-1]), row[-1]
+        timeout = rollout.timeout_seconds
+        attempt = Attempt(
+            id=new_id("at"),
+            rollout_id=rollout.id,
+            number=number,
+            worker_id=worker_id,
+            status=AttemptStatus.RUNNING,
+            started_at=ts,
+            heartbeat_at=ts,
+            lease_expires_at=ts + lease,
+        )
+        tx.run(
+            f"INSERT INTO attempts ({ATTEMPT_COLS}, deadline, claim_key) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, NULL, NULL, NULL, ?, ?)",
+            (
+                attempt.id,
+                rollout.id,
+                number,
+                worker_id,
+                AttemptStatus.RUNNING.value,
+                ts,
+                ts,
+                ts + lease,
+                ts + timeout if timeout else None,
+                key,
+            ),
+        )
+        return rollout, attempt
 
     def heartbeat(
         self, attempt_id: str, worker_id: str | None = None, lease_seconds: float | None = None
     ) -> Attempt:
-        """Extend the lease of a running attempt (409 :class:`LeaseLost` when it is no longer held,
-        or when its lease already lapsed: the sweep may have requeued the rollout by now)."""
+        """Extend the lease of a running attempt (409 :class:`~agentbolt.errors.AttemptEnded`
+        when it ended, e.g. cancelled, or when its lease already lapsed: the sweep may have
+        requeued the rollout by now; 409 ``LeaseLost`` when another worker holds it)."""
         ts = now()
         with self._tx() as tx:
             expire_lapsed(tx, ts)
@@ -199,45 +228,63 @@ class SqlStore:
                 (ts, expires, attempt_id, AttemptStatus.RUNNING.value),
             )
             if changed != 1:  # ended by another replica since held() read it
-                raise LeaseLost(f"attempt {attempt_id!r} ended meanwhile")
+                raise AttemptEnded(f"attempt {attempt_id!r} ended meanwhile, it is no longer running")
             touch_worker(tx, attempt.worker_id, ts, claimed=0)
             return attempt.model_copy(update={"heartbeat_at": ts, "lease_expires_at": expires})
 
     def expire(self, ts: float | None = None) -> int:
-        """End attempts whose lease lapsed or whose rollout timed out; requeue or fail their rollouts."""
+        """End attempts whose lease lapsed (their rollouts are requeued while attempts remain)
+        or whose rollout timed out (failed)."""
         ts = ts or now()
         with self._tx() as tx:
             return expire_lapsed(tx, ts)
 
     # ------------------------------------------------------------------ finishing
 
-    def finish_attempt(self, attempt_id: str, finish: AttemptFinish, worker_id: str | None = None) -> Rollout:
-        """End a running attempt. Success ends the rollout; failure requeues it while attempts
-        remain; ``released`` (a runner stopping) requeues it without using up an attempt."""
+    def finish_attempt(
+        self, attempt_id: str, finish: AttemptFinish, worker_id: str | None = None, key: str | None = None
+    ) -> Rollout:
+        """End a running attempt. Success ends the rollout, failure fails it (the agent would
+        fail again); ``released`` (a runner stopping) requeues it without using up an attempt.
+        A repeat of the finish that ended the attempt (same ``key``) returns the rollout."""
         ts = now()
         with self._tx() as tx:
-            rollout = end_attempt(tx, attempt_id, finish, AttemptStatus(finish.status), ts, worker_id)
-            if rollout is None:
-                held(tx, attempt_id, worker_id)  # NotFound or LeaseLost, with the reason
-                raise LeaseLost(f"attempt {attempt_id!r} ended meanwhile")
-            return rollout
+            rollout = end_attempt(tx, attempt_id, finish, AttemptStatus(finish.status), ts, worker_id, key)
+            if rollout is not None:
+                return rollout
+            if key is not None:
+                mine = tx.one(
+                    "SELECT rollout_id FROM attempts WHERE id = ? AND finish_key = ?", (attempt_id, key)
+                )
+                if mine is not None:
+                    return rollouts_by_id(tx, [mine[0]])[0]
+            held(tx, attempt_id, worker_id)  # NotFound, AttemptEnded or LeaseLost, with the reason
+            raise AttemptEnded(f"attempt {attempt_id!r} ended meanwhile, it is no longer running")
 
     def cancel(self, rollout_id: str) -> Rollout:
+        """Cancel a queued or running rollout and end its running attempt as ``cancelled``.
+        Cancelling a cancelled rollout returns it; a succeeded or failed one is a 409."""
         ts = now()
         with self._tx() as tx:
-            rollout = rollouts_by_id(tx, [rollout_id])
-            if not rollout:
-                raise NotFound("rollout", rollout_id)
-            check_transition("rollout", rollout_id, rollout[0].status, RolloutStatus.CANCELLED)
+            rollout = _one_rollout(tx, rollout_id)
+            if rollout.status == RolloutStatus.CANCELLED:
+                return rollout
+            check_transition("rollout", rollout_id, rollout.status, RolloutStatus.CANCELLED)
+            # the attempt's row before the rollout's, the order a finish or an expiry takes them
+            # in: the other order could deadlock with them on PostgreSQL
+            cancel_running(tx, rollout_id, ts)
             live = [s.value for s in RolloutStatus if not s.is_final]
             changed = tx.run(
                 "UPDATE rollouts SET status = ?, updated_at = ?, ended_at = ? WHERE id = ? AND status IN (?, ?)",
                 (RolloutStatus.CANCELLED.value, ts, ts, rollout_id, *live),
             )
-            if changed != 1:  # finished by another replica since we read it
-                final = rollouts_by_id(tx, [rollout_id])[0].status
-                check_transition("rollout", rollout_id, final, RolloutStatus.CANCELLED)
-            return rollouts_by_id(tx, [rollout_id])[0]
+            if changed != 1:  # ended by another replica since we read it
+                final = _one_rollout(tx, rollout_id)
+                if final.status != RolloutStatus.CANCELLED:
+                    check_transition("rollout", rollout_id, final.status, RolloutStatus.CANCELLED)
+                return final
+            cancel_running(tx, rollout_id, ts)  # claimed between the two statements above
+            return _one_rollout(tx, rollout_id)
 
     # ------------------------------------------------------------------ events
 
@@ -251,9 +298,15 @@ class SqlStore:
                 held(tx, attempt_id, worker_id)
             return new
 
-    def record_events(self, attempt_id: str, events: Sequence[EventCreate]) -> int:
+    def record_events(
+        self, attempt_id: str, events: Sequence[EventCreate], keys: Sequence[str | None] | None = None
+    ) -> int:
         """Append events the server observed itself (gateway calls, OTLP spans). Unlike
-        :meth:`add_events` the attempt may have ended: a span can arrive after the finish."""
+        :meth:`add_events` the attempt may have ended: a span can arrive after the finish.
+        ``keys`` (one per event, or None): an event whose key the attempt holds already is a
+        repeat and skipped (a span's trace and span id)."""
+        if keys is not None:
+            return self._record_keyed(attempt_id, keyed_event_rows(events, keys))
         rows = event_rows(events)
         with self._events_tx(rows) as tx:
             new = insert_events(tx, attempt_id, rows, running=False, worker_id=None)
@@ -261,217 +314,59 @@ class SqlStore:
                 attempt_row(tx, attempt_id)  # NotFound when there is no such attempt
             return new
 
+    def _record_keyed(self, attempt_id: str, rows: list[tuple[Any, ...]]) -> int:
+        with self._tx() as tx:
+            self.db.serialize(tx, CALLS_LOCK, attempt_id)
+            new = insert_keyed_events(tx, attempt_id, rows)
+            if new == 0:
+                attempt_row(tx, attempt_id)
+            return new
+
+    def record_call(
+        self, attempt_id: str, event: EventCreate, key: str | None, body_sha256: str, retry: int | None
+    ) -> bool:
+        """Record one try of a model call the gateway forwarded: a new ``llm_call`` event, or
+        (False) this try joined the record of its logical call (see :mod:`.calls`)."""
+        with self._tx() as tx:
+            return record_call(tx, self.db, attempt_id, event, key, body_sha256, retry)
+
     def _events_tx(self, rows: list[tuple[Any, ...]]) -> Any:
         """One INSERT commits on its own; several (a batch over ``EVENTS_PER_INSERT``) need a
         transaction, so that an attempt ending meanwhile gets all of them or none."""
         return self._tx() if len(rows) > EVENTS_PER_INSERT else self._read()
 
-    def list_events(
-        self,
-        rollout_id: str | None = None,
-        *,
-        rollout_ids: Sequence[str] | None = None,
-        attempt_id: str | None = None,
-        types: Sequence[str] | None = None,
-        limit: int = 100,
-        cursor: str | None = None,
-    ) -> Page[Event]:
-        """Events ordered by (timestamp, id); ``cursor`` continues after the last page.
-        ``rollout_ids``: the events of any of these rollouts (ids not stored match nothing)."""
-        where: list[str] = []
-        params: list[Any] = []
-        if rollout_id is not None:
-            where.append("rollout_id = ?")
-            params.append(rollout_id)
-        if rollout_ids is not None:
-            marks = ", ".join("?" * len(rollout_ids))
-            where.append(f"rollout_id IN ({marks})" if rollout_ids else "1 = 0")
-            params.extend(rollout_ids)
-        if attempt_id is not None:
-            where.append("attempt_id = ?")
-            params.append(attempt_id)
-        if types:
-            where.append(f"type IN ({', '.join('?' * len(types))})")
-            params.extend(types)
-        if cursor:
-            ts, last_id = parse_event_cursor(cursor)
-            where.append("(timestamp > ? OR (timestamp = ? AND id > ?))")
-            params.extend([ts, ts, last_id])
-        limit = page_limit(limit)
-        sql = "SELECT rollout_id, attempt_id, sequence, type, timestamp, data, id FROM events"
-        if where:
-            sql += " WHERE " + " AND ".join(where)
-        sql += " ORDER BY timestamp, id LIMIT ?"
-        with self._read() as tx:
-            if rollout_id is not None and not tx.one("SELECT 1 FROM rollouts WHERE id = ?", (rollout_id,)):
-                raise NotFound("rollout", rollout_id)
-            items = [event_from_row(r) for r in tx.all(sql, [*params, limit + 1])]
-        more = len(items) > limit
-        items = items[:limit]
-        nxt = event_cursor(items[-1]) if more and items else None
-        return Page[Event](items=items, next_cursor=nxt)
-
     # ------------------------------------------------------------------ resources
 
-    def publish_resources(self, create: ResourcesCreate) -> Resources:
+    def publish_resources(self, create: ResourcesCreate, key: str | None = None) -> Resources:
+        """Store a new resources version (a ``trial`` one never becomes the latest). A repeat
+        with the same ``key`` returns the version the first one stored."""
         ts = now()
         with self._tx() as tx:
             # two replicas publishing at once must not both read the same MAX(version)
             self.db.serialize(tx, _PUBLISH_LOCK)
-            row = tx.one("SELECT MAX(version) FROM resources")
-            version = (row[0] if row and row[0] is not None else 0) + 1
-            body = to_json({k: v.model_dump(mode="json") for k, v in create.resources.items()})
-            tx.run(
-                "INSERT INTO resources (version, resources, metadata, created_at) VALUES (?, ?, ?, ?)",
-                (version, body, to_json(create.metadata), ts),
-            )
-        return Resources(version=version, resources=create.resources, metadata=create.metadata, created_at=ts)
+            if key is not None and (
+                first := tx.one("SELECT version FROM resources WHERE request_key = ?", (key,))
+            ):
+                version = first[0]
+            else:
+                version = self._insert_version(tx, create, key, ts)
+        return self.get_resources(version)
 
-    def get_resources(self, version: int) -> Resources:
-        with self._cache_lock:  # versions never change once written: cache them
-            cached = self._resources_cache.get(version)
-        if cached is not None:
-            return cached
-        with self._read() as tx:
-            row = tx.one(
-                "SELECT version, resources, metadata, created_at FROM resources WHERE version = ?", (version,)
-            )
-        if row is None:
-            raise NotFound("resources version", version)
-        res = Resources(
-            version=row[0], resources=from_json(row[1]), metadata=from_json(row[2]), created_at=row[3]
+    @staticmethod
+    def _insert_version(tx: Tx, create: ResourcesCreate, key: str | None, ts: float) -> int:
+        row = tx.one("SELECT MAX(version) FROM resources")
+        version = (row[0] if row and row[0] is not None else 0) + 1
+        body = to_json({k: v.model_dump(mode="json") for k, v in create.resources.items()})
+        tx.run(
+            "INSERT INTO resources (version, resources, metadata, created_at, request_key, trial) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            (version, body, to_json(create.metadata), ts, key, int(create.trial)),
         )
-        with self._cache_lock:
-            self._resources_cache[version] = res
-        return res
+        return int(version)
 
-    def latest_resources(self) -> Resources | None:
-        with self._read() as tx:
-            row = tx.one("SELECT MAX(version) FROM resources")
-        return self.get_resources(row[0]) if row and row[0] is not None else None
 
-    def list_resources(self, limit: int = 100, cursor: str | None = None) -> Page[Resources]:
-        before = int(cursor) if cursor else None
-        limit = page_limit(limit)
-        where, params = ("WHERE version < ?", [before]) if before is not None else ("", [])
-        with self._read() as tx:
-            rows = tx.all(
-                f"SELECT version FROM resources {where} ORDER BY version DESC LIMIT ?", [*params, limit + 1]
-            )
-        versions = [r[0] for r in rows]
-        items = [self.get_resources(v) for v in versions[:limit]]
-        nxt = str(items[-1].version) if len(versions) > limit and items else None
-        return Page[Resources](items=items, next_cursor=nxt)
-
-    # ------------------------------------------------------------------ queries
-
-    def get_rollout(self, rollout_id: str) -> Rollout:
-        with self._read() as tx:
-            found = rollouts_by_id(tx, [rollout_id])
-        if not found:
-            raise NotFound("rollout", rollout_id)
-        return found[0]
-
-    def get_rollouts(self, rollout_ids: Sequence[str]) -> list[Rollout]:
-        """The rollouts that exist among ``rollout_ids``, in that order."""
-        with self._read() as tx:
-            return rollouts_by_id(tx, rollout_ids)
-
-    def list_rollouts(
-        self,
-        *,
-        status: Sequence[RolloutStatus] | None = None,
-        mode: Mode | None = None,
-        resources_version: int | None = None,
-        group_id: str | None = None,
-        limit: int = 100,
-        cursor: str | None = None,
-        newest_first: bool = False,
-    ) -> Page[Rollout]:
-        where: list[str] = ["1 = 1"]
-        params: list[Any] = []
-        if status:
-            statuses = ", ".join(sql_literal(RolloutStatus(s)) for s in status)  # see sql_literal
-            where.append(f"r.status IN ({statuses})")
-        if mode is not None:
-            where.append(f"r.mode = {sql_literal(Mode(mode))}")  # a rare mode: its index
-        for column, value in (("resources_version", resources_version), ("group_id", group_id)):
-            if value is not None:
-                where.append(f"r.{column} = ?")
-                params.append(value)
-        if cursor:
-            where.append("r.qseq < ?" if newest_first else "r.qseq > ?")
-            params.append(int_cursor(cursor))
-        limit = page_limit(limit)
-        order = "DESC" if newest_first else "ASC"
-        sql = (
-            f"SELECT {ROLLOUT_COLS}, r.qseq FROM {ROLLOUT_FROM} WHERE {' AND '.join(where)} "
-            f"ORDER BY r.qseq {order} LIMIT ?"
-        )
-        with self._read() as tx:
-            rows = tx.all(sql, [*params, limit + 1])
-        items = [rollout_from_row(r[:-1]) for r in rows[:limit]]
-        nxt = str(rows[limit - 1][-1]) if len(rows) > limit else None
-        return Page[Rollout](items=items, next_cursor=nxt)
-
-    def list_attempts(self, rollout_id: str) -> list[Attempt]:
-        with self._read() as tx:
-            if not tx.one("SELECT 1 FROM rollouts WHERE id = ?", (rollout_id,)):
-                raise NotFound("rollout", rollout_id)
-            rows = tx.all(
-                f"SELECT {ATTEMPT_COLS} FROM attempts WHERE rollout_id = ? ORDER BY number", (rollout_id,)
-            )
-        return [attempt_from_row(r) for r in rows]
-
-    def get_attempt(self, attempt_id: str) -> Attempt:
-        with self._read() as tx:
-            return attempt_from_row(attempt_row(tx, attempt_id))
-
-    def list_workers(self, limit: int = 100) -> list[Worker]:
-        with self._read() as tx:
-            rows = tx.all(
-                "SELECT w.id, w.last_seen, w.claims, "
-                f"(SELECT COUNT(*) FROM attempts a WHERE a.worker_id = w.id AND a.status = {RUNNING}) "
-                "FROM workers w ORDER BY w.last_seen DESC LIMIT ?",
-                (page_limit(limit),),
-            )
-        return [Worker(id=r[0], last_seen=r[1], claims=r[2], running=r[3]) for r in rows]
-
-    def stats(self) -> dict[str, Any]:
-        """Counts by status and mode, plus reward means per resources version and mode."""
-        with self._read() as tx:
-            by_status = dict(tx.all("SELECT status, COUNT(*) FROM rollouts GROUP BY status"))
-            rewards = tx.all(
-                "SELECT resources_version, mode, COUNT(*), AVG(reward), "
-                "SUM(CASE WHEN status = ? THEN 1 ELSE 0 END), SUM(CASE WHEN status = ? THEN 1 ELSE 0 END) "
-                "FROM rollouts WHERE status IN (?, ?) GROUP BY resources_version, mode ORDER BY resources_version",
-                (
-                    RolloutStatus.SUCCEEDED.value,
-                    RolloutStatus.FAILED.value,
-                    RolloutStatus.SUCCEEDED.value,
-                    RolloutStatus.FAILED.value,
-                ),
-            )
-            events = tx.one("SELECT COUNT(*) FROM events")
-        return {
-            "rollouts": {s.value: int(by_status.get(s.value, 0)) for s in RolloutStatus},
-            "events": int(events[0]) if events else 0,
-            "by_version": [
-                {
-                    "resources_version": v,
-                    "mode": m,
-                    "count": int(n),
-                    "mean_reward": finite(avg),
-                    "succeeded": int(ok or 0),
-                    "failed": int(bad or 0),
-                }
-                for v, m, n, avg, ok, bad in rewards
-            ],
-        }
-
-    def finished_since(self, since: float) -> list[tuple[float, str]]:
-        """``(ended_at, status)`` of the rollouts that ended at or after ``since`` (the
-        dashboard buckets them into its throughput chart)."""
-        with self._read() as tx:
-            rows = tx.all("SELECT ended_at, status FROM rollouts WHERE ended_at >= ?", (since,))
-        return [(float(ended), str(status)) for ended, status in rows]
+def _one_rollout(tx: Tx, rollout_id: str) -> Rollout:
+    found = rollouts_by_id(tx, [rollout_id])
+    if not found:
+        raise NotFound("rollout", rollout_id)
+    return found[0]

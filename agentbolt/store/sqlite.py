@@ -65,7 +65,7 @@ class SqliteDatabase(Database):
     def inserted(self, tables: Sequence[str], rows: int) -> None:
         pass  # without statistics SQLite's planner already reads the queue index in order
 
-    def serialize(self, tx: Tx, what: int) -> None:
+    def serialize(self, tx: Tx, what: int, on: str = "") -> None:
         pass  # BEGIN IMMEDIATE: write transactions run one after another already
 
     def lock_schema(self, tx: Tx) -> None:

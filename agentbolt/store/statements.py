@@ -3,7 +3,7 @@
 :class:`~agentbolt.store.sql.SqlStore` decides the transactions (one per operation) and what
 they return; the functions here are the steps inside them that several operations share:
 inserting a rollout, reading rollouts and attempts, ending an attempt and moving its rollout on,
-ending lapsed attempts, appending events.
+ending lapsed attempts, cancelling, appending events.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from agentbolt.errors import LeaseLost, NotFound
+from agentbolt.errors import AttemptEnded, Conflict, LeaseLost, NotFound
 from agentbolt.schemas import (
     Attempt,
     AttemptFinish,
@@ -21,6 +21,7 @@ from agentbolt.schemas import (
     Rollout,
     RolloutCreate,
     RolloutStatus,
+    Task,
     check_transition,
 )
 from agentbolt.store.database import Tx
@@ -30,6 +31,7 @@ from agentbolt.store.rows import (
     ROLLOUT_COLS,
     ROLLOUT_FROM,
     attempt_from_row,
+    from_json,
     rollout_from_row,
     to_json,
 )
@@ -37,14 +39,17 @@ from agentbolt.store.rows import (
 __all__ = [
     "EVENTS_PER_INSERT",
     "LAPSED",
+    "LATEST_VERSION",
     "NEXT_QUEUED",
     "QUEUED",
     "RUNNING",
     "attempt_row",
+    "cancel_running",
     "end_attempt",
     "expire_lapsed",
     "held",
     "insert_events",
+    "insert_keyed_events",
     "insert_rollout",
     "rollouts_by_id",
     "sql_literal",
@@ -69,6 +74,10 @@ def sql_literal(member: RolloutStatus | AttemptStatus | Mode) -> str:
 
 QUEUED, RUNNING = sql_literal(RolloutStatus.QUEUED), sql_literal(AttemptStatus.RUNNING)
 
+# The version an unpinned rollout runs with: the newest that is not a trial (index
+# resources_latest). A trial version runs only the rollouts pinned to it.
+LATEST_VERSION = "(SELECT MAX(version) FROM resources WHERE trial = 0)"
+
 # The rollout dequeue claims: the oldest queued one (a rollout pinned to a version not published
 # yet waits in the queue until it is; versions are numbered 1, 2, ... and never deleted, so
 # published <=> <= MAX).
@@ -83,23 +92,22 @@ LAPSED = (
 )
 
 
-def insert_rollout(tx: Tx, rid: str, item: RolloutCreate, ts: float) -> None:
-    """Insert a queued rollout and its task (the task's latest data wins)."""
-    if item.id is not None and tx.one("SELECT 1 FROM rollouts WHERE id = ?", (rid,)):
-        return  # idempotent: the first enqueue wins
-    task = item.task
-    tx.run(
-        "INSERT INTO tasks (id, data, metadata) VALUES (?, ?, ?) "
-        "ON CONFLICT (id) DO UPDATE SET data = excluded.data, metadata = excluded.metadata",
-        (task.id, to_json(task.data), to_json(task.metadata)),
-    )
+def insert_rollout(
+    tx: Tx, rid: str, item: RolloutCreate, ts: float, fixed: bool, tasks: dict[str, Task]
+) -> None:
+    """Insert a queued rollout and its task. ``fixed``: the id was chosen by the caller (or
+    derived from its idempotency key), so it may be stored already; then nothing changes (the
+    first enqueue wins). ``tasks``: the tasks this enqueue has written or checked."""
+    if fixed and tx.one("SELECT 1 FROM rollouts WHERE id = ?", (rid,)):
+        return
+    keep_task(tx, item.task, tasks)
     tx.run(
         "INSERT INTO rollouts (id, task_id, mode, status, resources_version, timeout_seconds, "
         "max_attempts, attempts, group_id, metadata, created_at, updated_at) "
         "VALUES (?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
         (
             rid,
-            task.id,
+            item.task.id,
             item.mode.value,
             RolloutStatus.QUEUED.value,
             item.resources_version,
@@ -111,6 +119,30 @@ def insert_rollout(tx: Tx, rid: str, item: RolloutCreate, ts: float) -> None:
             ts,
         ),
     )
+
+
+def keep_task(tx: Tx, task: Task, seen: dict[str, Task]) -> None:
+    """Store a new task, or check that the stored one says the same: a task id names one task
+    forever, so older rollouts never see their task rewritten (409 :class:`Conflict`)."""
+    known = seen.get(task.id)
+    if known is None:
+        added = tx.run(
+            "INSERT INTO tasks (id, data, metadata) VALUES (?, ?, ?) ON CONFLICT (id) DO NOTHING",
+            (task.id, to_json(task.data), to_json(task.metadata)),
+        )
+        if added:
+            seen[task.id] = task
+            return
+        row = tx.one("SELECT data, metadata FROM tasks WHERE id = ?", (task.id,))
+        assert row is not None  # tasks are never deleted
+        known = seen[task.id] = Task(id=task.id, data=from_json(row[0]), metadata=from_json(row[1]))
+    # compared as stored (JSON): key order and what JSON cannot hold (NaN is stored as null) differ
+    # between a request and its stored copy without the task being another one
+    if from_json(to_json([task.data, task.metadata])) != [known.data, known.metadata]:
+        raise Conflict(
+            f"task {task.id!r} is stored with other data or metadata; a task id names one task "
+            "for good (older rollouts ran it): enqueue the changed task under a new id"
+        )
 
 
 def rollouts_by_id(tx: Tx, ids: Sequence[str]) -> list[Rollout]:
@@ -143,10 +175,10 @@ def attempt_row(tx: Tx, attempt_id: str) -> tuple[Any, ...]:
 
 def held(tx: Tx, attempt_id: str, worker_id: str | None) -> Attempt:
     """The attempt, if it is running and (with ``worker_id``) held by that worker; else
-    :class:`LeaseLost` saying why."""
+    :class:`AttemptEnded` naming its state, or :class:`LeaseLost` (another worker holds it)."""
     attempt = attempt_from_row(attempt_row(tx, attempt_id))
     if attempt.status != AttemptStatus.RUNNING:
-        raise LeaseLost(f"attempt {attempt_id!r} is {attempt.status.value}, not running")
+        raise AttemptEnded(f"attempt {attempt_id!r} is {attempt.status.value}, not running")
     if worker_id is not None and attempt.worker_id != worker_id:
         raise LeaseLost(f"attempt {attempt_id!r} is held by another worker")
     return attempt
@@ -173,19 +205,22 @@ def end_attempt(
     status: AttemptStatus,
     ts: float,
     worker_id: str | None = None,
+    key: str | None = None,
 ) -> Rollout | None:
     """End the attempt (if ``worker_id`` holds it) and move its rollout on; return the
     rollout. None (and nothing changed) when the attempt was not running: another replica
-    ended it first, so it must not be requeued twice."""
+    ended it first, so it must not be requeued twice. ``key``: the finish request's
+    idempotency key, kept on the attempt so that a repeat of this finish is recognised."""
     check_transition("attempt", attempt_id, AttemptStatus.RUNNING, status)
     by_holder = "" if worker_id is None else " AND worker_id = ?"
     row = tx.one(
-        "UPDATE attempts SET status = ?, ended_at = ?, reward = ?, error = ? WHERE id = ? AND status = ?"
+        "UPDATE attempts SET status = ?, ended_at = ?, reward = ?, error = ?, finish_key = ? "
+        "WHERE id = ? AND status = ?"
         + by_holder
         + " RETURNING rollout_id, (SELECT r.status FROM rollouts r WHERE r.id = attempts.rollout_id), "
         "(SELECT r.attempts FROM rollouts r WHERE r.id = attempts.rollout_id), "
         "(SELECT r.max_attempts FROM rollouts r WHERE r.id = attempts.rollout_id)",
-        (status.value, ts, finish.reward, finish.error, attempt_id, AttemptStatus.RUNNING.value)
+        (status.value, ts, finish.reward, finish.error, key, attempt_id, AttemptStatus.RUNNING.value)
         + ((worker_id,) if worker_id is not None else ()),
     )
     if row is None:
@@ -194,12 +229,7 @@ def end_attempt(
     if old is None:
         raise NotFound("rollout", rollout_id)
     old = RolloutStatus(old)
-    if status == AttemptStatus.SUCCEEDED:
-        new, used = RolloutStatus.SUCCEEDED, attempts
-    elif status == AttemptStatus.RELEASED:
-        new, used = RolloutStatus.QUEUED, attempts - 1
-    else:
-        new, used = (RolloutStatus.QUEUED if attempts < max_attempts else RolloutStatus.FAILED), attempts
+    new, used = next_status(status, attempts, max_attempts)
     if old == RolloutStatus.RUNNING:
         check_transition("rollout", rollout_id, old, new)
         # "AND status": a cancel committed since the read above wins (READ COMMITTED on PostgreSQL)
@@ -223,6 +253,29 @@ def end_attempt(
     return rollouts_by_id(tx, [rollout_id])[0]
 
 
+def next_status(ended: AttemptStatus, attempts: int, max_attempts: int) -> tuple[RolloutStatus, int]:
+    """Where a running rollout goes when its attempt ends ``ended``, and how many attempts it
+    has used. Only a lost runner is retried: an agent that failed (or whose report the server
+    refused) and a rollout past its own deadline would fail again, and retrying them would
+    score the best of several tries. ``released`` gives the attempt back unused."""
+    if ended == AttemptStatus.SUCCEEDED:
+        return RolloutStatus.SUCCEEDED, attempts
+    if ended == AttemptStatus.RELEASED:
+        return RolloutStatus.QUEUED, attempts - 1
+    if ended == AttemptStatus.LEASE_EXPIRED and attempts < max_attempts:
+        return RolloutStatus.QUEUED, attempts
+    return RolloutStatus.FAILED, attempts
+
+
+def cancel_running(tx: Tx, rollout_id: str, ts: float) -> int:
+    """End the rollout's running attempt as ``cancelled``: its runner learns it at its next
+    heartbeat or upload (409 :class:`AttemptEnded`), and the gateway takes no more calls for it."""
+    return tx.run(
+        f"UPDATE attempts SET status = ?, ended_at = ?, error = ? WHERE rollout_id = ? AND status = {RUNNING}",
+        (AttemptStatus.CANCELLED.value, ts, "the rollout was cancelled", rollout_id),
+    )
+
+
 def insert_events(
     tx: Tx, attempt_id: str, rows: list[tuple[Any, ...]], running: bool, worker_id: str | None
 ) -> int:
@@ -244,5 +297,24 @@ def insert_events(
             f"FROM attempts a, (VALUES {marks}) v WHERE a.id = ?{where} "
             "ON CONFLICT (attempt_id, sequence) DO NOTHING",
             [*itertools.chain.from_iterable(chunk), attempt_id, *extra],
+        )
+    return new
+
+
+def insert_keyed_events(tx: Tx, attempt_id: str, rows: list[tuple[Any, ...]]) -> int:
+    """Insert events the server records itself, ``(type, timestamp, data, call_key)`` each,
+    skipping those whose ``call_key`` the attempt already holds (a span delivered twice); a
+    ``None`` key is never skipped. The caller serializes the attempt's keyed records
+    (:data:`~.calls.CALLS_LOCK`): two transactions must not both find a key missing."""
+    new = 0
+    for start in range(0, len(rows), EVENTS_PER_INSERT):
+        chunk = rows[start : start + EVENTS_PER_INSERT]
+        marks = ", ".join(["(?, ?, ?, ?)"] * len(chunk))
+        new += tx.run(
+            "INSERT INTO events (rollout_id, attempt_id, type, timestamp, data, call_key) "
+            "SELECT a.rollout_id, a.id, v.column1, v.column2, v.column3, v.column4 "
+            f"FROM attempts a, (VALUES {marks}) v WHERE a.id = ? AND NOT EXISTS "
+            "(SELECT 1 FROM events e WHERE e.attempt_id = a.id AND e.call_key = v.column4)",
+            [*itertools.chain.from_iterable(chunk), attempt_id],
         )
     return new

@@ -147,13 +147,23 @@ def test_invalid_transitions_are_409_and_change_nothing(server):
     )
     again = httpx.post(f"{url}/api/attempts/{aid}/finish", json={"status": "succeeded", "reward": 1})
     assert again.status_code == 409
+    assert again.json()["error"] == {
+        "type": "AttemptEnded",
+        "message": f"attempt {aid!r} is failed, not running",
+    }
     late = httpx.post(f"{url}/api/attempts/{aid}/events", json={"events": [{"sequence": 0, "type": "x"}]})
-    assert late.status_code == 409
-    # the failed attempt requeued the rollout (3 attempts by default); cancelling twice is invalid
-    assert httpx.post(f"{url}/api/rollouts/{rollout['id']}/cancel").status_code == 200
-    assert httpx.post(f"{url}/api/rollouts/{rollout['id']}/cancel").status_code == 409
-    assert httpx.get(f"{url}/api/rollouts/{rollout['id']}").json()["status"] == "cancelled"
+    assert late.status_code == 409 and late.json()["error"]["type"] == "AttemptEnded"
+    # the agent failed: the rollout failed at once (issue 18), and a failed rollout is final
+    assert httpx.get(f"{url}/api/rollouts/{rollout['id']}").json()["status"] == "failed"
+    refused = httpx.post(f"{url}/api/rollouts/{rollout['id']}/cancel")
+    assert refused.status_code == 409 and refused.json()["error"]["type"] == "InvalidTransition"
     assert httpx.get(f"{url}/api/rollouts/{rollout['id']}/events").json()["items"] == []
+    # cancelling a cancelled rollout answers it again
+    [queued] = _enqueue(url)
+    first = httpx.post(f"{url}/api/rollouts/{queued['id']}/cancel")
+    second = httpx.post(f"{url}/api/rollouts/{queued['id']}/cancel")
+    assert first.status_code == second.status_code == 200
+    assert first.json() == second.json() and second.json()["status"] == "cancelled"
 
 
 def test_non_finite_reward_is_rejected_without_a_partial_write(server):

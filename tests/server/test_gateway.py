@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 import httpx
 import openai
@@ -223,8 +224,72 @@ def test_unknown_attempt_404_and_finished_attempt_409(rig):
     rig.client.finish(claim.attempt.id, AttemptStatus.SUCCEEDED, 1.0)
     with pytest.raises(openai.ConflictError) as info:
         _openai(claim).chat.completions.create(model="double", messages=MESSAGES)
-    assert "succeeded" in info.value.body["message"]
+    assert f"attempt {claim.attempt.id!r} is succeeded, not running" in info.value.body["message"]
+    assert info.value.body["type"] == "AttemptEnded"
     assert rig.llm_calls(claim.rollout.id) == []
+
+
+def test_a_cancelled_attempt_takes_no_more_calls(rig, upstream):
+    claim = rig.claim()
+    _openai(claim).chat.completions.create(model="double", messages=MESSAGES)
+    rig.client.cancel(claim.rollout.id)
+    for call in (
+        lambda: _openai(claim).chat.completions.create(model="double", messages=MESSAGES),
+        lambda: _openai(claim).completions.create(model="double", prompt="hi"),
+    ):
+        with pytest.raises(openai.ConflictError) as info:
+            call()
+        assert info.value.status_code == 409 and info.value.body["type"] == "AttemptEnded"
+        assert "is cancelled, not running" in info.value.body["message"]
+    assert len(upstream.calls) == 1  # nothing more was forwarded
+    assert len(rig.llm_calls(claim.rollout.id)) == 1
+
+
+def test_a_call_the_openai_client_retried_after_an_error_is_one_llm_call(rig, upstream):
+    claim = rig.claim()
+    upstream.fail_next = [500]  # not one the gateway retries itself: the agent's client does
+    llm = claim.resources.resources["llm"]
+    agent = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=1)
+    answer = agent.chat.completions.create(model="double", messages=MESSAGES)
+    assert len(upstream.calls) == 2
+    [event] = rig.llm_calls(claim.rollout.id)
+    data = event.data
+    assert (data["retries"], data["tries"]) == (1, [0, 1])
+    assert data["error"] is None and data["upstream_status"] == 200  # the answer the agent got
+    assert data["response"]["choices"][0]["message"]["content"] == answer.choices[0].message.content
+    # the same body again, not a retry: a call of its own
+    agent.chat.completions.create(model="double", messages=MESSAGES)
+    assert [e.data["retries"] for e in rig.llm_calls(claim.rollout.id)] == [1, 0]
+
+
+def test_a_call_the_openai_client_retried_after_a_timeout_is_one_llm_call(rig, upstream):
+    claim = rig.claim()
+    upstream.delay_next = [2.5]  # the first try outlasts the client's timeout, then answers anyway
+    llm = claim.resources.resources["llm"]
+    agent = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=1, timeout=1.0)
+    answer = agent.chat.completions.create(model="double", messages=MESSAGES)
+    [event] = rig.llm_calls(claim.rollout.id)  # the retry's record is there when it returns
+    assert event.data["tries"] == [1]
+    deadline = time.monotonic() + 10
+    while event.data["tries"] != [0, 1]:  # the timed-out try is recorded when it ends
+        assert time.monotonic() < deadline, "the first try was never recorded"
+        time.sleep(0.05)
+        [event] = rig.llm_calls(claim.rollout.id)
+    assert len(upstream.calls) == 2 and event.data["retries"] == 1
+    assert event.data["latency_ms"] < 2000  # the retry's record, not the late one's
+    assert event.data["response"]["choices"][0]["message"]["content"] == answer.choices[0].message.content
+
+
+def test_tries_with_one_idempotency_key_are_one_llm_call(rig, upstream):
+    claim = rig.claim()
+    url = claim.resources.resources["llm"].base_url
+    for n in range(3):
+        body = {"model": "double", "messages": [{"role": "user", "content": f"try {n}"}]}
+        r = httpx.post(f"{url}/chat/completions", json=body, headers={"idempotency-key": "call-1"})
+        assert r.status_code == 200
+    [event] = rig.llm_calls(claim.rollout.id)
+    assert (event.data["retries"], event.data["tries"]) == (2, [0, 1, 2])
+    assert event.data["request"]["messages"][0]["content"] == "try 2"  # the latest try's data
 
 
 def test_upstream_error_is_returned_openai_style_and_recorded(rig, upstream, caplog):

@@ -145,3 +145,31 @@ def test_spans_after_the_attempt_ended_are_kept(server, client):
     client.finish(first.attempt.id, AttemptStatus.SUCCEEDED, 1.0)
     httpx.post(f"{server.url}/v1/traces", json=_json_export(first.attempt.id)).raise_for_status()
     assert len(_spans(client, first.rollout.id)) == 1
+
+
+def test_spans_delivered_twice_are_stored_once(server, client):
+    """An exporter that retried, or a collector that delivered twice: a span the attempt holds
+    already (same trace and span id) is skipped, in JSON and in protobuf."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    first, second = _two_claims(client)
+    for _ in range(2):
+        r = httpx.post(f"{server.url}/v1/traces", json=_json_export(first.attempt.id))
+        assert r.status_code == 200 and r.json() == {}
+    [span] = _spans(client, first.rollout.id)
+    assert span.data["span_id"] == "eee19b7ec3c1b174"
+
+    captured = InMemorySpanExporter()
+    provider = TracerProvider(resource=Resource.create({"agentbolt.attempt_id": second.attempt.id}))
+    provider.add_span_processor(SimpleSpanProcessor(captured))
+    with provider.get_tracer("t").start_as_current_span("outer"):
+        provider.get_tracer("t").start_span("inner").end()
+    exporter = OTLPSpanExporter(endpoint=f"{server.url}/v1/traces")
+    spans = captured.get_finished_spans()
+    for _ in range(2):
+        exporter.export(spans)
+    exporter.shutdown()
+    assert sorted(e.data["name"] for e in _spans(client, second.rollout.id)) == ["inner", "outer"]
+    # the same ids in another attempt are another span
+    httpx.post(f"{server.url}/v1/traces", json=_json_export(second.attempt.id)).raise_for_status()
+    assert len(_spans(client, second.rollout.id)) == 3

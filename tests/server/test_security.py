@@ -223,6 +223,7 @@ SQL_FRAGMENTS = {
     "RETURNED_ROLLOUT",
     "TASK_OF_ROW",
     "NEXT_QUEUED",
+    "LATEST_VERSION",
     # placeholders only
     "marks",
     "', '.join('?' * len(types))",

@@ -7,7 +7,8 @@ does: ``return_token_ids`` adds top-level ``prompt_token_ids`` (chat) or per-cho
 only when asked for, so tests can see that the gateway asks and strips. The same request gives
 the same answer streamed or not.
 
-Knobs for tests: ``fail_next`` (statuses to answer the next calls with), ``strict`` (reject
+Knobs for tests: ``fail_next`` (statuses to answer the next calls with), ``delay`` (seconds
+every call waits), ``delay_next`` (seconds the next calls wait, one each), ``strict`` (reject
 ``return_token_ids`` as OpenAI does), ``model_version`` (sent as ``x-model-version``), models
 named ``error-500`` (a 500 that echoes the caller's Authorization header, to test scrubbing)
 and ``broken-stream`` (a stream cut off mid-way). ``calls`` holds what each request carried.
@@ -142,6 +143,7 @@ class UpstreamDouble:
         self.strict = False
         self.model_version: str | None = "7"
         self.delay = 0.0
+        self.delay_next: list[float] = []
         self.port = free_port()
         self.app = self._build()
         config = uvicorn.Config(
@@ -199,8 +201,9 @@ class UpstreamDouble:
     async def _answer(self, request: Request, chat: bool) -> Any:
         body = await request.json()
         self.calls.append(Seen(request.url.path, dict(request.headers), body))
-        if self.delay:
-            await asyncio.sleep(self.delay)
+        wait = self.delay + (self.delay_next.pop(0) if self.delay_next else 0.0)
+        if wait:
+            await asyncio.sleep(wait)
         if self.fail_next:
             status = self.fail_next.pop(0)
             return JSONResponse({"error": {"message": f"injected {status}", "type": "server_error"}}, status)

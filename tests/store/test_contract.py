@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from agentbolt.errors import InvalidTransition, LeaseLost, NotFound
+from agentbolt.errors import AttemptEnded, InvalidTransition, LeaseLost, NotFound
 from agentbolt.schemas import (
     LLM,
     AttemptFinish,
@@ -251,19 +251,18 @@ def test_lapsed_lease_requeues_then_fails(store: SqlStore) -> None:
     assert [a.status for a in store.list_attempts(queued.id)] == [AttemptStatus.LEASE_EXPIRED] * 2
 
 
-def test_timeout_ends_the_attempt_as_timed_out(store: SqlStore) -> None:
+def test_timeout_ends_the_attempt_as_timed_out_and_fails_the_rollout_at_once(store: SqlStore) -> None:
+    # issue 18: a rollout past its own deadline would time out again; attempts remain, unused
     [queued] = store.enqueue(make(1, timeout_seconds=0.05, max_attempts=2))
     first = claim(store, lease_seconds=60).attempt
     time.sleep(0.1)
     assert store.expire() == 1
     assert store.get_attempt(first.id).status == AttemptStatus.TIMED_OUT
-    assert store.get_rollout(queued.id).status == RolloutStatus.QUEUED
-    claim(store, lease_seconds=60)
-    time.sleep(0.1)
-    assert store.expire() == 1
     rollout = store.get_rollout(queued.id)
-    assert rollout.status == RolloutStatus.FAILED and "timed out" in (rollout.error or "")
-    assert [a.status for a in store.list_attempts(queued.id)] == [AttemptStatus.TIMED_OUT] * 2
+    assert (rollout.status, rollout.attempts) == (RolloutStatus.FAILED, 1)
+    assert "timed out" in (rollout.error or "") and rollout.ended_at is not None
+    assert store.dequeue("w1") is None
+    assert [a.status for a in store.list_attempts(queued.id)] == [AttemptStatus.TIMED_OUT]
 
 
 def test_release_does_not_use_up_an_attempt(store: SqlStore) -> None:
@@ -296,31 +295,32 @@ def test_finish_succeeded_records_the_reward(store: SqlStore) -> None:
     assert store.dequeue("w1") is None  # a succeeded rollout is not queued again
 
 
-def test_finish_failed_requeues_then_fails(store: SqlStore) -> None:
-    [queued] = store.enqueue(make(1, max_attempts=2))
-    rollout = store.finish_attempt(claim(store).attempt.id, FAILED)
-    assert (rollout.status, rollout.attempts, rollout.ended_at) == (RolloutStatus.QUEUED, 1, None)
-    assert rollout.error == "boom"
-    second = claim(store).attempt
-    assert second.number == 2
+def test_finish_failed_fails_the_rollout_at_once(store: SqlStore) -> None:
+    # issue 18: the agent failed (raised, bad reward, refused report): a retry would score the
+    # best of several tries, so the rollout fails although attempts remain
+    [queued] = store.enqueue(make(1, max_attempts=3))
     rollout = store.finish_attempt(
-        second.id, AttemptFinish(status=AttemptStatus.FAILED, error="again", reward=0.0)
+        claim(store).attempt.id, AttemptFinish(status=AttemptStatus.FAILED, error="again", reward=0.0)
     )
-    assert (rollout.status, rollout.attempts, rollout.error) == (RolloutStatus.FAILED, 2, "again")
+    assert (rollout.status, rollout.attempts, rollout.error) == (RolloutStatus.FAILED, 1, "again")
     assert rollout.ended_at is not None
     assert store.get_rollout(queued.id).status == RolloutStatus.FAILED
     assert store.dequeue("w1") is None
+    assert [a.status for a in store.list_attempts(queued.id)] == [AttemptStatus.FAILED]
 
 
-def test_failed_then_succeeded_clears_the_error(store: SqlStore) -> None:
+def test_lease_expired_then_succeeded_clears_the_error(store: SqlStore) -> None:
     [queued] = store.enqueue(make(1, max_attempts=2))
-    store.finish_attempt(claim(store).attempt.id, FAILED)
+    claim(store, lease_seconds=0.01)
+    time.sleep(0.05)
+    assert store.expire() == 1
+    assert "lease expired" in (store.get_rollout(queued.id).error or "")
     done = store.finish_attempt(
         claim(store).attempt.id, AttemptFinish(status=AttemptStatus.SUCCEEDED, reward=-1.5)
     )
     assert (done.status, done.reward, done.error) == (RolloutStatus.SUCCEEDED, -1.5, None)
     assert [a.status for a in store.list_attempts(queued.id)] == [
-        AttemptStatus.FAILED,
+        AttemptStatus.LEASE_EXPIRED,
         AttemptStatus.SUCCEEDED,
     ]
 
@@ -335,16 +335,16 @@ def test_invalid_transitions(store: SqlStore) -> None:
 
     cancelled = store.cancel(queued.id)
     assert cancelled.status == RolloutStatus.CANCELLED and cancelled.ended_at is not None
-    with pytest.raises(InvalidTransition):
-        store.cancel(queued.id)
+    assert store.cancel(queued.id) == cancelled  # issue 18: cancelling again is a no-op, not a 409
 
     got = claim(store)
     assert got.rollout.id == running.id  # the cancelled rollout was skipped
     assert store.cancel(running.id).status == RolloutStatus.CANCELLED
-    # the runner finishes afterwards: its attempt ends, the rollout stays cancelled
-    after = store.finish_attempt(got.attempt.id, SUCCEEDED)
-    assert after.status == RolloutStatus.CANCELLED
-    assert store.get_attempt(got.attempt.id).status == AttemptStatus.SUCCEEDED
+    # issue 18: the cancel ended the attempt; the runner's late finish is refused, naming why
+    with pytest.raises(AttemptEnded, match="cancelled"):
+        store.finish_attempt(got.attempt.id, SUCCEEDED)
+    assert store.get_rollout(running.id).status == RolloutStatus.CANCELLED
+    assert store.get_attempt(got.attempt.id).status == AttemptStatus.CANCELLED
     with pytest.raises(NotFound):
         store.cancel("ro-missing")
 
@@ -606,24 +606,22 @@ def test_stats_and_workers(store: SqlStore) -> None:
     b = claim(store, "alpha").attempt
     store.finish_attempt(b.id, AttemptFinish(status=AttemptStatus.SUCCEEDED, reward=0.5))
     c = claim(store, "beta").attempt
-    store.finish_attempt(
-        c.id, AttemptFinish(status=AttemptStatus.FAILED, reward=0.0)
-    )  # max_attempts 3: requeued
+    store.finish_attempt(c.id, AttemptFinish(status=AttemptStatus.FAILED, reward=0.0))  # fails at once
     claim(store, "beta")  # running
     time.sleep(0.01)
     store.add_events(claim(store, "gamma").attempt.id, [ev(0), ev(1)])
 
     stats = store.stats()
-    assert stats["rollouts"] == {"queued": 3, "running": 2, "succeeded": 2, "failed": 0, "cancelled": 0}
+    assert stats["rollouts"] == {"queued": 2, "running": 2, "succeeded": 2, "failed": 1, "cancelled": 0}
     assert stats["events"] == 2
     assert stats["by_version"] == [
         {
             "resources_version": 1,
             "mode": "train",
-            "count": 2,
-            "mean_reward": 0.75,
+            "count": 3,
+            "mean_reward": 0.5,
             "succeeded": 2,
-            "failed": 0,
+            "failed": 1,
         }
     ]
     workers = store.list_workers()

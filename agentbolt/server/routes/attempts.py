@@ -12,7 +12,7 @@ from fastapi.responses import Response
 
 from agentbolt.schemas import Attempt, AttemptFinish, EventsRequest, FinishRequest, HeartbeatRequest, Rollout
 from agentbolt.server.config import Role
-from agentbolt.server.routes.common import json_response
+from agentbolt.server.routes.common import IdempotencyKey, json_response
 from agentbolt.server.store_caller import StoreCaller, WakeUp
 
 __all__ = ["router"]
@@ -39,10 +39,15 @@ def router(call: StoreCaller, wake: WakeUp) -> APIRouter:
         return json_response({"added": added})
 
     @api.post("/finish", response_model=Rollout)
-    async def finish(attempt_id: str, body: FinishRequest, request: Request) -> Response:
+    async def finish(
+        attempt_id: str, body: FinishRequest, request: Request, key: IdempotencyKey = None
+    ) -> Response:
+        """End the attempt: ``succeeded`` ends the rollout, ``failed`` fails it, ``released``
+        requeues it. A retry of the finish that ended it (same ``Idempotency-Key``) gets the
+        rollout again; any other write to an ended attempt is a 409 naming its state."""
         _holder_named(request, body.worker_id)
         finish = AttemptFinish(**body.model_dump(exclude={"worker_id"}))
-        rollout = await call(store.finish_attempt, attempt_id, finish, body.worker_id)
+        rollout = await call(store.finish_attempt, attempt_id, finish, body.worker_id, key)
         wake.notify()  # a requeue is new work; a final rollout ends someone's wait
         return json_response(rollout)
 

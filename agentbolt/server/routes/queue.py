@@ -27,7 +27,7 @@ from agentbolt.schemas import (
     WaitResult,
 )
 from agentbolt.server.gateway_access import rewrite_claim
-from agentbolt.server.routes.common import INT_CURSOR, json_response
+from agentbolt.server.routes.common import INT_CURSOR, IdempotencyKey, json_response
 from agentbolt.server.store_caller import StoreCaller, WakeUp, redact
 
 __all__ = ["POLL_SECONDS", "router"]
@@ -40,9 +40,11 @@ def router(call: StoreCaller, wake: WakeUp) -> APIRouter:
     store = call.store
 
     @api.post("/rollouts", response_model=list[Rollout], status_code=201, tags=["queue"])
-    async def enqueue(body: EnqueueRequest) -> Response:
-        """Enqueue rollouts (one per item); items with an existing ``id`` are returned unchanged."""
-        created = await call(store.enqueue, body.rollouts)
+    async def enqueue(body: EnqueueRequest, key: IdempotencyKey = None) -> Response:
+        """Enqueue rollouts (one per item); items with an existing ``id`` are returned unchanged.
+        With an ``Idempotency-Key``, items without an ``id`` get ids derived from it, so a retry
+        returns the same rollouts. A task id stored with other data or metadata is a 409."""
+        created = await call(store.enqueue, body.rollouts, key)
         wake.notify()
         return json_response(created, 201)
 
@@ -89,19 +91,25 @@ def router(call: StoreCaller, wake: WakeUp) -> APIRouter:
 
     @api.post("/rollouts/{rollout_id}/cancel", response_model=Rollout, tags=["queue"])
     async def cancel(rollout_id: str) -> Response:
-        return json_response(await call(store.cancel, rollout_id))
+        """Cancel a queued or running rollout; its running attempt ends as ``cancelled`` (its
+        runner learns it at its next heartbeat or upload). Cancelling it again returns it."""
+        rollout = await call(store.cancel, rollout_id)
+        wake.notify()  # a final rollout ends someone's wait
+        return json_response(rollout)
 
     @api.get("/rollouts/{rollout_id}/attempts", response_model=list[Attempt], tags=["queue"])
     async def list_attempts(rollout_id: str) -> Response:
         return json_response(await call(store.list_attempts, rollout_id))
 
     @api.post("/dequeue", response_model=Claim | None, tags=["runner"])
-    async def dequeue(body: DequeueRequest, request: Request) -> Response:
+    async def dequeue(body: DequeueRequest, request: Request, key: IdempotencyKey = None) -> Response:
         """Claim the oldest queued rollout as a new attempt; ``null`` when the queue stays empty
-        for ``wait`` seconds (a long poll: a runner gets new work as soon as it is enqueued)."""
+        for ``wait`` seconds (a long poll: a runner gets new work as soon as it is enqueued).
+        The claim carries the lease granted (``lease_seconds``). A retry with the same
+        ``Idempotency-Key`` (same worker) gets the same claim, never a second one."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + body.wait
-        while (claim := await call(store.dequeue, body.worker_id, body.lease_seconds)) is None:
+        while (claim := await call(store.dequeue, body.worker_id, body.lease_seconds, key)) is None:
             if loop.time() >= deadline:
                 return json_response(None)
             await wake.wait(min(POLL_SECONDS, max(0.0, deadline - loop.time())))

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Path, Query
 from fastapi.responses import Response
 
 from agentbolt.schemas import MAX_INT32, Page, Resources, ResourcesCreate
-from agentbolt.server.routes.common import INT_CURSOR, json_response
+from agentbolt.server.routes.common import INT_CURSOR, IdempotencyKey, json_response
 from agentbolt.server.store_caller import StoreCaller, redact
 
 __all__ = ["router"]
@@ -22,8 +22,10 @@ def router(call: StoreCaller) -> APIRouter:
     store = call.store
 
     @api.post("", response_model=Resources, status_code=201)
-    async def publish(body: ResourcesCreate) -> Response:
-        return json_response(redact(await call(store.publish_resources, body)), 201)
+    async def publish(body: ResourcesCreate, key: IdempotencyKey = None) -> Response:
+        """Store a new version (``trial``: never the latest; only rollouts pinned to it run it).
+        A retry with the same ``Idempotency-Key`` returns the version the first one stored."""
+        return json_response(redact(await call(store.publish_resources, body, key)), 201)
 
     @api.get("", response_model=Page[Resources])
     async def list_resources(
@@ -36,6 +38,7 @@ def router(call: StoreCaller) -> APIRouter:
     # before "/{version}", which would otherwise take "latest" for a version and refuse it
     @api.get("/latest", response_model=Resources | None)
     async def latest() -> Response:
+        """The newest version that is not a trial: what unpinned rollouts run with."""
         return json_response(redact(await call(store.latest_resources)))
 
     @api.get("/{version}", response_model=Resources)

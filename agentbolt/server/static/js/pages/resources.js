@@ -7,6 +7,7 @@ import { ago, fmtFull, fmtInt, fmtNum, fmtTime, h, hrefFor, json, truncate } fro
 import { card, codeBlock, empty, facts, mono, segmented, table } from "../ui.js";
 
 const KIND_LABEL = { prompt_template: "Prompt template", llm: "LLM endpoint", model_weights: "Model weights" };
+const TRIAL_NOTE = "never the latest version; only rollouts pinned to it run it";
 
 async function load(ctx) {
   const res = await allResources(ctx.state, ctx.signal);
@@ -33,6 +34,7 @@ function versionList(d, selected) {
       return h("li", { "data-key": `v${r.version}` },
         h("a", { href: `#/resources/${r.version}`, class: "version-link", "aria-current": r.version === selected.version ? "page" : null },
           h("span", { class: "version-line" }, h("span", { class: "version-num" }, `v${r.version}`),
+            r.trial ? h("span", { class: "faint", title: TRIAL_NOTE }, "trial") : null,
             step !== undefined && step !== null ? h("span", { class: "faint" }, `step ${fmtNum(step)}`) : null,
             h("span", { class: "version-time" }, ago(r.created_at, d.now))),
           h("span", { class: "version-changes" }, changed.length ? changed.map((n) => h("span", { class: `mini-tag mk-${r.resources[n].type}` }, n)) : h("span", { class: "faint" }, "no changes"))));
@@ -112,6 +114,7 @@ function versionDetail(d, r, ctx) {
   return h("div", { class: "version-detail" },
     h("div", { class: "version-head" },
       h("h2", { class: "version-title" }, `Version ${r.version}`),
+      r.trial ? h("span", { class: "faint" }, `trial: ${TRIAL_NOTE}`) : null,
       h("span", { class: "muted", title: fmtFull(r.created_at) }, `published ${fmtTime(r.created_at)} · ${ago(r.created_at, d.now).textContent}`),
       h("a", { class: "btn btn-sm", href: hrefFor("/rollouts", { version: r.version }) }, "Rollouts with this version")),
     meta.step !== undefined || metrics.length ? h("dl", { class: "chips" },
