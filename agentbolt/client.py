@@ -174,8 +174,8 @@ class _Api:
 
     @staticmethod
     def enqueue(items: Sequence[RolloutCreate]) -> _Request[list[Rollout]]:
-        """Items without an id get one here, so even a server that has forgotten the key keeps
-        a retried enqueue from creating the rollouts twice."""
+        """Items without an id get one here: with its ids fixed, a retry finds the rollouts its
+        first try stored, even on a server that no longer holds the key."""
         rollouts = [i.model_dump(mode="json", exclude_none=True) for i in items]
         for rollout in rollouts:
             rollout.setdefault("id", new_id("ro"))
