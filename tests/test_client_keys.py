@@ -5,7 +5,7 @@ A small HTTP server on 127.0.0.1 records what arrives (method, path, key, body) 
 each endpoint with a canned body. Between the client and the server sits a transport that lets
 the first copy of every keyed request reach the server, reads the answer, drops it and raises
 a read error: the client's retry must carry the same key. A last test does the same against the
-real agentbolt server: an enqueue whose answer was lost creates its rollouts once."""
+real agentbolt server: the store holds each write once."""
 
 from __future__ import annotations
 
@@ -258,16 +258,34 @@ async def test_the_async_client_retries_each_write_under_its_key(recorder):
     _check_enqueue_and_publish(seen)
 
 
-def test_a_lost_enqueue_answer_creates_the_rollouts_once(tmp_path):
-    """Against the real server: the first enqueue is stored, its answer lost, the retry sent.
-    The ids the client chose make the retry find the stored rollouts."""
+def test_lost_answers_leave_one_of_each_write_on_the_real_server(tmp_path):
+    """Against the real server, every write's first answer lost: each retry gets the first
+    result back, and the store holds each write once."""
     from agentbolt.server import ServerConfig
 
+    lossy = _DropFirstAnswer()
     with (
         ServerThread(ServerConfig(db=str(tmp_path / "store.db"))) as server,
-        Client(server.url, retry=FAST_RETRY, transport=_DropFirstAnswer()) as client,
+        Client(server.url, retry=FAST_RETRY, transport=lossy) as client,
     ):
-        created = client.enqueue([RolloutCreate(task=Task(data={"n": n})) for n in range(3)])
+        version = client.publish_resources({"p": PromptTemplate(template="x")}).version
+        trial = client.publish_resources({"p": PromptTemplate(template="y")}, trial=True).version
+        created = client.enqueue([RolloutCreate(task=Task(data={"n": n})) for n in range(2)])
+        claim = client.dequeue("w")
+        assert claim is not None
+        client.heartbeat(claim.attempt.id, "w")
+        client.add_events(claim.attempt.id, _EVENTS, "w")  # the retry's answer: 0 new events
+        finished = client.finish(claim.attempt.id, AttemptStatus.SUCCEEDED, 1.0, worker_id="w")
+        other = next(r.id for r in created if r.id != claim.rollout.id)
+        cancelled = client.cancel(other)
         stored = client.list_rollouts(limit=10).items
+        versions = sorted(r.version for r in client.list_resources().items)
+        latest = client.latest_resources()
+        events = client.all_events(claim.rollout.id)
+    assert len(lossy.keys) == 8  # every write lost its first answer
+    assert (version, trial, versions) == (1, 2, [1, 2])
+    assert latest is not None and latest.version == 1  # a trial is never the latest
     assert sorted(r.id for r in stored) == sorted(r.id for r in created)
-    assert len(stored) == 3
+    assert finished.status == RolloutStatus.SUCCEEDED and finished.attempts == 1
+    assert cancelled.status == RolloutStatus.CANCELLED
+    assert [e.sequence for e in events] == [0]
