@@ -32,13 +32,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import random
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -52,11 +50,11 @@ from agentbolt.http1 import Http1Transport, lean_mounts
 from agentbolt.schemas import LLM, AttemptStatus, EventCreate, EventType
 from agentbolt.server.config import ServerConfig
 from agentbolt.server.gateway_access import UpstreamKeys
+from agentbolt.server.gateway_call import CallTry, ForwardedCall, Refused, Target, json_answer
 from agentbolt.server.openai_format import (
     CHAT,
     COMPLETIONS,
     StreamAssembler,
-    Wants,
     check_request,
     count_usage,
     extract,
@@ -71,92 +69,15 @@ __all__ = ["Gateway"]
 log = logging.getLogger("agentbolt.gateway")
 
 RETRY_STATUSES = (429, 502, 503)
-MAX_KEY_LENGTH = 200  # a longer Idempotency-Key is recorded by its hash
 MAX_TRIES = 4
 _PATHS = {CHAT: "chat/completions", COMPLETIONS: "completions"}
-
-
-class _Refused(Exception):
-    """A call the gateway answers itself, with an OpenAI-style error."""
-
-    def __init__(self, status: int, message: str, type: str) -> None:
-        super().__init__(message)
-        self.status, self.type = status, type
-
-    def response(self) -> Response:
-        return _json(openai_error(str(self), self.type, self.status), self.status)
-
-
-def _json(body: Any, status: int = 200) -> Response:
-    return Response(content=orjson.dumps(body), status_code=status, media_type="application/json")
-
-
-@dataclass(frozen=True)
-class _Target:
-    """What a gateway call needs to know about its attempt; fixed once the attempt exists."""
-
-    rollout_id: str
-    attempt_id: str
-    resources_version: int | None
-    llms: dict[str, LLM]
-
-    def pick(self, model: Any) -> tuple[str, LLM]:
-        """The LLM resource serving ``model``: the one whose model matches, else the first."""
-        if not self.llms:
-            raise _Refused(
-                400, "this rollout's resources have no LLM resource to forward to", "invalid_request_error"
-            )
-        for name, llm in self.llms.items():
-            if llm.model == model:
-                return name, llm
-        return next(iter(self.llms.items()))
-
-
-@dataclass(frozen=True)
-class _Try:
-    """Which logical call a request is a try of: what the agent's client said about it."""
-
-    key: str | None  # its Idempotency-Key
-    body_sha256: str
-    retry: int | None  # its x-stainless-retry-count
-
-    @classmethod
-    def of(cls, request: Request, body: bytes) -> _Try:
-        key = request.headers.get("idempotency-key") or None
-        if key is not None and len(key) > MAX_KEY_LENGTH:
-            key = hashlib.sha256(key.encode()).hexdigest()
-        count = request.headers.get("x-stainless-retry-count", "")
-        retry = int(count) if count.isdigit() and len(count) < 6 else None
-        return cls(key, hashlib.sha256(body).hexdigest(), retry)
-
-
-@dataclass
-class _ForwardedCall:
-    """One model call in flight: where it goes and what the record needs."""
-
-    target: _Target
-    resource: str
-    llm: LLM
-    endpoint: str
-    request: dict[str, Any]
-    wants: Wants
-    key: str | None
-    started: float  # wall clock, the event's timestamp
-    t0: float  # perf_counter, for latency
-    try_of: _Try
-
-    def elapsed_ms(self) -> float:
-        return round((time.perf_counter() - self.t0) * 1000, 3)
-
-    def scrub(self, text: str) -> str:
-        return text.replace(self.key, "***") if self.key else text
 
 
 class Gateway:
     def __init__(self, call: StoreCaller, config: ServerConfig) -> None:
         self.call, self.store, self.config = call, call.store, config
         self._http: httpx.AsyncClient | None = None
-        self._targets: OrderedDict[str, _Target] = OrderedDict()
+        self._targets: OrderedDict[str, Target] = OrderedDict()
         self._token_ids: dict[str, bool] = {}  # base URL -> whether it accepts return_token_ids
         self.keys = UpstreamKeys(call, config)
         self._urls: dict[tuple[str, str], httpx.URL] = {}
@@ -182,18 +103,18 @@ class Gateway:
 
     # ------------------------------------------------------------------ resolving a call
 
-    async def target(self, rollout_id: str, attempt_id: str) -> _Target:
+    async def target(self, rollout_id: str, attempt_id: str) -> Target:
         try:
             attempt = await self.call(self.store.get_attempt, attempt_id)
         except NotFound:
-            raise _Refused(404, f"attempt {attempt_id!r} not found", "not_found_error") from None
+            raise Refused(404, f"attempt {attempt_id!r} not found", "not_found_error") from None
         if attempt.rollout_id != rollout_id:
-            raise _Refused(
+            raise Refused(
                 404, f"attempt {attempt_id!r} is not part of rollout {rollout_id!r}", "not_found_error"
             )
         if attempt.status != AttemptStatus.RUNNING:
             message = f"attempt {attempt_id!r} is {attempt.status.value}, not running: it takes no more calls"
-            raise _Refused(409, message, AttemptEnded.__name__)
+            raise Refused(409, message, AttemptEnded.__name__)
         found = self._targets.get(attempt_id)
         if found is None:
             found = await self._load_target(rollout_id, attempt_id)
@@ -202,12 +123,12 @@ class Gateway:
                 self._targets.popitem(last=False)
         return found
 
-    async def _load_target(self, rollout_id: str, attempt_id: str) -> _Target:
+    async def _load_target(self, rollout_id: str, attempt_id: str) -> Target:
         rollout = await self.call(self.store.get_rollout, rollout_id)
         version = rollout.resources_version
         resources = await self.call(self.store.get_resources, version) if version is not None else None
         llms = {k: r for k, r in resources.resources.items() if isinstance(r, LLM)} if resources else {}
-        return _Target(rollout_id, attempt_id, version, llms)
+        return Target(rollout_id, attempt_id, version, llms)
 
     # ------------------------------------------------------------------ forwarding
 
@@ -219,20 +140,22 @@ class Gateway:
         except orjson.JSONDecodeError:
             body = None
         if not isinstance(body, dict):
-            return _json(openai_error("the request body must be a JSON object", "invalid_request_error"), 400)
+            return json_answer(
+                openai_error("the request body must be a JSON object", "invalid_request_error"), 400
+            )
         malformed = check_request(endpoint, body)
         if malformed is not None:
-            return _json(openai_error(malformed[0], "invalid_request_error", param=malformed[1]), 400)
+            return json_answer(openai_error(malformed[0], "invalid_request_error", param=malformed[1]), 400)
         try:
             target = await self.target(rollout_id, attempt_id)
             resource, llm = target.pick(body.get("model"))
             key = await self.keys.resolve(llm, target.resources_version)
-        except _Refused as exc:
+        except Refused as exc:
             return exc.response()
         ask_ids = self._token_ids.get(llm.base_url, True)
         payload, wants = prepare(endpoint, body, ask_ids)
-        call = _ForwardedCall(
-            target, resource, llm, endpoint, body, wants, key, started, t0, _Try.of(request, raw)
+        call = ForwardedCall(
+            target, resource, llm, endpoint, body, wants, key, started, t0, CallTry.of(request, raw)
         )
         try:
             upstream = await self._send_with_fallback(call, payload)
@@ -263,9 +186,9 @@ class Gateway:
                 upstream.status_code,
             )
         out = await self._record_success(call, full, upstream.status_code, upstream.headers)
-        return _json(out, upstream.status_code)
+        return json_answer(out, upstream.status_code)
 
-    def _upstream_request(self, call: _ForwardedCall, payload: dict[str, Any]) -> httpx.Request:
+    def _upstream_request(self, call: ForwardedCall, payload: dict[str, Any]) -> httpx.Request:
         # built directly (not client.build_request): URL parsing and header merging cost more
         # than the rest of the call; the parsed URL is cached per upstream and endpoint
         key = (call.llm.base_url, call.endpoint)
@@ -283,7 +206,7 @@ class Gateway:
             extensions={"timeout": self._timeout.as_dict()},
         )
 
-    async def _send_with_fallback(self, call: _ForwardedCall, payload: dict[str, Any]) -> httpx.Response:
+    async def _send_with_fallback(self, call: ForwardedCall, payload: dict[str, Any]) -> httpx.Response:
         response = await self._send(lambda: self._upstream_request(call, payload))
         base = call.llm.base_url
         if (
@@ -333,7 +256,7 @@ class Gateway:
             await asyncio.sleep(delay)
         raise AssertionError("unreachable")
 
-    async def _relay(self, call: _ForwardedCall, upstream: httpx.Response) -> AsyncIterator[bytes]:
+    async def _relay(self, call: ForwardedCall, upstream: httpx.Response) -> AsyncIterator[bytes]:
         """Pass a stream through chunk by chunk (stripped); record it reassembled before the
         final ``[DONE]``, so the record exists when the agent's call returns."""
         assembler = StreamAssembler(call.endpoint)
@@ -382,7 +305,7 @@ class Gateway:
 
     async def _record_stream(
         self,
-        call: _ForwardedCall,
+        call: ForwardedCall,
         upstream: httpx.Response,
         assembler: StreamAssembler,
         error: dict[str, Any] | None,
@@ -401,7 +324,7 @@ class Gateway:
 
     async def _record_success(
         self,
-        call: _ForwardedCall,
+        call: ForwardedCall,
         full: dict[str, Any],
         status: int,
         headers: httpx.Headers,
@@ -428,7 +351,7 @@ class Gateway:
         await self._record(call, data)
         return out
 
-    def _base_data(self, call: _ForwardedCall, status: int | None, response: Any) -> dict[str, Any]:
+    def _base_data(self, call: ForwardedCall, status: int | None, response: Any) -> dict[str, Any]:
         return {
             "endpoint": call.endpoint,
             "request": call.request,
@@ -448,7 +371,7 @@ class Gateway:
 
     def _error_data(
         self,
-        call: _ForwardedCall,
+        call: ForwardedCall,
         status: int | None,
         error: dict[str, Any],
         response: Any = None,
@@ -459,16 +382,16 @@ class Gateway:
         return data
 
     async def _failed(
-        self, call: _ForwardedCall, status: int, type: str, message: str, upstream_status: int | None = None
+        self, call: ForwardedCall, status: int, type: str, message: str, upstream_status: int | None = None
     ) -> Response:
         body = openai_error(call.scrub(message), type, status)
         log.warning(
             "gateway call for attempt %s failed: %s", call.target.attempt_id, body["error"]["message"]
         )
         await self._record(call, self._error_data(call, upstream_status, body))
-        return _json(body, status)
+        return json_answer(body, status)
 
-    async def _upstream_error(self, call: _ForwardedCall, upstream: httpx.Response) -> Response:
+    async def _upstream_error(self, call: ForwardedCall, upstream: httpx.Response) -> Response:
         """Pass the upstream's error on (OpenAI-style; keys scrubbed) and record it."""
         try:
             raw = call.scrub((await upstream.aread()).decode(errors="replace"))
@@ -484,9 +407,9 @@ class Gateway:
             body = openai_error(f"model server error: {message}", "upstream_error", upstream.status_code)
         log.warning("model server answered %d for attempt %s", upstream.status_code, call.target.attempt_id)
         await self._record(call, self._error_data(call, upstream.status_code, body))
-        return _json(body, upstream.status_code)
+        return json_answer(body, upstream.status_code)
 
-    async def _record(self, call: _ForwardedCall, data: dict[str, Any]) -> None:
+    async def _record(self, call: ForwardedCall, data: dict[str, Any]) -> None:
         event = EventCreate(type=EventType.LLM_CALL, timestamp=call.started, data=data)
         tried = call.try_of
         try:
@@ -509,18 +432,18 @@ class Gateway:
             target = await self.target(rollout_id, attempt_id)
             _, llm = target.pick(None)
             key = await self.keys.resolve(llm, target.resources_version)
-        except _Refused as exc:
+        except Refused as exc:
             return exc.response()
         headers = {"authorization": f"Bearer {key}"} if key else {}
         with contextlib.suppress(httpx.HTTPError, orjson.JSONDecodeError):
             answer = await self.http.get(f"{llm.base_url.rstrip('/')}/models", headers=headers, timeout=10)
             if answer.status_code == 200:
-                return _json(orjson.loads(answer.content))
+                return json_answer(orjson.loads(answer.content))
         data = [
             {"id": m, "object": "model", "created": 0, "owned_by": "agentbolt"}
             for m in dict.fromkeys(x.model for x in target.llms.values())
         ]
-        return _json({"object": "list", "data": data})
+        return json_answer({"object": "list", "data": data})
 
 
 def _backoff(attempt: int) -> float:

@@ -15,7 +15,7 @@ import pytest
 
 from agentbolt.schemas import RolloutCreate, Task
 from agentbolt.store.sql import SqlStore
-from agentbolt.store.statements import LAPSED, NEXT_QUEUED
+from agentbolt.store.statements import LAPSED, LATEST_VERSION, NEXT_QUEUED
 
 pytestmark = pytest.mark.postgres
 
@@ -115,3 +115,22 @@ def test_a_long_history_does_not_slow_the_claim_or_the_lease_sweep(pg_store: Sql
     sweep = _generic_plan(pg_store, LAPSED, (1e12, 1e12))
     assert "status = 'running'" in sweep and "Index" in sweep and "Seq Scan" not in sweep, sweep
     assert "attempts_pkey" not in sweep, sweep
+
+
+def test_the_latest_version_is_read_from_its_index_however_many_were_published(pg_store: SqlStore) -> None:
+    """Unpinned claims ask for the newest version that is not a trial: an index read, not a scan
+    of every version a long run published (trials among them)."""
+    with pg_store.db.autocommit() as tx:
+        tx.run(
+            "INSERT INTO resources (version, resources, metadata, created_at, trial) "
+            "SELECT g, '{}', '{}', 0, CASE WHEN g % 3 = 0 OR g > 4990 THEN 1 ELSE 0 END "
+            "FROM generate_series(1, 5000) g"
+        )
+        tx.run("ANALYZE resources")
+    plan = _generic_plan(pg_store, f"SELECT {LATEST_VERSION}")
+    assert "Index" in plan and "Seq Scan" not in plan and "Sort" not in plan, plan
+    latest = pg_store.latest_resources()
+    assert latest is not None and (latest.version, latest.trial) == (4990, False)
+    _enqueue(pg_store, 1)
+    claim = pg_store.dequeue("w1")
+    assert claim is not None and claim.rollout.resources_version == 4990

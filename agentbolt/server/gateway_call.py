@@ -1,0 +1,96 @@
+"""What one gateway call carries: the attempt it is for, which logical call it is a try of,
+and the refusals the gateway answers itself (see :mod:`agentbolt.server.gateway`)."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from fastapi import Request
+from fastapi.responses import Response
+
+from agentbolt.schemas import LLM
+from agentbolt.server.openai_format import Wants, openai_error
+
+__all__ = ["MAX_KEY_LENGTH", "CallTry", "ForwardedCall", "Refused", "Target", "json_answer"]
+
+MAX_KEY_LENGTH = 200  # a longer Idempotency-Key is recorded by its hash
+
+
+class Refused(Exception):
+    """A call the gateway answers itself, with an OpenAI-style error."""
+
+    def __init__(self, status: int, message: str, type: str) -> None:
+        super().__init__(message)
+        self.status, self.type = status, type
+
+    def response(self) -> Response:
+        return json_answer(openai_error(str(self), self.type, self.status), self.status)
+
+
+def json_answer(body: Any, status: int = 200) -> Response:
+    return Response(content=orjson.dumps(body), status_code=status, media_type="application/json")
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a gateway call needs to know about its attempt; fixed once the attempt exists."""
+
+    rollout_id: str
+    attempt_id: str
+    resources_version: int | None
+    llms: dict[str, LLM]
+
+    def pick(self, model: Any) -> tuple[str, LLM]:
+        """The LLM resource serving ``model``: the one whose model matches, else the first."""
+        if not self.llms:
+            raise Refused(
+                400, "this rollout's resources have no LLM resource to forward to", "invalid_request_error"
+            )
+        for name, llm in self.llms.items():
+            if llm.model == model:
+                return name, llm
+        return next(iter(self.llms.items()))
+
+
+@dataclass(frozen=True)
+class CallTry:
+    """Which logical call a request is a try of: what the agent's client said about it."""
+
+    key: str | None  # its Idempotency-Key
+    body_sha256: str
+    retry: int | None  # its x-stainless-retry-count
+
+    @classmethod
+    def of(cls, request: Request, body: bytes) -> CallTry:
+        key = request.headers.get("idempotency-key") or None
+        if key is not None and len(key) > MAX_KEY_LENGTH:
+            key = hashlib.sha256(key.encode()).hexdigest()
+        count = request.headers.get("x-stainless-retry-count", "")
+        retry = int(count) if count.isdigit() and len(count) < 6 else None
+        return cls(key, hashlib.sha256(body).hexdigest(), retry)
+
+
+@dataclass
+class ForwardedCall:
+    """One model call in flight: where it goes and what the record needs."""
+
+    target: Target
+    resource: str
+    llm: LLM
+    endpoint: str
+    request: dict[str, Any]
+    wants: Wants
+    key: str | None
+    started: float  # wall clock, the event's timestamp
+    t0: float  # perf_counter, for latency
+    try_of: CallTry
+
+    def elapsed_ms(self) -> float:
+        return round((time.perf_counter() - self.t0) * 1000, 3)
+
+    def scrub(self, text: str) -> str:
+        return text.replace(self.key, "***") if self.key else text
