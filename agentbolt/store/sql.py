@@ -51,7 +51,6 @@ from agentbolt.store.queries import Queries
 from agentbolt.store.rows import (
     ATTEMPT_COLS,
     RETURNED_ROLLOUT,
-    attempt_from_row,
     event_rows,
     keyed_event_rows,
     rollout_from_row,
@@ -59,11 +58,13 @@ from agentbolt.store.rows import (
 )
 from agentbolt.store.schema import migrate
 from agentbolt.store.statements import (
+    CLAIMED_WITH,
     EVENTS_PER_INSERT,
     LATEST_VERSION,
     NEXT_QUEUED,
     attempt_row,
     cancel_running,
+    claim_made,
     end_attempt,
     expire_lapsed,
     held,
@@ -146,21 +147,17 @@ class SqlStore(Queries):
         ts = now()
         with self._tx() as tx:
             if key is not None:
-                # repeats of one dequeue run one after another, so a repeat sees what the first
-                # one claimed (a repeat that found every row locked would answer "no work")
+                # repeats of one dequeue run one after another, so that each sees what an
+                # earlier one claimed (one that found every queued row locked by an earlier one
+                # would answer "no work" while that one claims)
                 self.db.serialize(tx, _CLAIM_LOCK, f"{worker_id}:{key}")
-                first = tx.one(
-                    f"SELECT {ATTEMPT_COLS} FROM attempts WHERE worker_id = ? AND claim_key = ?",
-                    (worker_id, key),
-                )
-                if first is not None:
-                    attempt = attempt_from_row(first)
-                    return self._as_claim(rollouts_by_id(tx, [attempt.rollout_id])[0], attempt, lease)
             if ts - self._expired_at >= EXPIRE_EVERY or ts < self._expired_at:
                 expire_lapsed(tx, ts)
                 self._expired_at = ts
             claimed = self._claim(tx, worker_id, ts, lease, key)
             touch_worker(tx, worker_id, ts, claimed=int(claimed is not None))
+            if claimed is None and key is not None:
+                claimed = claim_made(tx, worker_id, key)  # a repeat: the first one's claim
         return self._as_claim(*claimed, lease) if claimed is not None else None
 
     def _as_claim(self, rollout: Rollout, attempt: Attempt, lease: float) -> Claim:
@@ -171,14 +168,17 @@ class SqlStore(Queries):
     def _claim(
         self, tx: Tx, worker_id: str, ts: float, lease: float, key: str | None
     ) -> tuple[Rollout, Attempt] | None:
-        """Mark the oldest queued rollout running and insert its new attempt."""
+        """Mark the oldest queued rollout running and insert its new attempt; with ``key``,
+        only if this worker made no claim with that key yet (checked in the same statement: a
+        repeat costs no extra round trip until it finds nothing to claim)."""
+        unclaimed = f" AND NOT EXISTS ({CLAIMED_WITH})" if key is not None else ""
         row = tx.one(
             f"UPDATE rollouts SET status = ?, attempts = attempts + 1, last_attempt = last_attempt + 1, "
             f"resources_version = COALESCE(resources_version, {LATEST_VERSION}), "
             f"started_at = COALESCE(started_at, ?), updated_at = ? "
-            f"WHERE qseq = ({NEXT_QUEUED} {self.db.claim_lock}) "
+            f"WHERE qseq = ({NEXT_QUEUED} {self.db.claim_lock}){unclaimed} "
             f"RETURNING {RETURNED_ROLLOUT}, last_attempt",
-            (RolloutStatus.RUNNING.value, ts, ts),
+            (RolloutStatus.RUNNING.value, ts, ts) + ((worker_id, key) if key is not None else ()),
         )
         if row is None:
             return None

@@ -38,6 +38,7 @@ from agentbolt.store.rows import (
 
 __all__ = [
     "EVENTS_PER_INSERT",
+    "CLAIMED_WITH",
     "LAPSED",
     "LATEST_VERSION",
     "NEXT_QUEUED",
@@ -45,6 +46,7 @@ __all__ = [
     "RUNNING",
     "attempt_row",
     "cancel_running",
+    "claim_made",
     "end_attempt",
     "expire_lapsed",
     "held",
@@ -85,6 +87,8 @@ NEXT_QUEUED = (
     f"SELECT q.qseq FROM rollouts q WHERE q.status = {QUEUED} AND (q.resources_version IS NULL OR "
     "q.resources_version <= (SELECT MAX(version) FROM resources)) ORDER BY q.qseq LIMIT 1"
 )
+# The attempt a worker claimed with an idempotency key (parameters: worker, key).
+CLAIMED_WITH = f"SELECT {ATTEMPT_COLS} FROM attempts WHERE worker_id = ? AND claim_key = ?"
 # Running attempts whose lease lapsed or whose deadline passed (parameters: now, now).
 LAPSED = (
     f"SELECT id, lease_expires_at, deadline FROM attempts WHERE status = {RUNNING} "
@@ -154,6 +158,15 @@ def rollouts_by_id(tx: Tx, ids: Sequence[str]) -> list[Rollout]:
         for row in tx.all(f"SELECT {ROLLOUT_COLS} FROM {ROLLOUT_FROM} WHERE r.id IN ({marks})", chunk):
             found[row[0]] = rollout_from_row(row)
     return [found[i] for i in ids if i in found]
+
+
+def claim_made(tx: Tx, worker_id: str, key: str) -> tuple[Rollout, Attempt] | None:
+    """The rollout (as it stands now) and attempt that ``worker_id`` claimed with ``key``."""
+    row = tx.one(CLAIMED_WITH, (worker_id, key))
+    if row is None:
+        return None
+    attempt = attempt_from_row(row)
+    return rollouts_by_id(tx, [attempt.rollout_id])[0], attempt
 
 
 def touch_worker(tx: Tx, worker_id: str, ts: float, claimed: int) -> None:

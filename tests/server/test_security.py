@@ -224,6 +224,7 @@ SQL_FRAGMENTS = {
     "TASK_OF_ROW",
     "NEXT_QUEUED",
     "LATEST_VERSION",
+    "CLAIMED_WITH",
     # placeholders only
     "marks",
     "', '.join('?' * len(types))",
@@ -233,6 +234,7 @@ SQL_FRAGMENTS = {
     "order",  # "ASC" or "DESC"
     "column",  # from a fixed tuple of column names
     "self.db.claim_lock",  # a backend constant: "FOR UPDATE SKIP LOCKED" or ""
+    "unclaimed",  # "" or a fixed clause around CLAIMED_WITH
     # statuses and modes written as literals so the planner sees them: enum values, checked to be
     # lower-case words by sql_literal
     "QUEUED",
