@@ -4,16 +4,20 @@ OpenAI's clients retry a call that failed or timed out (twice by default), sendi
 with a growing ``x-stainless-retry-count``; other clients send an ``Idempotency-Key``. The
 gateway sees each try as a call of its own; the store keeps one record per logical call:
 
-- The record's ``call_key`` is ``key:<Idempotency-Key>`` or ``sha256:<hash of the body>``.
-- A try joins the record of its logical call: with a key, the record of that key; without one,
-  a try whose retry count is above 0 joins the latest record with the same body that lacks that
-  retry count. A try 0 (or a call without a retry count) starts a new record: two calls with the
-  same body that are not retries are two calls.
+- A try with a key joins the record of that key (``call_key`` ``key:<key>``).
+- Without a key, a try whose retry count is above 0 joins the latest record with the same body
+  (``sha256:<hash of the body>``) that lacks that retry count; when there is none (its first
+  try is still running: the client timed out) it starts a record marked as waiting for its
+  first try (``sha256:<hash>:retried``). A try 0 joins such a waiting record, else starts a new
+  one; so does a call without a retry count. Two calls with the same body that are not retries
+  are two calls.
 - The data of the latest try wins (it holds the answer the agent got), even when an earlier,
-  slow try finishes after it: a try 0 that finds a record made by its own retry joins it and
-  keeps the retry's data. The record keeps its id and the earliest try's timestamp (when the
-  logical call started, so the conversation keeps its order); ``tries`` lists the retry counts recorded and
-  ``retries`` how many tries there were beyond the first.
+  slow try finishes after it. The record keeps its id and the earliest try's timestamp (when
+  the logical call started, so the conversation keeps its order); ``tries`` lists the retry
+  counts recorded and ``retries`` how many tries there were beyond the first.
+
+Each try reads at most a few records, through the index on (attempt, call key, id): an agent
+that sends the same body a thousand times does not make each call read a thousand records.
 
 Known limit: when two calls with the same body overlap and the second one's first try is slow,
 its retry may join the first call's record (the count of records stays right).
@@ -37,6 +41,17 @@ __all__ = ["CALLS_LOCK", "record_call"]
 
 # serialize() section of the records of one attempt's calls and spans
 CALLS_LOCK = 2
+# a retry whose call has several records with its body looks this far back for its own
+_RECENT = 8
+
+
+@dataclass(frozen=True)
+class _Record:
+    """A stored ``llm_call`` event that a try may join."""
+
+    id: int
+    timestamp: float
+    data: dict[str, Any]
 
 
 def record_call(
@@ -50,50 +65,60 @@ def record_call(
 ) -> bool:
     """Record one try of a model call; True when it started a new record, False when it
     joined the record of its logical call. :class:`NotFound` when the attempt does not exist."""
-    call_key = f"key:{key}" if key is not None else f"sha256:{body_sha256}"
     db.serialize(tx, CALLS_LOCK, attempt_id)
-    rows = tx.all(
-        "SELECT id, timestamp, data FROM events WHERE attempt_id = ? AND call_key = ? ORDER BY id DESC",
-        (attempt_id, call_key),
-    )
-    records = [_Record(event_id, ts, from_json(data)) for event_id, ts, data in rows]
-    earlier = _joined(records, retry, keyed=key is not None)
+    settled = f"key:{key}" if key is not None else f"sha256:{body_sha256}"
+    earlier = _earlier_try(tx, attempt_id, settled, keyed=key is not None, retry=retry)
     if earlier is not None:
+        merged = _merged(earlier.data, event.data, retry)
+        waiting = key is None and 0 not in merged["tries"]
         tx.run(
-            "UPDATE events SET timestamp = ?, data = ? WHERE id = ?",
+            "UPDATE events SET timestamp = ?, data = ?, call_key = ? WHERE id = ?",
             (
                 min(earlier.timestamp, event.timestamp),
-                to_json(_merged(earlier.data, event.data, retry)),
+                to_json(merged),
+                f"{settled}:retried" if waiting else settled,
                 earlier.id,
             ),
         )
         return False
+    waiting = key is None and retry is not None and retry > 0
     data = {**event.data, "retries": 0, "tries": [retry or 0]}
     added = tx.run(
         "INSERT INTO events (rollout_id, attempt_id, type, timestamp, data, call_key) "
         "SELECT rollout_id, id, ?, ?, ?, ? FROM attempts WHERE id = ?",
-        (event.type, event.timestamp, to_json(data), call_key, attempt_id),
+        (
+            event.type,
+            event.timestamp,
+            to_json(data),
+            f"{settled}:retried" if waiting else settled,
+            attempt_id,
+        ),
     )
     if not added:
         raise NotFound("attempt", attempt_id)
     return True
 
 
-@dataclass(frozen=True)
-class _Record:
-    """A stored ``llm_call`` event with the try's call key."""
-
-    id: int
-    timestamp: float
-    data: dict[str, Any]
-
-
-def _joined(records: list[_Record], retry: int | None, keyed: bool) -> _Record | None:
-    """The record this try belongs to, among those with its call key (latest first); None when
-    it is a new logical call."""
-    for record in records:
-        if keyed or (retry is not None and retry not in _tries(record.data)):
-            return record
+def _earlier_try(tx: Tx, attempt_id: str, settled: str, keyed: bool, retry: int | None) -> _Record | None:
+    """The record this try joins; None when it is a new logical call."""
+    if keyed:
+        keys, limit = [settled], 1
+    elif retry is None:
+        return None  # nothing says it is a retry
+    elif retry == 0:
+        keys, limit = [f"{settled}:retried"], 1  # a record made by its retry, waiting for it
+    else:
+        keys, limit = [settled, f"{settled}:retried"], _RECENT
+    marks = ", ".join("?" * len(keys))
+    rows = tx.all(
+        f"SELECT id, timestamp, data FROM events WHERE attempt_id = ? AND call_key IN ({marks}) "
+        "ORDER BY id DESC LIMIT ?",
+        (attempt_id, *keys, limit),
+    )
+    for event_id, ts, text in rows:
+        data = from_json(text)
+        if keyed or retry not in _tries(data):
+            return _Record(event_id, ts, data)
     return None
 
 

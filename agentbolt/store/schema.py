@@ -63,9 +63,9 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             "CREATE UNIQUE INDEX resources_request_key ON resources (request_key)",
             "CREATE INDEX resources_latest ON resources (trial, version)",
             # what the server recognises a repeat of its own records by (a span's trace and span
-            # id, a model call's key or body hash); only those rows are indexed
+            # id, a model call's key or body hash); only those rows are indexed, newest last
             "ALTER TABLE events ADD COLUMN call_key TEXT",
-            "CREATE INDEX events_call_key ON events (attempt_id, call_key) WHERE call_key IS NOT NULL",
+            "CREATE INDEX events_call_key ON events (attempt_id, call_key, id) WHERE call_key IS NOT NULL",
         ],
     ),
 ]

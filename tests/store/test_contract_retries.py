@@ -388,3 +388,14 @@ def test_concurrent_tries_of_one_call_leave_one_record(store_factory) -> None:
     run_threads(3, lambda i: stores[i].record_call(aid, _call(i), None, "h", retry=i))
     [(_, data)] = _calls(store, queued.id)
     assert data == {"answer": 2, "retries": 2, "tries": [0, 1, 2]}
+
+
+def test_many_calls_with_one_body_stay_many_and_a_retry_joins_the_latest(store: SqlStore) -> None:
+    [queued] = store.enqueue(make(1))
+    aid = claim(store).attempt.id
+    for n in range(60):  # e.g. sampling one prompt again and again
+        assert store.record_call(aid, _call(n), None, "same", retry=0)
+    assert not store.record_call(aid, _call(60), None, "same", retry=1)
+    calls = [d for _, d in _calls(store, queued.id)]
+    assert len(calls) == 60 and calls[-1] == {"answer": 60, "retries": 1, "tries": [0, 1]}
+    assert all(d["retries"] == 0 for d in calls[:-1])
