@@ -269,6 +269,9 @@ class Claim(BaseModel):
     lease_seconds: float | None = Field(
         default=None, description="the lease the server granted: heartbeat well within it"
     )
+    agent_key: str | None = Field(
+        default=None, description="this attempt's own credential (None from a server that mints none)"
+    )
 
 
 class Worker(BaseModel):
