@@ -236,6 +236,37 @@ def test_cancel_ends_the_running_attempt_and_its_holder_learns_it(store: SqlStor
     assert store.list_workers()[0].running == 0  # the runner's slot is free
 
 
+def test_cancels_racing_finishes_leave_each_rollout_whole(store_factory) -> None:
+    """A cancel and a finish of the same running rollout at once (replicas, PostgreSQL row
+    locks): one of them wins the attempt and the rollout together, the other is refused; no
+    deadlock, no cancelled rollout whose attempt succeeded."""
+    first = store_factory.open()
+    rollouts = first.enqueue(make(10))
+    attempts = [claim(first, "w1").attempt for _ in rollouts]
+    stores = [store_factory.open(pool_size=1) for _ in range(20)]
+
+    def race(i: int) -> str:
+        n, store = i // 2, stores[i]
+        try:
+            if i % 2:
+                store.cancel(rollouts[n].id)
+            else:
+                store.finish_attempt(attempts[n].id, SUCCEEDED, "w1")
+        except (AttemptEnded, InvalidTransition) as exc:
+            return type(exc).__name__
+        return "won"
+
+    outcomes = run_threads(20, race)
+    for n, rollout in enumerate(rollouts):
+        status = first.get_rollout(rollout.id).status
+        attempt = first.get_attempt(attempts[n].id).status
+        finish, cancel = outcomes[2 * n], outcomes[2 * n + 1]
+        assert (status, attempt, finish, cancel) in {
+            (RolloutStatus.SUCCEEDED, AttemptStatus.SUCCEEDED, "won", "InvalidTransition"),
+            (RolloutStatus.CANCELLED, AttemptStatus.CANCELLED, "AttemptEnded", "won"),
+        }
+
+
 def test_cancel_of_a_finished_rollout_stays_a_conflict(store: SqlStore) -> None:
     done, failed = store.enqueue(make(2))
     store.finish_attempt(claim(store).attempt.id, SUCCEEDED)
