@@ -1,0 +1,96 @@
+"""GRPO for two steps on a program agent (a child process that only knows the standard
+variables), with the tiny random model: server, runner, gateway, engine and trainer for real.
+The update must change the weights the engine serves, and the runs after it must be sampled
+from them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+from agentbolt import LitAgent, Task, Trainer
+from agentbolt.algorithms.grpo import GRPO
+from agentbolt.client import Client
+from agentbolt.engine import tiny_model_dir
+from agentbolt.schemas import LLM, ModelWeights, RolloutStatus
+from agentbolt.server import ServerConfig, ServerThread
+
+PROGRAM = [sys.executable, str(Path(__file__).parent / "vowel_program.py")]
+
+
+class RunProgram(LitAgent):
+    """Runs ``PROGRAM`` once per rollout with what a program agent is given: the attempt's
+    gateway and key in the standard variables, the task in a file, a result file for its
+    reward."""
+
+    async def execute_rollout(self, task: Task) -> float:
+        import tempfile
+
+        llm: LLM = self.get_resource("llm")
+        with tempfile.TemporaryDirectory() as folder:
+            task_file, result_file = Path(folder) / "task.json", Path(folder) / "result.json"
+            task_file.write_text(json.dumps(task.data))
+            env = {
+                "PATH": os.environ["PATH"],
+                "OPENAI_BASE_URL": llm.base_url,
+                "OPENAI_API_KEY": llm.api_key or "",
+                "OPENAI_MODEL": llm.model,
+                "AGENTBOLT_TASK_FILE": str(task_file),
+                "AGENTBOLT_RESULT_FILE": str(result_file),
+            }
+            child = await asyncio.create_subprocess_exec(*PROGRAM, env=env, cwd=folder)
+            assert await asyncio.wait_for(child.wait(), 120) == 0
+            return float(json.loads(result_file.read_text())["reward"])
+
+
+def test_grpo_two_steps_on_a_program_agent_changes_the_served_weights(tmp_path):
+    model = str(tiny_model_dir(tmp_path / "tiny"))
+    algo = GRPO(
+        model=model,
+        steps=2,
+        tasks_per_step=2,
+        group_size=4,
+        lr=1e-3,
+        val_every=0,
+        checkpoint_every=0,
+        engine_dtype="float32",
+        bf16=False,
+        step_timeout=120,
+        plot=False,
+    )
+    train = [{"id": f"t{i}", "q": f"say something {i}"} for i in range(4)]
+    config = ServerConfig(db=str(tmp_path / "store.db"))
+    with ServerThread(config) as server, Client(server.url) as client:
+        result = Trainer(
+            algo, n_runners=1, runner_concurrency=8, server_url=server.url, run_dir=tmp_path / "run"
+        ).fit(RunProgram(), train)
+        steps = [h for h in result.history if h["step"] > 0]
+        assert [h["step"] for h in steps] == [1, 2]
+        assert all(h["rollouts"] == 8 and h["failed"] == 0 for h in steps), steps
+        assert all(h["train_tokens"] > 0 for h in steps), steps  # both steps updated the policy
+
+        versions = sorted(client.pages(client.list_resources), key=lambda v: v.version)
+        weights = [v.resources["policy_weights"] for v in versions if "policy_weights" in v.resources]
+        assert all(isinstance(w, ModelWeights) for w in weights)
+        # step 0 publishes the base weights, each update the engine's next weight version
+        assert [w.metadata["step"] for w in weights] == [0, 1, 2]
+        paths = [w.path for w in weights]  # engine://<name>@<the engine's weight version>
+        assert len(set(paths)) == 3 and all(p.startswith("engine://") for p in paths), paths
+
+        rollouts = list(client.pages(client.list_rollouts, limit=100))
+        assert len(rollouts) == 16 and all(r.status == RolloutStatus.SUCCEEDED for r in rollouts)
+        served: dict[int, set[str]] = {}
+        for rollout in rollouts:
+            calls = [e.data for e in client.all_events(rollout.id) if e.type == "llm_call"]
+            assert len(calls) == 1, calls
+            [call] = calls
+            assert call["prompt_token_ids"] and call["choices"][0]["token_ids"]
+            assert call["resources_version"] == rollout.resources_version
+            served.setdefault(rollout.resources_version, set()).add(str(call["model_version"]))
+        # step 1 sampled the base weights, step 2 those its update swapped into the engine
+        assert len(served) == 2 and all(len(v) == 1 for v in served.values()), served
+        first, second = (served[k] for k in sorted(served))
+        assert first != second, served
