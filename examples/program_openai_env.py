@@ -67,9 +67,7 @@ def read_task(argv: list[str]) -> dict[str, Any]:
     task: dict[str, Any] = {}
     if path:
         with open(path, encoding="utf-8") as f:
-            task = json.load(f)
-        # the file may hold the task's data alone or the task with its data under "data"
-        task = task["data"] if isinstance(task.get("data"), dict) else task
+            task = json.load(f)  # the task's fields: {"question": ..., "answer": ...}
     if argv:
         task["question"] = " ".join(argv)
     if not task.get("question"):

@@ -46,9 +46,7 @@ function readTask(argv) {
   let task = {};
   const path = process.env.AGENTBOLT_TASK_FILE;
   if (path) {
-    task = JSON.parse(readFileSync(path, "utf8"));
-    // the file may hold the task's data alone or the task with its data under "data"
-    if (task.data && typeof task.data === "object") task = task.data;
+    task = JSON.parse(readFileSync(path, "utf8")); // the task's fields: {question, answer}
   }
   if (argv.length) task.question = argv.join(" ");
   if (!task.question) {

@@ -9,7 +9,6 @@ import openai
 
 with open(os.environ["AGENTBOLT_TASK_FILE"], encoding="utf-8") as f:
     task = json.load(f)
-task = task["data"] if isinstance(task.get("data"), dict) else task
 reply = openai.OpenAI(max_retries=0).chat.completions.create(
     model=os.environ["OPENAI_MODEL"],
     messages=[{"role": "user", "content": task["q"]}],
