@@ -3,13 +3,16 @@ the one way a command reports a problem (a plain message and an exit code, never
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from agentbolt.console import make_console
+from agentbolt.schemas import Task
 
-__all__ = ["DEFAULT_SERVER", "ServerOpt", "TokenOpt", "console", "err_console", "fail"]
+__all__ = ["DEFAULT_SERVER", "ServerOpt", "TokenOpt", "console", "err_console", "fail", "load_tasks"]
 
 console = make_console()
 err_console = make_console(stderr=True)
@@ -23,3 +26,21 @@ def fail(message: str, code: int = 2) -> typer.Exit:
     """Print ``message`` as an error and return the ``typer.Exit`` to raise."""
     err_console.print(f"[bold red]error:[/] {message}")
     return typer.Exit(code)
+
+
+def load_tasks(path: Path) -> list[Task]:
+    """Tasks from a JSON list or JSON-lines file; each item is task data (``id`` optional)."""
+    if not path.exists():
+        raise fail(f"task file {path} does not exist")
+    text = path.read_text()
+    try:
+        items = (
+            json.loads(text)
+            if text.lstrip().startswith("[")
+            else [json.loads(x) for x in text.splitlines() if x.strip()]
+        )
+    except json.JSONDecodeError as exc:
+        raise fail(f"{path}: not JSON or JSON lines ({exc})") from None
+    if not all(isinstance(i, dict) for i in items):
+        raise fail(f"{path}: every task must be a JSON object")
+    return [Task.of(i) for i in items]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -14,13 +13,14 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from agentbolt.cli.common import DEFAULT_SERVER, ServerOpt, TokenOpt, console, err_console, fail
+from agentbolt.cli.common import DEFAULT_SERVER, ServerOpt, TokenOpt, console, err_console, load_tasks
 from agentbolt.cli.demo import demo_command
 from agentbolt.cli.export import export_app
+from agentbolt.cli.train import train_app
 from agentbolt.engine.cli import model_app
-from agentbolt.errors import AgentboltError, MissingExtra
+from agentbolt.errors import AgentboltError, ConfigError, MissingExtra
 from agentbolt.extras import needs_extra
-from agentbolt.schemas import Mode, RolloutStatus, Task
+from agentbolt.schemas import Mode, RolloutStatus
 
 app = typer.Typer(help="Train any AI agent from its real runs.", no_args_is_help=True, add_completion=False)
 rollouts_app = typer.Typer(help="Inspect rollouts stored on a server.", no_args_is_help=True)
@@ -28,24 +28,7 @@ app.add_typer(rollouts_app, name="rollouts")
 app.add_typer(model_app, name="model")
 app.add_typer(export_app, name="export")
 app.command("demo")(demo_command)
-
-
-def _load_tasks(path: Path) -> list[Task]:
-    """Tasks from a JSON list or JSON-lines file; each item is task data (``id`` optional)."""
-    if not path.exists():
-        raise fail(f"task file {path} does not exist")
-    text = path.read_text()
-    try:
-        items = (
-            json.loads(text)
-            if text.lstrip().startswith("[")
-            else [json.loads(x) for x in text.splitlines() if x.strip()]
-        )
-    except json.JSONDecodeError as exc:
-        raise fail(f"{path}: not JSON or JSON lines ({exc})") from None
-    if not all(isinstance(i, dict) for i in items):
-        raise fail(f"{path}: every task must be a JSON object")
-    return [Task.of(i) for i in items]
+app.add_typer(train_app, name="train")
 
 
 def _without_password(url: str) -> str:
@@ -86,9 +69,69 @@ def server(
     serve(config, log_level, on_ready=lambda: console.print(banner))
 
 
+def _program(
+    command: str,
+    stdin: bool,
+    env: list[str],
+    timeout: float | None,
+    scorer: str | None,
+    scorer_command: str | None,
+    reward_later: bool,
+    output_limit: int,
+) -> Any:
+    """The Program that ``agentbolt runner --command`` runs."""
+    from agentbolt.runner.program import Program
+    from agentbolt.runner.worker import load_object
+
+    variables = {}
+    for item in env:
+        name, sep, template = item.partition("=")
+        if not sep or not name:
+            raise ConfigError(f"--env {item!r} must look like NAME=TEMPLATE, e.g. QUESTION={{question}}")
+        variables[name] = template
+    if scorer is not None and scorer_command is not None:
+        raise ConfigError("give one of --scorer module:fn and --scorer-command '...', not both")
+    return Program(
+        command,
+        stdin=stdin,
+        env=variables,
+        timeout=timeout,
+        scorer=load_object(scorer, "scorer") if scorer else None,
+        scorer_command=scorer_command,
+        reward_later=reward_later,
+        output_limit=output_limit,
+    )
+
+
 @app.command()
 def runner(
-    agent: Annotated[str, typer.Option("--agent", "-a", help="module:object or file.py:object.")],
+    agent: Annotated[
+        str | None, typer.Option("--agent", "-a", help="module:object or file.py:object.")
+    ] = None,
+    command: Annotated[
+        str | None,
+        typer.Option(help="Run this program per rollout instead: an argv template, {field} from the task."),
+    ] = None,
+    stdin: Annotated[bool, typer.Option("--stdin", help="Also write the task as JSON to its stdin.")] = False,
+    env: Annotated[
+        list[str] | None,
+        typer.Option("--env", help="NAME=TEMPLATE: a variable from task fields (repeatable)."),
+    ] = None,
+    timeout: Annotated[
+        float | None, typer.Option(min=0.001, help="Seconds before the program's process group is killed.")
+    ] = None,
+    scorer: Annotated[
+        str | None, typer.Option(help="module:fn scoring a program's run (sees task, output, model calls).")
+    ] = None,
+    scorer_command: Annotated[
+        str | None, typer.Option(help="A command that reads the run as JSON on stdin and prints a reward.")
+    ] = None,
+    reward_later: Annotated[
+        bool, typer.Option("--reward-later", help="A program run without a reward succeeds.")
+    ] = False,
+    output_limit: Annotated[
+        int, typer.Option(min=1, help="Bytes of a program's stdout and of its stderr recorded.")
+    ] = 64 * 1024,
     server: ServerOpt = DEFAULT_SERVER,
     token: TokenOpt = None,
     concurrency: Annotated[int, typer.Option("--concurrency", "-n", min=1, help="Rollouts at a time.")] = 1,
@@ -98,12 +141,18 @@ def runner(
         bool, typer.Option(help="Export OpenTelemetry spans of each rollout to the server.")
     ] = False,
 ) -> None:
-    """Run an agent on queued rollouts until stopped (Ctrl-C finishes or releases running ones)."""
+    """Run an agent (--agent) or a program (--command) on queued rollouts until stopped
+    (Ctrl-C finishes or releases running ones)."""
     from agentbolt.runner.worker import Runner, load_agent
 
+    if (agent is None) == (command is None):
+        raise ConfigError(
+            "give the agent as exactly one of --agent module:object or --command '<argv template>'"
+        )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     sys.path.insert(0, os.getcwd())
-    loaded = load_agent(agent)
+    options = (stdin, env or [], timeout, scorer, scorer_command, reward_later, output_limit)
+    loaded = load_agent(agent) if agent is not None else _program(command or "", *options)
     worker = Runner(
         loaded,
         server,
@@ -145,7 +194,7 @@ def eval_(
     loaded = load_agent(agent)
     resources: dict[str, Any] | None = {"system_prompt": PromptTemplate(template=prompt)} if prompt else None
     trainer = Trainer(Evaluate(), n_runners=runners, server_url=server, token=token, resources=resources)
-    trainer.fit(loaded, val_tasks=_load_tasks(tasks))
+    trainer.fit(loaded, val_tasks=load_tasks(tasks))
 
 
 @rollouts_app.command("list")

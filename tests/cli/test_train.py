@@ -1,0 +1,222 @@
+"""``agentbolt train``: options generated from the algorithm dataclasses and Trainer's parameters,
+config files (TOML, YAML) under flags, one clear message for each bad config, and real runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from agentbolt.cli.main import app
+from agentbolt.cli.options import dataclass_schema
+from agentbolt.cli.train import ALGORITHMS, _algorithm_command, _settings, algorithm_class, trainer_schema
+from agentbolt.trainer import Trainer
+
+AGENTS = str(Path(__file__).parents[1] / "sample_agents.py")
+ROOT = Path(__file__).parents[2]
+
+
+def cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "COLUMNS": "400", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "agentbolt", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+
+
+def _expected_keys(cls: type) -> set[str]:
+    """Every init field of ``cls``; a dataclass-typed field as its own fields, dotted."""
+    keys = set()
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            keys |= {f"{f.name}.{g.name}" for g in dataclasses.fields(default)}
+        elif f.init:
+            keys.add(f.name)
+    return keys
+
+
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+def test_the_generated_options_are_the_dataclass_fields(name: str) -> None:
+    cls = algorithm_class(name)
+    schema = dataclass_schema(cls)
+    assert set(schema.settings) | set(schema.python_only) == _expected_keys(cls)
+    assert schema.python_only == (("policy",) if name == "sft" else ())
+    defaults = cls()
+    for key, setting in schema.settings.items():
+        parent, _, inner = key.rpartition(".")
+        value = getattr(getattr(defaults, parent), inner) if parent else getattr(defaults, key)
+        assert setting.default == value, key
+    params = _algorithm_command(name).params
+    flags = {opt for p in params for opt in p.opts}
+    assert {s.flag for s in schema.settings.values()} <= flags
+    negations = {opt for p in params for opt in p.secondary_opts}
+    assert negations == {"--no-" + s.flag[2:] for s in schema.settings.values() if s.is_bool}
+
+
+def test_the_trainer_options_are_its_parameters() -> None:
+    schema = trainer_schema()
+    params = set(inspect.signature(Trainer.__init__).parameters) - {"self", "algorithm"}
+    assert set(schema.settings) | set(schema.python_only) == params
+    assert schema.python_only == ("console",)
+    for key, setting in schema.settings.items():
+        assert setting.default == inspect.signature(Trainer.__init__).parameters[key].default
+    flags = {opt for p in _algorithm_command("evaluate").params for opt in p.opts}
+    assert {"--n-runners", "--runners", "--server-url", "--server", "--run-dir"} <= flags
+
+
+def test_grpo_help_lists_every_field_with_its_default_and_docstring() -> None:
+    done = cli("train", "grpo", "--help")
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    for setting in dataclass_schema(algorithm_class("grpo")).settings.values():
+        assert setting.flag in out, setting.key
+    assert (
+        "Weight of the k3 KL penalty to the initial policy (0: off, no reference pass). [default: 0.0]" in out
+    )
+    assert "--lora" in out and "--no-lora" in out and "[default: true]" in out
+    assert '[default: {"temperature": 1.0}]' in out
+    assert "--runners" in out and "Trainer options" in out
+
+
+def test_flags_override_the_config_file(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text("max_len = 64\nrounds = 5\n[train]\nlr = 0.5\nlora = false\n[trainer]\nn_runners = 3\n")
+    schema, trainer = dataclass_schema(algorithm_class("sft")), trainer_schema()
+    params = {"config": config, "rounds": "2", "train__lr": None, "trainer__n_runners": "4"}
+    params |= {k: params.get(k) for k in [s.dest for s in schema.settings.values()] if k not in params}
+    params |= {f"trainer__{s.dest}": params.get(f"trainer__{s.dest}") for s in trainer.settings.values()}
+    algo, train_values = _settings(schema, trainer, params)
+    assert algo == {"max_len": 64, "rounds": 2, "train.lr": 0.5, "train.lora": False}
+    assert train_values == {"n_runners": 4}
+    sft = algorithm_class("sft")(**schema.kwargs(algo))
+    # the nested table starts from SFT's own default TrainConfig, not TrainConfig()
+    assert (sft.train.lr, sft.train.lora, sft.train.lora_r, sft.rounds) == (0.5, False, 16, 2)
+
+
+def _bad(tmp_path: Path, *args: str, config: str | None = None, suffix: str = ".toml") -> str:
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"q": "x"}\n')
+    extra = ["--val", str(tasks), "--agent", f"{AGENTS}:echo"]
+    if config is not None:
+        path = tmp_path / f"config{suffix}"
+        path.write_text(config)
+        extra += ["--config", str(path)]
+    result = CliRunner().invoke(app, ["train", *args, *extra])
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert "Traceback" not in result.output
+    # one message (rich may wrap it over lines at the test terminal's 80 columns)
+    message = " ".join(x.strip() for x in result.output.splitlines() if x.strip())
+    assert message.startswith("error: ") and message.count("error:") == 1, result.output
+    return message
+
+
+def test_an_unknown_key_is_named_with_the_close_ones(tmp_path: Path) -> None:
+    line = _bad(tmp_path, "grpo", config="stepz = 3\n")
+    assert "unknown key 'stepz'" in line and "did you mean steps" in line
+
+
+def test_an_unknown_trainer_key_is_named(tmp_path: Path) -> None:
+    assert "unknown key 'runners'" in _bad(tmp_path, "evaluate", config="[trainer]\nrunners = 2\n")
+
+
+def test_a_wrong_type_names_the_key(tmp_path: Path) -> None:
+    line = _bad(tmp_path, "grpo", config='steps = "many"\n')
+    assert line.startswith("error: steps:") and "integer" in line
+
+
+def test_a_wrong_type_in_a_nested_table_names_the_dotted_key(tmp_path: Path) -> None:
+    assert "train.lr:" in _bad(tmp_path, "sft", config='[train]\nlr = "fast"\n')
+
+
+def test_a_wrong_flag_value_names_the_key(tmp_path: Path) -> None:
+    assert "steps:" in _bad(tmp_path, "grpo", "--steps", "ten")
+    assert "sampling: expected JSON" in _bad(tmp_path, "grpo", "--sampling", "{temperature")
+
+
+def test_a_bad_file_is_one_message(tmp_path: Path) -> None:
+    assert "not valid TOML" in _bad(tmp_path, "evaluate", config="timeout = = 3\n")
+    assert "not valid YAML" in _bad(tmp_path, "evaluate", config="timeout: [3\n", suffix=".yaml")
+    assert "unknown config format '.ini'" in _bad(tmp_path, "evaluate", config="", suffix=".ini")
+    assert "must be a table" in _bad(tmp_path, "evaluate", config="- 1\n", suffix=".yml")
+    missing = CliRunner().invoke(app, ["train", "evaluate", "--config", str(tmp_path / "none.toml")])
+    assert missing.exit_code == 2 and "does not exist" in missing.output
+
+
+def test_an_unknown_algorithm_is_one_message(tmp_path: Path) -> None:
+    assert _bad(tmp_path, "ppo") == "error: unknown algorithm 'ppo': choose one of evaluate, apo, sft, grpo"
+
+
+def test_the_agent_is_given_once(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["train", "evaluate", "--val", str(tmp_path)])
+    assert result.exit_code == 2 and "exactly one of --agent" in result.output
+
+
+def test_a_yaml_config_runs_an_evaluation_end_to_end(tmp_path: Path) -> None:
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"id": "a", "q": "x", "reward": 0.5}\n{"id": "b", "q": "y", "reward": 1.0}\n')
+    (tmp_path / "c.yaml").write_text("timeout: 120\ntrainer:\n  n_runners: 1\n")
+    run_dir = tmp_path / "run"
+    args = ["--agent", f"{AGENTS}:echo", "--val", str(tasks), "--config", "c.yaml", "--run-dir", str(run_dir)]
+    done = cli("train", "evaluate", *args, cwd=tmp_path, timeout=180)
+    assert done.returncode == 0, done.stderr
+    # what Evaluate prints: its summary table (2 rollouts, both succeeded, mean 0.750)
+    [row] = [line for line in done.stdout.splitlines() if "│ val" in line]
+    cells = [cell.strip() for cell in row.split("│")]
+    assert cells[1:6] == ["val", "2", "2", "0", "0.750"], done.stdout
+    assert (run_dir / "agentbolt.db").exists()
+
+
+GRPO_AGENT = """
+import openai
+from agentbolt import LitAgent
+
+
+class Vowels(LitAgent):
+    async def execute_rollout(self, task):
+        llm = self.get_resource("llm")
+        async with openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key or "x", max_retries=0) as c:
+            r = await c.chat.completions.create(
+                model=llm.model, messages=[{"role": "user", "content": task.data["q"]}], max_tokens=8
+            )
+        letters = [ch for ch in (r.choices[0].message.content or "").lower() if ch.isalpha()]
+        return letters.count("a") / len(letters) if letters else 0.0
+
+
+agent = Vowels()
+"""
+
+
+def test_grpo_runs_one_step_on_the_tiny_model_from_a_config_file(tmp_path: Path) -> None:
+    from agentbolt.engine import tiny_model_dir
+
+    tiny = tiny_model_dir(tmp_path / "tiny")
+    (tmp_path / "vowels.py").write_text(textwrap.dedent(GRPO_AGENT))
+    tasks = tmp_path / "train.json"
+    tasks.write_text(json.dumps([{"id": f"t{i}", "q": f"say {i}"} for i in range(2)]))
+    config = f"""
+        model = "{tiny}"
+        steps = 1
+        tasks_per_step = 2
+        group_size = 2
+        engine_dtype = "float32"
+        bf16 = false
+        plot = false
+        step_timeout = 120
+        [trainer]
+        runner_concurrency = 4
+    """
+    (tmp_path / "grpo.toml").write_text(textwrap.dedent(config))
+    run_dir = tmp_path / "run"
+    args = ["--agent", "vowels.py:agent", "--train", str(tasks), "--config", "grpo.toml"]
+    done = cli("train", "grpo", *args, "--run-dir", str(run_dir), "--lr", "0.001", cwd=tmp_path, timeout=400)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "GRPO step 1" in done.stdout, done.stdout
+    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [0, 1]
