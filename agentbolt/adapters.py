@@ -69,7 +69,9 @@ class AdapterStats:
     calls: int = 0
     """``llm_call`` events seen."""
     skipped_no_ids: int = 0
-    """Calls left out because the upstream returned no prompt or completion token ids."""
+    """Calls left out because the upstream returned no prompt or completion token ids: those the
+    gateway recorded text-only (``token_ids: false``, an upstream that rejects
+    ``return_token_ids``) still serve APO and SFT from text."""
     skipped_failed: int = 0
     """Calls left out because they carry an ``error`` or no choices."""
     prefix_mismatches: int = 0

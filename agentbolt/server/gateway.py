@@ -15,8 +15,10 @@ Choices worth knowing:
   they are scrubbed from upstream error messages before those are recorded or returned.
 - Retries (with backoff) only where the upstream cannot have started work: connection failures,
   and 429/502/503 answers. A read timeout or a broken stream is reported, not retried.
-- An upstream that rejects ``return_token_ids`` (400 naming it) is asked again without it and
-  remembered; its calls are recorded with ``token_ids: null``.
+- An upstream that rejects ``return_token_ids`` or ``logprobs`` the gateway added (a 400 naming
+  it) is asked again without just that one, and that is remembered per upstream; an extra the
+  agent asked for itself is never dropped (its 400 goes back to the agent). A call answered
+  without ids is recorded text-only: ``token_ids: false`` in its data.
 - A call the agent's client retried is one record: a try with the same ``Idempotency-Key``, or
   with ``x-stainless-retry-count`` above 0 and the same body as an earlier call of the attempt,
   joins that call's record (:mod:`agentbolt.store.calls`).
@@ -32,8 +34,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
+import re
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -71,6 +75,12 @@ log = logging.getLogger("agentbolt.gateway")
 RETRY_STATUSES = (429, 502, 503)
 MAX_TRIES = 4
 _PATHS = {CHAT: "chat/completions", COMPLETIONS: "completions"}
+# What the gateway adds to a request and may drop again when an upstream rejects it by name
+# (a whole word: "top_logprobs" does not name "logprobs").
+_EXTRAS = {
+    name: re.compile(rf"(?<![A-Za-z0-9_]){name}(?![A-Za-z0-9_])".encode())
+    for name in ("return_token_ids", "logprobs")
+}
 
 
 class Gateway:
@@ -78,7 +88,7 @@ class Gateway:
         self.call, self.store, self.config = call, call.store, config
         self._http: httpx.AsyncClient | None = None
         self._targets: OrderedDict[str, Target] = OrderedDict()
-        self._token_ids: dict[str, bool] = {}  # base URL -> whether it accepts return_token_ids
+        self._rejected: dict[str, frozenset[str]] = {}  # base URL -> the extras it rejects
         self.keys = UpstreamKeys(call, config)
         self._urls: dict[tuple[str, str], httpx.URL] = {}
         # plain-http upstreams (model servers on the cluster network), as many calls at once as
@@ -152,8 +162,10 @@ class Gateway:
             key = await self.keys.resolve(llm, target.resources_version)
         except Refused as exc:
             return exc.response()
-        ask_ids = self._token_ids.get(llm.base_url, True)
-        payload, wants = prepare(endpoint, body, ask_ids)
+        rejected = self._rejected.get(llm.base_url, frozenset())
+        payload, wants = prepare(
+            endpoint, body, "return_token_ids" not in rejected, "logprobs" not in rejected
+        )
         call = ForwardedCall(
             target, resource, llm, endpoint, body, wants, key, started, t0, CallTry.of(request, raw)
         )
@@ -207,24 +219,33 @@ class Gateway:
         )
 
     async def _send_with_fallback(self, call: ForwardedCall, payload: dict[str, Any]) -> httpx.Response:
-        response = await self._send(lambda: self._upstream_request(call, payload))
-        base = call.llm.base_url
-        if (
-            response.status_code in (400, 422)
-            and "return_token_ids" in payload
-            and base not in self._token_ids
-        ):
-            text = await response.aread()
-            if b"return_token_ids" not in text:
+        """Send; where the upstream's 400 names extras the gateway added, send again without
+        them (each at most once) and remember them for this upstream."""
+        for _ in range(len(_EXTRAS) + 1):
+            response = await self._send(functools.partial(self._upstream_request, call, payload))
+            named = await self._rejected_extras(call, payload, response)
+            if not named:
                 return response
             await response.aclose()
-            log.info("model server %s does not accept return_token_ids; its calls get no token ids", base)
-            self._token_ids[base] = False
-            payload = {k: v for k, v in payload.items() if k != "return_token_ids"}
-            response = await self._send(lambda: self._upstream_request(call, payload))
-        elif response.status_code < 400 and "return_token_ids" in payload:
-            self._token_ids[base] = True
+            base = call.llm.base_url
+            log.info("model server %s rejects %s; its calls are recorded text-only", base, ", ".join(named))
+            self._rejected[base] = self._rejected.get(base, frozenset()) | named
+            payload = {k: v for k, v in payload.items() if k not in named}
         return response
+
+    @staticmethod
+    async def _rejected_extras(
+        call: ForwardedCall, payload: dict[str, Any], response: httpx.Response
+    ) -> frozenset[str]:
+        """The extras the gateway added that this error names; none for any other answer, and
+        none for what the agent asked for itself (its own bad request is never altered)."""
+        if response.status_code not in (400, 422):
+            return frozenset()
+        added = [n for n in _EXTRAS if n in payload and call.request.get(n) != payload[n]]
+        if not added:
+            return frozenset()
+        text = await response.aread()
+        return frozenset(n for n in added if _EXTRAS[n].search(text))
 
     async def _dispatch(self, request: httpx.Request) -> httpx.Response:
         """Plain-http upstreams: straight to the lean transport (the client's cookie, auth and
@@ -348,6 +369,8 @@ class Gateway:
         )
         if mixed:
             data["model_version_mixed"] = True
+        # text-only (the upstream gave no ids): counted, usable from text, skipped by token trainers
+        data["token_ids"] = prompt_ids is not None and all(c.get("token_ids") is not None for c in choices)
         await self._record(call, data)
         return out
 

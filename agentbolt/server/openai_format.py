@@ -155,8 +155,11 @@ REQUEST_SCHEMAS: dict[str, dict[str, Any]] = {
 }
 
 
-def prepare(endpoint: str, body: dict[str, Any], ask_token_ids: bool) -> tuple[dict[str, Any], Wants]:
-    """The body to send upstream (the agent's, plus requests for ids, logprobs and usage)."""
+def prepare(
+    endpoint: str, body: dict[str, Any], ask_token_ids: bool, ask_logprobs: bool = True
+) -> tuple[dict[str, Any], Wants]:
+    """The body to send upstream (the agent's, plus requests for ids, logprobs and usage);
+    ``ask_*`` False: the upstream is known to reject that extra."""
     stream = bool(body.get("stream"))
     options = body.get("stream_options") or {}
     wants = Wants(
@@ -167,7 +170,7 @@ def prepare(endpoint: str, body: dict[str, Any], ask_token_ids: bool) -> tuple[d
     upstream = dict(body)
     if ask_token_ids:
         upstream["return_token_ids"] = True
-    if not wants.logprobs:
+    if not wants.logprobs and ask_logprobs:
         upstream["logprobs"] = True if endpoint == CHAT else 1
     if stream and not wants.usage:
         upstream["stream_options"] = {**options, "include_usage": True}

@@ -361,6 +361,53 @@ def test_upstream_without_token_ids_is_asked_again_and_remembered(rig, upstream)
     events = rig.llm_calls(claim.rollout.id)
     assert len(events) == 2 and all(e.data["prompt_token_ids"] is None for e in events)
     assert all(e.data["choices"][0]["token_ids"] is None and e.data["choices"][0]["logprobs"] for e in events)
+    assert all(e.data["token_ids"] is False for e in events)
+
+
+def test_upstream_rejecting_logprobs_loses_only_logprobs(rig, upstream):
+    upstream.strict = {"logprobs"}
+    claim = rig.claim()
+    client = _openai(claim)
+    for _ in range(2):
+        assert client.chat.completions.create(model="double", messages=MESSAGES).choices[0].message.content
+    sent = [c.body for c in upstream.calls]
+    assert [("logprobs" in b, "return_token_ids" in b) for b in sent] == [
+        (True, True),
+        (False, True),
+        (False, True),
+    ]
+    events = rig.llm_calls(claim.rollout.id)
+    assert len(events) == 2
+    for event in events:
+        assert event.data["token_ids"] is True and event.data["prompt_token_ids"]
+        assert event.data["choices"][0]["token_ids"] and event.data["choices"][0]["logprobs"] is None
+
+
+def test_upstream_rejecting_both_extras_drops_each_once(rig, upstream):
+    upstream.strict = {"logprobs", "return_token_ids"}
+    claim = rig.claim()
+    client = _openai(claim)
+    for _ in range(2):
+        assert client.chat.completions.create(model="double", messages=MESSAGES).choices[0].message.content
+    sent = [sorted(k for k in ("logprobs", "return_token_ids") if k in c.body) for c in upstream.calls]
+    assert sent == [["logprobs", "return_token_ids"], ["return_token_ids"], [], []]
+    events = rig.llm_calls(claim.rollout.id)
+    assert [e.data["token_ids"] for e in events] == [False, False]
+    assert all(e.data["error"] is None and e.data["choices"][0]["message"]["content"] for e in events)
+
+
+def test_agents_own_rejected_logprobs_is_never_retried_altered(rig, upstream):
+    upstream.strict = {"logprobs"}
+    claim = rig.claim()
+    with pytest.raises(openai.BadRequestError) as info:
+        _openai(claim).chat.completions.create(model="double", messages=MESSAGES, logprobs=True)
+    assert "logprobs" in str(info.value)
+    assert len(upstream.calls) == 1 and upstream.calls[0].body["logprobs"] is True
+    [event] = rig.llm_calls(claim.rollout.id)
+    assert event.data["upstream_status"] == 400
+    # a later call that leaves logprobs to the gateway still gets the fallback
+    assert _openai(claim).chat.completions.create(model="double", messages=MESSAGES).choices
+    assert "logprobs" not in upstream.calls[-1].body
 
 
 def test_keys_from_config_and_redaction_everywhere(tmp_path, upstream, caplog):

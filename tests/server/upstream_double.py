@@ -9,7 +9,8 @@ the same answer streamed or not.
 
 Knobs for tests: ``fail_next`` (statuses to answer the next calls with), ``delay`` (seconds
 every call waits), ``delay_next`` (seconds the next calls wait, one each), ``strict`` (reject
-``return_token_ids`` as OpenAI does), ``model_version`` (sent as ``x-model-version``), models
+``return_token_ids`` as OpenAI does; or a set of the parameters to reject, each with a 400 naming
+it), ``model_version`` (sent as ``x-model-version``), models
 named ``error-500`` (a 500 that echoes the caller's Authorization header, to test scrubbing)
 and ``broken-stream`` (a stream cut off mid-way). ``calls`` holds what each request carried.
 """
@@ -140,7 +141,7 @@ class UpstreamDouble:
     def __init__(self) -> None:
         self.calls: list[Seen] = []
         self.fail_next: list[int] = []
-        self.strict = False
+        self.strict: bool | set[str] = False
         self.model_version: str | None = "7"
         self.delay = 0.0
         self.delay_next: list[float] = []
@@ -207,9 +208,11 @@ class UpstreamDouble:
         if self.fail_next:
             status = self.fail_next.pop(0)
             return JSONResponse({"error": {"message": f"injected {status}", "type": "server_error"}}, status)
-        if self.strict and "return_token_ids" in body:
-            message = "Unrecognized request argument supplied: return_token_ids"
-            return JSONResponse({"error": {"message": message, "type": "invalid_request_error"}}, 400)
+        rejected = self._rejected(body)
+        if rejected is not None:
+            message = f"Unrecognized request argument supplied: {rejected}"
+            error = {"message": message, "type": "invalid_request_error", "param": rejected}
+            return JSONResponse({"error": error}, 400)
         if body.get("model") == "error-500":
             auth = request.headers.get("authorization", "")
             return JSONResponse(
@@ -232,6 +235,11 @@ class UpstreamDouble:
             else self._completion_body(body, prompt_ids, choices)
         )
         return JSONResponse(full, headers=headers)
+
+    def _rejected(self, body: dict[str, Any]) -> str | None:
+        """The first parameter of the request that ``strict`` makes this double reject."""
+        names = {"return_token_ids"} if self.strict is True else set(self.strict or ())
+        return next((n for n in sorted(names) if n in body), None)
 
     @staticmethod
     async def _sse(chunks: list[dict[str, Any]], broken: bool) -> Any:
