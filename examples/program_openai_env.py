@@ -75,16 +75,18 @@ def read_task(argv: list[str]) -> dict[str, Any]:
     return task
 
 
-def solve(client: openai.OpenAI, model: str, question: str) -> str:
+def solve(client: openai.OpenAI, model: str, question: str) -> tuple[str, int]:
+    """The model's last answer, and how many calls it took."""
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM_PROMPT},
         {"role": "user", "content": question},
     ]
-    answer = ""
+    answer, calls = "", 0
     for _ in range(3):  # at most two tool rounds, then an answer
         reply = client.chat.completions.create(
             model=model, messages=messages, tools=TOOLS, max_tokens=64, temperature=0.0
         )
+        calls += 1
         message = reply.choices[0].message
         answer = message.content or ""
         if not message.tool_calls:
@@ -96,7 +98,7 @@ def solve(client: openai.OpenAI, model: str, question: str) -> str:
             except (json.JSONDecodeError, AttributeError):
                 expression = ""
             messages.append({"role": "tool", "tool_call_id": call.id, "content": calculator(expression)})
-    return answer
+    return answer, calls
 
 
 def score(answer: str, gold: str | None) -> float:
@@ -109,9 +111,9 @@ def score(answer: str, gold: str | None) -> float:
 def main() -> None:
     task = read_task(sys.argv[1:])
     client = openai.OpenAI()  # OPENAI_BASE_URL and OPENAI_API_KEY from the environment
-    answer = solve(client, os.environ.get("OPENAI_MODEL", "gpt-4o-mini"), task["question"])
+    answer, calls = solve(client, os.environ.get("OPENAI_MODEL", "gpt-4o-mini"), task["question"])
     reward = score(answer, task.get("answer"))
-    print(json.dumps({"answer": answer, "reward": reward}))
+    print(json.dumps({"answer": answer, "reward": reward, "calls": calls}))
     result_file = os.environ.get("AGENTBOLT_RESULT_FILE")
     if result_file:
         with open(result_file, "w", encoding="utf-8") as f:

@@ -62,6 +62,7 @@ async function solve(client, model, question) {
     { role: "user", content: question },
   ];
   let answer = "";
+  let calls = 0;
   for (let round = 0; round < 3; round++) {
     // at most two tool rounds, then an answer
     const reply = await client.chat.completions.create({
@@ -71,6 +72,7 @@ async function solve(client, model, question) {
       max_tokens: 64,
       temperature: 0,
     });
+    calls += 1;
     const message = reply.choices[0].message;
     answer = message.content ?? "";
     if (!message.tool_calls?.length) break;
@@ -85,7 +87,7 @@ async function solve(client, model, question) {
       messages.push({ role: "tool", tool_call_id: call.id, content: calculator(expression) });
     }
   }
-  return answer;
+  return { answer, calls };
 }
 
 function score(answer, gold) {
@@ -118,9 +120,10 @@ async function postReward(reward) {
 
 const task = readTask(process.argv.slice(2));
 const client = new OpenAI(); // OPENAI_BASE_URL and OPENAI_API_KEY from the environment
-const answer = await solve(client, process.env.OPENAI_MODEL ?? "gpt-4o-mini", task.question);
+const model = process.env.OPENAI_MODEL ?? "gpt-4o-mini";
+const { answer, calls } = await solve(client, model, task.question);
 const reward = score(answer, task.answer);
-console.log(JSON.stringify({ answer, reward }));
+console.log(JSON.stringify({ answer, reward, calls }));
 const posted = await postReward(reward);
 if (!posted && process.env.AGENTBOLT_RESULT_FILE) {
   writeFileSync(process.env.AGENTBOLT_RESULT_FILE, JSON.stringify({ reward }));

@@ -111,6 +111,8 @@ def test_example_run_by_hand_through_the_gateway(language, client, tmp_path):
     assert TASK["question"] in json.dumps(calls[0]["request"]["messages"])
     assert calls[0]["request"]["tools"][0]["function"]["name"] == "calculator"
     # what the program printed as its answer is the text of the last recorded call
-    assert json.loads(result["stdout"])["answer"] == calls[-1]["choices"][0]["message"]["content"]
+    printed = json.loads(result["stdout"])
+    assert printed["answer"] == calls[-1]["choices"][0]["message"]["content"]
+    assert len(calls) == printed["calls"]  # each call the program made, recorded once
     # greedy SmolLM2 states 6*7 = 42, so the program scores its answer 1
     assert result["reward"] == 1.0
