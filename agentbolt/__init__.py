@@ -27,6 +27,7 @@ from agentbolt.runner.agent import (
     rollout,
 )
 from agentbolt.runner.llm import async_openai, sync_openai
+from agentbolt.runner.program import Program
 from agentbolt.runner.tracing import span
 from agentbolt.runner.worker import Runner
 from agentbolt.schemas import (
@@ -63,6 +64,7 @@ __all__ = [
     "Mode",
     "ModelWeights",
     "NotFound",
+    "Program",
     "PromptTemplate",
     "Resources",
     "Rollout",

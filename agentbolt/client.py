@@ -57,7 +57,7 @@ from agentbolt.schemas import (
     new_id,
 )
 
-__all__ = ["AsyncClient", "Client", "RequestError", "RetryPolicy"]
+__all__ = ["AsyncClient", "Client", "Registration", "RequestError", "RetryPolicy"]
 
 T = TypeVar("T")
 # Rollout ids per events query, and events per page: the most the server takes (EventsQuery).
@@ -169,6 +169,18 @@ def _identity(x: Any) -> Any:
     return x
 
 
+@dataclass(frozen=True)
+class Registration:
+    """The identity the server issued a worker: its id, and the token bound to that id."""
+
+    worker_id: str
+    worker_token: str
+
+
+def _registration(body: Any) -> Registration:
+    return Registration(worker_id=str(body["worker_id"]), worker_token=str(body["worker_token"]))
+
+
 class _Api:
     """Endpoint descriptions shared by both clients."""
 
@@ -180,6 +192,10 @@ class _Api:
         for rollout in rollouts:
             rollout.setdefault("id", new_id("ro"))
         return _write("/api/rollouts", _rollouts, json={"rollouts": rollouts})
+
+    @staticmethod
+    def register_worker(name: str | None) -> _Request[Registration]:
+        return _write("/api/workers/register", _registration, json={"name": name})
 
     @staticmethod
     def dequeue(worker_id: str, lease_seconds: float | None, wait: float = 0.0) -> _Request[Claim | None]:
@@ -262,6 +278,14 @@ class _Base:
         self.retry = retry or RetryPolicy()
         self.headers = {"authorization": f"Bearer {token}"} if token else {}
 
+    def _registered(self, registration: Registration | None, http: httpx.Client | httpx.AsyncClient) -> None:
+        """From now on, act with the issued worker token (an older server issues none)."""
+        if registration is None:
+            return
+        self.token = registration.worker_token
+        self.headers = {"authorization": f"Bearer {registration.worker_token}"}
+        http.headers.update(self.headers)
+
     def _handle(self, call: _Request[T], response: httpx.Response) -> T:
         if response.status_code >= 500:
             raise _ServerError(response.status_code, response.text)
@@ -323,6 +347,16 @@ class Client(_Base):
 
     def health(self) -> dict[str, Any]:
         return self._send(_Request("GET", "/health", _identity))
+
+    def register_worker(self, name: str | None = None) -> Registration | None:
+        """Ask the server for a worker identity (``name`` is a hint) and use its token for
+        every later call. None, and nothing changed, from a server that issues none (404)."""
+        try:
+            registration = self._send(_Api.register_worker(name))
+        except NotFound:
+            registration = None
+        self._registered(registration, self.http)
+        return registration
 
     def enqueue(self, items: Sequence[RolloutCreate]) -> list[Rollout]:
         return self._send(_Api.enqueue(items))
@@ -505,6 +539,39 @@ class AsyncClient(_Base):
 
     async def health(self) -> dict[str, Any]:
         return await self._send(_Request("GET", "/health", _identity))
+
+    async def register_worker(self, name: str | None = None) -> Registration | None:
+        """See :meth:`Client.register_worker`."""
+        try:
+            registration = await self._send(_Api.register_worker(name))
+        except NotFound:
+            registration = None
+        self._registered(registration, self.http)
+        return registration
+
+    async def list_events(
+        self,
+        rollout_id: str,
+        *,
+        attempt_id: str | None = None,
+        type: Sequence[str] | None = None,
+        limit: int = 1000,
+        cursor: str | None = None,
+    ) -> Page[Event]:
+        return await self._send(
+            _Api.list_events(rollout_id, attempt_id=attempt_id, type=type, limit=limit, cursor=cursor)
+        )
+
+    async def all_events(self, rollout_id: str, **filters: Any) -> list[Event]:
+        """Every event of a rollout (optionally filtered), following pagination."""
+        out: list[Event] = []
+        cursor = None
+        while True:
+            page = await self.list_events(rollout_id, cursor=cursor, **filters)
+            out.extend(page.items)
+            if not page.next_cursor:
+                return out
+            cursor = page.next_cursor
 
     async def enqueue(self, items: Sequence[RolloutCreate]) -> list[Rollout]:
         return await self._send(_Api.enqueue(items))

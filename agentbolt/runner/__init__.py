@@ -1,5 +1,6 @@
-"""The runner process: the worker loop (``worker``), the agent API (``agent``), OpenTelemetry
-tracing of rollouts (``tracing``) and the OpenAI client helpers agents use (``llm``)."""
+"""The runner process: the worker loop (``worker``), the agent API (``agent``), program agents
+(``program``: any executable as an agent), OpenTelemetry tracing of rollouts (``tracing``) and
+the OpenAI client helpers agents use (``llm``)."""
 
 from agentbolt.runner.agent import (
     LitAgent,
@@ -13,11 +14,13 @@ from agentbolt.runner.agent import (
     rollout_thread,
 )
 from agentbolt.runner.llm import async_openai, sync_openai
+from agentbolt.runner.program import Program
 from agentbolt.runner.tracing import span
 from agentbolt.runner.worker import Runner, load_agent
 
 __all__ = [
     "LitAgent",
+    "Program",
     "RolloutContext",
     "Runner",
     "async_openai",

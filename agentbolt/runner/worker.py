@@ -13,7 +13,13 @@ a sync agent's thread cannot be interrupted: it runs on in the background, its r
 (counted in ``abandoned``), while spare threads keep the slots supplied.
 
 SIGINT/SIGTERM: stop claiming, let running rollouts finish for ``grace`` seconds, then release
-the rest so another runner takes them at once; a second signal releases immediately.
+the rest so another runner takes them at once; a second signal releases immediately. A
+:class:`~agentbolt.runner.program.Program`'s children are stopped with their rollouts (their
+process groups get SIGTERM, then SIGKILL).
+
+At start the runner registers itself: the server issues a worker id and a worker token bound to
+it, used for every later call (an older server issues none: the runner goes on with its own
+token and id).
 """
 
 from __future__ import annotations
@@ -29,19 +35,21 @@ import signal
 import socket
 import sys
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentbolt.client import AsyncClient, RetryPolicy
+from agentbolt.client import AsyncClient, RequestError, RetryPolicy
 from agentbolt.errors import AgentboltError, ConfigError, LeaseLost, NotFound
 from agentbolt.runner.agent import LitAgent, RolloutContext, as_agent, emit_exception
 from agentbolt.runner.outcome import clip, content_at_fault, judge, record_failure
+from agentbolt.runner.program import AttemptAccess, Program, ProgramFailed
 from agentbolt.runner.tracing import Tracer, tracing_enabled
 from agentbolt.schemas import AttemptStatus, Claim, EventCreate
 
-__all__ = ["Runner", "load_agent"]
+__all__ = ["Runner", "load_agent", "load_object"]
 
 log = logging.getLogger("agentbolt.runner")
 
@@ -51,13 +59,18 @@ _CANCEL_WAIT = 1.0
 
 def load_agent(spec: str) -> LitAgent:
     """``module:object`` or ``path/to/file.py:object`` -> an agent."""
+    return as_agent(load_object(spec, "agent"))
+
+
+def load_object(spec: str, what: str = "object") -> Any:
+    """The object named by ``module:object`` or ``path/to/file.py:object``."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not attr:
-        raise ConfigError(f"agent {spec!r} must look like 'module:object' or 'file.py:object'")
+        raise ConfigError(f"{what} {spec!r} must look like 'module:object' or 'file.py:object'")
     if module_name.endswith(".py"):
         path = Path(module_name)
         if not path.exists():
-            raise ConfigError(f"agent file {path} does not exist")
+            raise ConfigError(f"{what} file {path} does not exist")
         mod_spec = importlib.util.spec_from_file_location(path.stem, path)
         assert mod_spec and mod_spec.loader
         module = importlib.util.module_from_spec(mod_spec)
@@ -67,12 +80,11 @@ def load_agent(spec: str) -> LitAgent:
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:
-            raise ConfigError(f"cannot import agent module {module_name!r}: {exc}") from exc
+            raise ConfigError(f"cannot import {what} module {module_name!r}: {exc}") from exc
     try:
-        obj = getattr(module, attr)
+        return getattr(module, attr)
     except AttributeError:
         raise ConfigError(f"module {module_name!r} has no attribute {attr!r}") from None
-    return as_agent(obj)
 
 
 @dataclass
@@ -123,6 +135,8 @@ class Runner:
         # Retry forever while the server is down: a runner outlives server restarts. A slot has
         # at most three calls in flight (a long-poll, or a heartbeat, an upload and a finish),
         # so a heartbeat never waits for a free connection.
+        self._secrets: tuple[str, ...] = (token,) if token else ()
+        """The runner's tokens, which a program agent's environment never holds."""
         self.client = AsyncClient(
             server_url,
             token,
@@ -164,15 +178,45 @@ class Runner:
         if install_signals:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._loop.add_signal_handler(sig, self._on_signal)
-        log.info("runner %s: %d slot(s) on %s", self.worker_id, self.concurrency, self.client.url)
+        owned = install_signals and isinstance(self.agent, Program)
+        undo_watcher = _pidfd_watcher(self._loop) if owned else None
         try:
+            await self._register()
+            log.info("runner %s: %d slot(s) on %s", self.worker_id, self.concurrency, self.client.url)
             slots = [asyncio.create_task(self._slot(i)) for i in range(self.concurrency)]
             await asyncio.gather(*slots)
         finally:
+            if undo_watcher is not None:
+                undo_watcher()
             await self.client.aclose()
             self._executor.shutdown(wait=False, cancel_futures=True)
             if self.tracer is not None:
                 await asyncio.to_thread(self.tracer.shutdown)
+
+    async def _register(self) -> None:
+        """Take the worker identity the server issues (this runner's id is the name hint);
+        an older server issues none (404), and a token not allowed to register (403) goes on
+        as it is. Any other refusal (an unknown token) stops the runner with the reason."""
+        assert self._stopping is not None
+        asked = asyncio.ensure_future(self.client.register_worker(self.worker_id))
+        stop = asyncio.ensure_future(self._stopping.wait())
+        await asyncio.wait({asked, stop}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if not asked.done():  # stopped while the server was unreachable
+            asked.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asked
+            return
+        try:
+            registration = asked.result()
+        except RequestError as exc:
+            if exc.status_code != 403:
+                raise ConfigError(f"the server refused to register this runner: {exc}") from None
+            log.warning("this token may not register a worker (%s); going on with it", exc)
+            return
+        if registration is not None:
+            self.worker_id = registration.worker_id
+            self._secrets += (registration.worker_token,)
 
     def stop(self) -> None:
         """Stop claiming; running rollouts get ``grace`` seconds, then are released."""
@@ -261,7 +305,7 @@ class Runner:
         ctx = RolloutContext(claim.rollout, claim.attempt, claim.resources)
         attempt_id = claim.attempt.id
         watch = _Watch()
-        work = asyncio.create_task(self._run_agent(ctx))
+        work = asyncio.create_task(self._run_agent(ctx, claim))
         self._running[attempt_id] = work
         keepalive = [
             asyncio.create_task(self._heartbeats(ctx, watch, self._beat_interval(claim))),
@@ -294,6 +338,9 @@ class Runner:
             # the agent was cancelled: by stopping (release it) or because the attempt is no
             # longer ours (dropped by the caller)
             return AttemptStatus.RELEASED, None, "runner stopped"
+        except ProgramFailed as exc:  # the reason is the runner's own: no traceback to record
+            record_failure(ctx, exc.kind, str(exc))
+            return AttemptStatus.FAILED, None, str(exc)
         except Exception as exc:
             ctx_token = ctx.activate()
             try:
@@ -330,17 +377,22 @@ class Runner:
             log.warning("agent ignored its cancellation for %.0f s; abandoned", _CANCEL_WAIT)
             self.abandoned += 1
 
-    async def _run_agent(self, ctx: RolloutContext) -> Any:
+    async def _run_agent(self, ctx: RolloutContext, claim: Claim) -> Any:
         token = ctx.activate()
         traced = self.tracer.rollout(ctx) if self.tracer is not None else contextlib.nullcontext()
         try:
             with traced:  # inside the rollout's context: the agent's spans are children of its root
+                if isinstance(self.agent, Program):
+                    return await self.agent.run_attempt(ctx, self._access(claim))
                 if self.agent.is_async:
                     with ctx.running():
                         return await self.agent.execute_rollout(ctx.task)  # type: ignore[misc]
                 return await self._run_in_thread(ctx)
         finally:
             token.var.reset(token)
+
+    def _access(self, claim: Claim) -> AttemptAccess:
+        return AttemptAccess(claim.agent_key, self.client.url, self.client, self._secrets)
 
     async def _run_in_thread(self, ctx: RolloutContext) -> Any:
         future = self._executor.submit(contextvars.copy_context().run, self._call_agent, ctx)
@@ -477,3 +529,23 @@ class Runner:
             reason = f"the server refused the attempt's outcome ({status.value}): {exc}"
         await self.client.finish(ctx.attempt.id, AttemptStatus.FAILED, None, clip(reason), self.worker_id)
         return AttemptStatus.FAILED
+
+
+def _pidfd_watcher(loop: asyncio.AbstractEventLoop) -> Callable[[], None] | None:
+    """On Python 3.11 asyncio waits for each child process in a thread of its own; a pidfd
+    needs none (from 3.12 asyncio uses pidfds by itself). The watcher is process-wide and
+    bound to one loop, so it is installed only by a runner that owns its process (the CLI's,
+    Trainer's); elsewhere (a runner inside tests or a notebook) the default stays. Returns
+    what puts the previous watcher back, or None when nothing was installed."""
+    if sys.version_info >= (3, 12) or not hasattr(os, "pidfd_open"):
+        return None
+    previous = asyncio.get_child_watcher()
+    watcher = asyncio.PidfdChildWatcher()
+    watcher.attach_loop(loop)
+    asyncio.set_child_watcher(watcher)
+
+    def undo() -> None:
+        watcher.close()
+        asyncio.set_child_watcher(previous)
+
+    return undo
