@@ -1,7 +1,9 @@
 """The gateway: an OpenAI-compatible endpoint per attempt that records every model call.
 
-``/gateway/{rollout_id}/{attempt_id}/v1/{chat/completions,completions,models}`` forwards to the
-upstream named by the rollout's ``LLM`` resource (the ``base_url`` as published). It asks the
+``/gateway/{rollout_id}/{attempt_id}/v1/{chat/completions,completions,responses,models}`` forwards
+to the upstream named by the rollout's ``LLM`` resource (the ``base_url`` as published); a
+Responses call goes out as a chat completion (:mod:`.responses`) and is recorded as one, with
+``endpoint: "responses"``, the agent's request and the ``chat_request`` it became. It asks the
 upstream for token ids and logprobs, records one ``llm_call`` event per call (see
 ``docs/events.md``) and returns to the agent only what the agent asked for. Dequeued claims
 get their ``LLM`` resources pointed here (:func:`~agentbolt.server.gateway_access.rewrite_claim`),
@@ -58,6 +60,7 @@ from agentbolt.server.gateway_call import CallTry, ForwardedCall, Refused, Targe
 from agentbolt.server.openai_format import (
     CHAT,
     COMPLETIONS,
+    RESPONSES,
     StreamAssembler,
     check_request,
     count_usage,
@@ -66,6 +69,7 @@ from agentbolt.server.openai_format import (
     prepare,
     strip,
 )
+from agentbolt.server.responses import Untranslatable, new_id, stream_events, to_chat, to_response
 from agentbolt.server.store_caller import StoreCaller
 
 __all__ = ["Gateway"]
@@ -153,6 +157,12 @@ class Gateway:
             return json_answer(
                 openai_error("the request body must be a JSON object", "invalid_request_error"), 400
             )
+        responses = None
+        if endpoint == RESPONSES:
+            try:
+                responses, body, endpoint = body, _chat_for(body), CHAT
+            except Untranslatable as exc:
+                return json_answer(openai_error(str(exc), "invalid_request_error", param=exc.param), 400)
         malformed = check_request(endpoint, body)
         if malformed is not None:
             return json_answer(openai_error(malformed[0], "invalid_request_error", param=malformed[1]), 400)
@@ -167,7 +177,17 @@ class Gateway:
             endpoint, body, "return_token_ids" not in rejected, "logprobs" not in rejected
         )
         call = ForwardedCall(
-            target, resource, llm, endpoint, body, wants, key, started, t0, CallTry.of(request, raw)
+            target,
+            resource,
+            llm,
+            endpoint,
+            body,
+            wants,
+            key,
+            started,
+            t0,
+            CallTry.of(request, raw),
+            responses,
         )
         try:
             upstream = await self._send_with_fallback(call, payload)
@@ -198,6 +218,8 @@ class Gateway:
                 upstream.status_code,
             )
         out = await self._record_success(call, full, upstream.status_code, upstream.headers)
+        if responses is not None and responses.get("stream"):
+            return StreamingResponse(_sse(stream_events(out)), media_type="text/event-stream")
         return json_answer(out, upstream.status_code)
 
     def _upstream_request(self, call: ForwardedCall, payload: dict[str, Any]) -> httpx.Request:
@@ -358,12 +380,14 @@ class Gateway:
         out = strip(full, call.wants)
         assert out is not None
         usage = out.get("usage") or count_usage(prompt_ids, choices)
+        if call.responses is not None:
+            out = to_response({**out, "usage": usage}, call.responses, new_id("resp"))
         data = self._base_data(call, status, out)
         data.update(
             prompt_token_ids=prompt_ids,
             choices=choices,
             usage=usage,
-            model=out.get("model") or data["model"],
+            model=full.get("model") or data["model"],
             model_version=str(model_version) if model_version is not None else None,
             **(extra or {}),
         )
@@ -375,11 +399,12 @@ class Gateway:
         return out
 
     def _base_data(self, call: ForwardedCall, status: int | None, response: Any) -> dict[str, Any]:
-        return {
-            "endpoint": call.endpoint,
-            "request": call.request,
+        asked = call.request if call.responses is None else call.responses
+        data = {
+            "endpoint": call.endpoint if call.responses is None else RESPONSES,
+            "request": asked,
             "response": response,
-            "stream": bool(call.request.get("stream")),
+            "stream": bool(asked.get("stream")),
             "prompt_token_ids": None,
             "choices": [],
             "usage": None,
@@ -391,6 +416,9 @@ class Gateway:
             "resource": call.resource,
             "error": None,
         }
+        if call.responses is not None:  # what the model was actually asked, as a chat call
+            data["chat_request"] = call.request
+        return data
 
     def _error_data(
         self,
@@ -467,6 +495,22 @@ class Gateway:
             for m in dict.fromkeys(x.model for x in target.llms.values())
         ]
         return json_answer({"object": "list", "data": data})
+
+
+def _chat_for(body: dict[str, Any]) -> dict[str, Any]:
+    """The chat request for a Responses request; the conversation state behind
+    ``previous_response_id`` is not kept yet, so such a request is refused, not half answered."""
+    if body.get("previous_response_id") is not None:
+        raise Untranslatable(
+            "previous_response_id is not supported by this gateway: send the conversation as input items",
+            "previous_response_id",
+        )
+    return to_chat(body)
+
+
+async def _sse(events: list[dict[str, Any]]) -> AsyncIterator[bytes]:
+    for event in events:
+        yield b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
 
 
 def _backoff(attempt: int) -> float:

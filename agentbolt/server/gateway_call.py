@@ -88,6 +88,7 @@ class ForwardedCall:
     started: float  # wall clock, the event's timestamp
     t0: float  # perf_counter, for latency
     try_of: CallTry
+    responses: dict[str, Any] | None = None  # a Responses request; ``request`` is its chat form
 
     def elapsed_ms(self) -> float:
         return round((time.perf_counter() - self.t0) * 1000, 3)

@@ -21,6 +21,7 @@ from agentbolt.web import error_body
 __all__ = [
     "CHAT",
     "COMPLETIONS",
+    "RESPONSES",
     "REQUEST_SCHEMAS",
     "StreamAssembler",
     "check_request",
@@ -34,6 +35,7 @@ __all__ = [
 
 CHAT = "chat.completions"
 COMPLETIONS = "completions"
+RESPONSES = "responses"  # translated to CHAT by the gateway (agentbolt.server.responses)
 
 # Fields an upstream adds when asked for token ids (vLLM: ``prompt_text`` comes with them).
 _TOP_EXTRAS = ("prompt_token_ids", "prompt_text")

@@ -15,14 +15,16 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from agentbolt.server.gateway import Gateway
-from agentbolt.server.openai_format import CHAT, COMPLETIONS, REQUEST_SCHEMAS
+from agentbolt.server.openai_format import CHAT, COMPLETIONS, REQUEST_SCHEMAS, RESPONSES
+from agentbolt.server.responses import REQUEST_SCHEMA as RESPONSES_SCHEMA
 from agentbolt.web import error_response
 
 __all__ = ["GatewayFastPath", "router"]
 
 log = logging.getLogger("agentbolt.gateway")
 
-_ENDPOINTS = {"chat/completions": CHAT, "completions": COMPLETIONS}
+_ENDPOINTS = {"chat/completions": CHAT, "completions": COMPLETIONS, "responses": RESPONSES}
+_SCHEMAS = {**REQUEST_SCHEMAS, RESPONSES: RESPONSES_SCHEMA}
 _RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {
         "description": "The model server's answer (a stream of server-sent events with stream=true)",
@@ -36,7 +38,7 @@ def _openapi_body(endpoint: str) -> dict[str, Any]:
     return {
         "requestBody": {
             "required": True,
-            "content": {"application/json": {"schema": REQUEST_SCHEMAS[endpoint]}},
+            "content": {"application/json": {"schema": _SCHEMAS[endpoint]}},
         }
     }
 
@@ -53,6 +55,12 @@ def router(gateway: Gateway) -> APIRouter:
     async def completions(rollout_id: str, attempt_id: str, request: Request) -> Response:
         """OpenAI (legacy) completions, forwarded to the rollout's LLM and recorded."""
         return await gateway.forward(request, rollout_id, attempt_id, COMPLETIONS)
+
+    @api.post("/responses", openapi_extra=_openapi_body(RESPONSES), responses=_RESPONSES)
+    async def responses(rollout_id: str, attempt_id: str, request: Request) -> Response:
+        """OpenAI Responses API, answered through the rollout's LLM as a chat completion and
+        recorded with its token ids."""
+        return await gateway.forward(request, rollout_id, attempt_id, RESPONSES)
 
     @api.get("/models")
     async def models(rollout_id: str, attempt_id: str) -> Response:

@@ -1,0 +1,135 @@
+"""POST /v1/responses through the gateway: a real server on 127.0.0.1 and the real openai client;
+the upstream is the test double (tests/server/upstream_double.py), standing in for a model server
+that speaks chat completions only, so every call is translated."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from agentbolt.server.responses import Untranslatable, to_chat
+
+TOOL = {
+    "type": "function",
+    "name": "calculator",
+    "description": "Evaluate arithmetic.",
+    "parameters": {
+        "type": "object",
+        "properties": {"expression": {"type": "string"}},
+        "required": ["expression"],
+    },
+    "strict": False,
+}
+
+
+def _openai(claim) -> openai.OpenAI:
+    llm = claim.resources.resources["llm"]
+    return openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0)
+
+
+def test_text_answer_is_a_response_recorded_with_token_ids(rig, upstream):
+    claim = rig.claim()
+    answer = _openai(claim).responses.create(
+        model="double", input="What is 6 times 7?", instructions="Be brief."
+    )
+    assert answer.object == "response" and answer.status == "completed" and answer.output_text
+    sent = upstream.calls[-1]
+    assert sent.path == "/v1/chat/completions"
+    assert sent.body["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 6 times 7?"},
+    ]
+    [event] = rig.llm_calls(claim.rollout.id)
+    data = event.data
+    assert data["endpoint"] == "responses" and data["request"]["input"] == "What is 6 times 7?"
+    assert data["chat_request"]["messages"] == sent.body["messages"]
+    # the double's byte tokenizer: ids are the prompt's bytes + 3, so they can be checked exactly
+    prompt = "<system>Be brief.<user>What is 6 times 7?<assistant>"
+    assert data["prompt_token_ids"] == [b + 3 for b in prompt.encode()]
+    assert data["token_ids"] is True and data["choices"][0]["token_ids"]
+    assert data["choices"][0]["message"]["content"] == answer.output_text
+    assert data["response"]["id"] == answer.id
+    assert answer.usage is not None and answer.usage.input_tokens == len(data["prompt_token_ids"])
+    assert answer.usage.output_tokens == len(data["choices"][0]["token_ids"])
+
+
+def test_function_call_out_and_its_output_back_in(rig, upstream):
+    claim = rig.claim()
+    client = _openai(claim)
+    first = client.responses.create(model="double", input="What is 6 times 7?", tools=[TOOL])
+    [call] = [item for item in first.output if item.type == "function_call"]
+    assert call.name == "calculator" and "expression" in json.loads(call.arguments)
+    assert upstream.calls[-1].body["tools"][0]["function"]["name"] == "calculator"
+    history = [
+        {"role": "user", "content": "What is 6 times 7?"},
+        *[item.model_dump(exclude_none=True) for item in first.output],
+        {"type": "function_call_output", "call_id": call.call_id, "output": "42"},
+    ]
+    second = client.responses.create(model="double", input=history, tools=[TOOL])
+    assert "42" in second.output_text
+    messages = upstream.calls[-1].body["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool"]
+    assert messages[1]["tool_calls"][0]["id"] == call.call_id
+    assert messages[2] == {"role": "tool", "tool_call_id": call.call_id, "content": "42"}
+    events = rig.llm_calls(claim.rollout.id)
+    assert len(events) == 2 and all(e.data["token_ids"] and e.data["prompt_token_ids"] for e in events)
+    assert events[0].data["choices"][0]["message"]["tool_calls"][0]["id"] == call.call_id
+
+
+def test_stream_gives_the_response_events(rig, upstream):
+    claim = rig.claim()
+    with _openai(claim).responses.stream(model="double", input="Hello there") as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert "response.output_text.delta" in kinds and kinds[-1] == "response.completed"
+    assert final.output_text
+    [event] = rig.llm_calls(claim.rollout.id)
+    assert (
+        event.data["stream"] is True and event.data["choices"][0]["message"]["content"] == final.output_text
+    )
+    assert event.data["token_ids"] is True
+
+
+def test_untranslatable_requests_are_400_naming_the_field(rig, upstream):
+    client = _openai(rig.claim())
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model="double", input="hi", tools=[{"type": "web_search"}])
+    assert info.value.body["param"] == "tools[0]"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model="double", input="hi", previous_response_id="resp_123")
+    assert info.value.body["param"] == "previous_response_id"
+    assert upstream.calls == []
+
+
+def test_to_chat_merges_calls_and_maps_roles():
+    chat = to_chat(
+        {
+            "model": "m",
+            "input": [
+                {
+                    "type": "message",
+                    "role": "developer",
+                    "content": [{"type": "input_text", "text": "rules"}],
+                },
+                {"type": "reasoning", "id": "rs_1", "summary": []},
+                {"type": "function_call", "call_id": "a", "name": "f", "arguments": "{}"},
+                {"type": "function_call", "call_id": "b", "name": "g", "arguments": '{"x": 1}'},
+                {
+                    "type": "function_call_output",
+                    "call_id": "a",
+                    "output": [{"type": "input_text", "text": "1"}],
+                },
+            ],
+            "max_output_tokens": 5,
+            "tool_choice": {"type": "function", "name": "f"},
+        }
+    )
+    assert chat["messages"][0] == {"role": "system", "content": "rules"}
+    assert [c["id"] for c in chat["messages"][1]["tool_calls"]] == ["a", "b"]
+    assert chat["messages"][2] == {"role": "tool", "tool_call_id": "a", "content": "1"}
+    assert chat["max_tokens"] == 5 and chat["tool_choice"] == {"type": "function", "function": {"name": "f"}}
+    with pytest.raises(Untranslatable):
+        to_chat({"input": []})
