@@ -218,12 +218,17 @@ def load_config(path: Path) -> dict[str, Any]:
     return data
 
 
-def split_config(data: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The algorithm's settings and the ``[trainer]`` table of a config file."""
-    trainer = data.get("trainer", {})
-    if not isinstance(trainer, dict):
-        raise ConfigError(f"{path}: 'trainer' must be a table of Trainer settings")
-    return {k: v for k, v in data.items() if k != "trainer"}, trainer
+def split_config(
+    data: dict[str, Any], path: Path, tables: tuple[str, ...]
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """A config file's top-level settings, and each of its named ``tables`` (``[trainer]``)."""
+    found = {}
+    for name in tables:
+        table = data.get(name, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: {name!r} must be a table of settings")
+        found[name] = table
+    return {k: v for k, v in data.items() if k not in tables}, found
 
 
 def _parse(path: Path) -> Any:

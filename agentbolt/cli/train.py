@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import sys
 import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -34,7 +36,14 @@ from agentbolt.cli.options import (
 from agentbolt.errors import ConfigError
 from agentbolt.extras import needs_extra
 
-__all__ = ["ALGORITHMS", "TRAINER_HELP", "algorithm_class", "train_app", "trainer_schema"]
+__all__ = [
+    "ALGORITHMS",
+    "TRAINER_HELP",
+    "algorithm_class",
+    "program_schema",
+    "train_app",
+    "trainer_schema",
+]
 
 # command name -> (class name in agentbolt.algorithms, the extras its run needs)
 ALGORITHMS = {
@@ -43,7 +52,8 @@ ALGORITHMS = {
     "sft": ("SFT", ("server", "train")),
     "grpo": ("GRPO", ("server", "train")),
 }
-# Trainer's parameters carry no docstrings of their own; what its module docstring says of each.
+# Trainer's parameters have no docstrings to read, so their help is kept here (their names,
+# types and defaults are still read from its signature).
 TRAINER_HELP = {
     "n_runners": "Local runner processes to start (0: runners are started elsewhere).",
     "runner_concurrency": "Rollouts each local runner runs at a time.",
@@ -64,7 +74,28 @@ _METAVARS = {
     list: "JSON",
     tuple: "JSON",
 }
-PANEL_ALGORITHM, PANEL_TRAINER = "Algorithm options", "Trainer options"
+PROGRAM_PANEL = "Program options (with --command)"
+# Given by hand below: the command is its own flag, the scorer is named as module:fn, and
+# --program.env repeats NAME=TEMPLATE like ``agentbolt runner --env``.
+PROGRAM_BY_HAND = ("command", "scorer")
+
+
+@dataclass(frozen=True)
+class _Section:
+    """One group of generated options: its settings, help panel, config table and flag prefix."""
+
+    schema: Schema
+    panel: str
+    table: str | None = None
+    """The config file's table of these settings; None: the top level."""
+    flag_prefix: str = ""
+
+    def dest(self, setting: Setting) -> str:
+        # names of different sections may meet (Evaluate's timeout, Program's): keep them apart
+        return f"{self.table}__{setting.dest}" if self.table else setting.dest
+
+    def flag(self, setting: Setting) -> str:
+        return "--" + self.flag_prefix + setting.flag.removeprefix("--")
 
 
 def algorithm_class(name: str) -> type:
@@ -78,6 +109,19 @@ def trainer_schema() -> Schema:
     from agentbolt.trainer import Trainer
 
     return parameters_schema(Trainer.__init__, skip=("algorithm",), docs=TRAINER_HELP)
+
+
+def program_schema() -> Schema:
+    """Program's parameters, with the help its docstring's list gives each."""
+    from agentbolt.runner.program import Program
+
+    names = inspect.signature(Program.__init__).parameters
+    docs = {
+        n: m.group(1)
+        for n in names
+        if (m := re.search(rf"``{n}``: (.+?)(?:;\n|\n\s*\*|\.?$)", Program.__doc__ or "", re.S))
+    }
+    return parameters_schema(Program.__init__, skip=PROGRAM_BY_HAND, docs=docs)
 
 
 class _TrainGroup(TyperGroup):
@@ -110,87 +154,99 @@ train_app = typer.Typer(
 def _algorithm_command(name: str) -> Any:
     """The click command of ``agentbolt train NAME``, built through typer from generated options."""
     cls = algorithm_class(name)
-    schema, trainer = dataclass_schema(cls), trainer_schema()
+    sections = _sections(cls)
 
     def command(**params: Any) -> None:
-        _train(name, cls, schema, trainer, params)
+        _train(name, cls, sections, params)
 
-    params = [
-        *_common_parameters(),
-        *_parameters(schema, PANEL_ALGORITHM),
-        *_parameters(trainer, PANEL_TRAINER),
-    ]
+    params = [*_common_parameters(), *(p for s in sections for p in _parameters(s)), *_program_parameters()]
     command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
-    command.__doc__ = _command_help(cls, schema)
+    command.__doc__ = _command_help(cls, sections[0].schema)
     app = typer.Typer(add_completion=False)
     app.command(name)(command)
     return typer.main.get_command(app)
 
 
+def _sections(cls: type) -> list[_Section]:
+    """The algorithm's, the Trainer's and Program's settings, in that order."""
+    return [
+        _Section(dataclass_schema(cls), "Algorithm options"),
+        _Section(trainer_schema(), "Trainer options", "trainer"),
+        _Section(program_schema(), PROGRAM_PANEL, "program", "program."),
+    ]
+
+
 def _command_help(cls: type, schema: Schema) -> str:
     doc = inspect.getdoc(cls) or ""
-    # a dataclass without a docstring gets its signature as one: not a summary
-    summary = (
-        doc.splitlines()[0] if doc and not doc.startswith(f"{cls.__name__}(") else "agentbolt." + cls.__name__
+    if doc.startswith(f"{cls.__name__}("):
+        # a dataclass without a docstring gets its signature as one; its module's says more
+        doc = inspect.getdoc(sys.modules[cls.__module__]) or cls.__name__
+    text = (
+        f"{cls.__name__}: {doc.splitlines()[0]}\n\nSettings come from the --config file (TOML or YAML: the"
+        " algorithm's at the top, \\[trainer] and \\[program] tables), then from flags."
     )
-    text = f"{cls.__name__}: {summary}\n\nOptions come from the --config file (TOML or YAML: the fields below, and a \\[trainer] table), then flags."
     if schema.python_only:
         text += f"\n\nSettable from Python only: {', '.join(schema.python_only)}."
     return text
 
 
-def _common_parameters() -> list[inspect.Parameter]:
-    def option(name: str, kind: Any, *decls: str, help: str) -> inspect.Parameter:
-        info = typer.Option(*decls, help=help, show_default=False)
-        return inspect.Parameter(
-            name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[kind, info]
-        )
+def _option(name: str, kind: Any, *decls: str, help: str, panel: str | None = None) -> inspect.Parameter:
+    info = typer.Option(*decls, help=help, show_default=False, rich_help_panel=panel)
+    return inspect.Parameter(
+        name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[kind, info]
+    )
 
+
+def _common_parameters() -> list[inspect.Parameter]:
     return [
-        option("agent", str | None, "--agent", "-a", help="The agent: module:object or file.py:object."),
-        option(
-            "command",
-            str | None,
-            "--command",
-            "-c",
-            help="The agent as a program: an argv template run per rollout.",
-        ),
-        option("train_file", Path | None, "--train", help="Training tasks: a JSON list or JSON-lines file."),
-        option("val_file", Path | None, "--val", help="Validation tasks: a JSON list or JSON-lines file."),
-        option("config", Path | None, "--config", help="Settings file (.toml, .yaml or .yml)."),
+        _option("agent", str | None, "--agent", "-a", help="The agent: module:object or file.py:object."),
+        _option("command", str | None, "--command", "-c", help="The agent as a program: an argv template."),
+        _option("train_file", Path | None, "--train", help="Training tasks: a JSON list or JSON-lines file."),
+        _option("val_file", Path | None, "--val", help="Validation tasks: a JSON list or JSON-lines file."),
+        _option("config", Path | None, "--config", help="Settings file (.toml, .yaml or .yml)."),
     ]
 
 
-def _parameters(schema: Schema, panel: str) -> list[inspect.Parameter]:
-    return [_parameter(s, panel) for s in schema.settings.values()]
+def _program_parameters() -> list[inspect.Parameter]:
+    """The Program options not generated: each takes a form its type does not say."""
+    env_help = "NAME=TEMPLATE: a variable rendered from the task's fields (repeatable)."
+    scorer_help = "module:fn or file.py:fn scoring each run (sees the task, output, model calls)."
+    return [
+        _option("program__env_flags", list[str] | None, "--program.env", help=env_help, panel=PROGRAM_PANEL),
+        _option("program__scorer", str | None, "--program.scorer", help=scorer_help, panel=PROGRAM_PANEL),
+    ]
 
 
-def _parameter(setting: Setting, panel: str) -> inspect.Parameter:
+def _parameters(section: _Section) -> list[inspect.Parameter]:
+    return [_parameter(section, s) for s in section.schema.settings.values() if s.key != "env"]
+
+
+def _parameter(section: _Section, setting: Setting) -> inspect.Parameter:
     """One generated flag. Its value is None unless given, so a flag overrides only when used."""
     help_text = escape(f"{' '.join(setting.help.split())} [default: {setting.shown_default()}]".lstrip())
+    flag = section.flag(setting)
     if setting.is_bool:
-        flag = setting.flag.removeprefix("--")
-        decls: tuple[str, ...] = (f"--{flag}/--no-{flag}",)
+        decls: tuple[str, ...] = (f"{flag}/--no-{flag.removeprefix('--')}",)
         kind: Any = bool | None
     else:
-        decls, kind = (setting.flag, *_aliases(setting)), str | None
+        decls, kind = (flag, *_aliases(section, setting)), str | None
     # the token is read from the environment too, so it need not show in a process list
-    envvar = "AGENTBOLT_TOKEN" if panel == PANEL_TRAINER and setting.key == "token" else None
+    envvar = "AGENTBOLT_TOKEN" if section.table == "trainer" and setting.key == "token" else None
     info = typer.Option(
         *decls,
         help=help_text,
         show_default=False,
-        rich_help_panel=panel,
+        rich_help_panel=section.panel,
         envvar=envvar,
         metavar=_metavar(setting),
     )
     return inspect.Parameter(
-        _dest(setting, panel), inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[kind, info]
+        section.dest(setting), inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[kind, info]
     )
 
 
-def _aliases(setting: Setting) -> tuple[str, ...]:
-    alias = TRAINER_ALIASES.get(setting.key)
+def _aliases(section: _Section, setting: Setting) -> tuple[str, ...]:
+    alias = TRAINER_ALIASES.get(setting.key) if section.table == "trainer" else None
     return (alias,) if alias else ()
 
 
@@ -204,16 +260,11 @@ def _metavar(setting: Setting) -> str | None:
     return "|".join(_METAVARS.get(typing.get_origin(m) or m, "TEXT") for m in members)
 
 
-def _dest(setting: Setting, panel: str) -> str:
-    # Trainer's and an algorithm's names may meet (both could have a ``seed``): keep them apart.
-    return f"trainer__{setting.dest}" if panel == PANEL_TRAINER else setting.dest
-
-
-def _train(name: str, cls: type, schema: Schema, trainer: Schema, params: dict[str, Any]) -> None:
+def _train(name: str, cls: type, sections: list[_Section], params: dict[str, Any]) -> None:
     try:
-        algo_values, trainer_values = _settings(schema, trainer, params)
-        algorithm = cls(**schema.kwargs(algo_values))
-        agent = _agent(params["agent"], params["command"])
+        values = _settings(sections, params)
+        algorithm = cls(**sections[0].schema.kwargs(values[None]))
+        agent = _agent(params, values.get("program", {}))
     except ConfigError as exc:
         raise fail(str(exc)) from None
     train = load_tasks(params["train_file"]) if params["train_file"] else []
@@ -224,33 +275,68 @@ def _train(name: str, cls: type, schema: Schema, trainer: Schema, params: dict[s
         from agentbolt.trainer import Trainer
 
         try:
-            Trainer(algorithm, **trainer.kwargs(trainer_values)).fit(agent, train, val)
+            Trainer(algorithm, **sections[1].schema.kwargs(values["trainer"])).fit(agent, train, val)
         except ConfigError as exc:
             raise fail(str(exc)) from None
 
 
-def _settings(
-    schema: Schema, trainer: Schema, params: dict[str, Any]
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The algorithm's and the Trainer's settings: the config file's, then the flags given."""
-    algo_values: dict[str, Any] = {}
-    trainer_values: dict[str, Any] = {}
+def _settings(sections: list[_Section], params: dict[str, Any]) -> dict[str | None, dict[str, Any]]:
+    """Each section's settings by its table: the config file's, then the flags given."""
+    values: dict[str | None, dict[str, Any]] = {s.table: {} for s in sections}
     if params["config"] is not None:
         path = params["config"]
-        algo_table, trainer_table = split_config(load_config(path), path)
-        algo_values = schema.check_all(schema.flatten(algo_table), str(path))
-        trainer_values = trainer.check_all(trainer_table, f"{path} [trainer]")
-    algo_values.update(_flags(schema, params, PANEL_ALGORITHM))
-    trainer_values.update(_flags(trainer, params, PANEL_TRAINER))
-    return algo_values, trainer_values
+        top, tables = split_config(load_config(path), path, tuple(s.table for s in sections if s.table))
+        for section in sections:
+            table = tables[section.table] if section.table else section.schema.flatten(top)
+            values[section.table] = _from_file(section, dict(table), path)
+    for section in sections:
+        values[section.table].update(_flags(section, params))
+    values["program"].update(_program_flags(params))
+    return values
 
 
-def _flags(schema: Schema, params: dict[str, Any], panel: str) -> dict[str, Any]:
-    given = {s.key: (s, params[_dest(s, panel)]) for s in schema.settings.values()}
+def _from_file(section: _Section, table: dict[str, Any], path: Path) -> dict[str, Any]:
+    where = f"{path} [{section.table}]" if section.table else str(path)
+    scorer = table.pop("scorer", None) if section.table == "program" else None
+    checked = section.schema.check_all(table, where)
+    if scorer is not None:
+        checked["scorer"] = _scorer(scorer)
+    return checked
+
+
+def _flags(section: _Section, params: dict[str, Any]) -> dict[str, Any]:
+    given = {s.key: (s, params.get(section.dest(s))) for s in section.schema.settings.values()}
     return {key: s.check(value, from_flag=True) for key, (s, value) in given.items() if value is not None}
 
 
-def _agent(spec: str | None, command: str | None) -> Any:
+def _program_flags(params: dict[str, Any]) -> dict[str, Any]:
+    """``--program.env NAME=TEMPLATE`` (repeated) and ``--program.scorer module:fn``."""
+    given: dict[str, Any] = {}
+    if params.get("program__env_flags"):
+        given["env"] = dict(_variable(item) for item in params["program__env_flags"])
+    if params.get("program__scorer"):
+        given["scorer"] = _scorer(params["program__scorer"])
+    return given
+
+
+def _variable(item: str) -> tuple[str, str]:
+    name, sep, template = item.partition("=")
+    if not sep or not name:
+        raise ConfigError(f"--program.env {item!r} must look like NAME=TEMPLATE, e.g. QUESTION={{question}}")
+    return name, template
+
+
+def _scorer(spec: Any) -> Any:
+    from agentbolt.runner.worker import load_object
+
+    if not isinstance(spec, str):
+        raise ConfigError(f"program.scorer: expected 'module:fn', got {spec!r}")
+    sys.path.insert(0, os.getcwd())
+    return load_object(spec, "scorer")
+
+
+def _agent(params: dict[str, Any], program: dict[str, Any]) -> Any:
+    spec, command = params["agent"], params["command"]
     if (spec is None) == (command is None):
         raise ConfigError("give the agent as exactly one of --agent module:object or --command '...'")
     if command is None:
@@ -258,10 +344,6 @@ def _agent(spec: str | None, command: str | None) -> Any:
 
         sys.path.insert(0, os.getcwd())
         return load_agent(str(spec))
-    try:
-        from agentbolt.runner.program import Program
-    except ImportError:
-        raise ConfigError(
-            "--command needs agentbolt.runner.program, which this version does not have"
-        ) from None
-    return Program(command)
+    from agentbolt.runner.program import Program
+
+    return Program(command, **program)

@@ -17,7 +17,15 @@ from typer.testing import CliRunner
 
 from agentbolt.cli.main import app
 from agentbolt.cli.options import dataclass_schema
-from agentbolt.cli.train import ALGORITHMS, _algorithm_command, _settings, algorithm_class, trainer_schema
+from agentbolt.cli.train import (
+    ALGORITHMS,
+    _algorithm_command,
+    _sections,
+    _settings,
+    algorithm_class,
+    program_schema,
+    trainer_schema,
+)
 from agentbolt.trainer import Trainer
 
 AGENTS = str(Path(__file__).parents[1] / "sample_agents.py")
@@ -56,7 +64,7 @@ def test_the_generated_options_are_the_dataclass_fields(name: str) -> None:
     params = _algorithm_command(name).params
     flags = {opt for p in params for opt in p.opts}
     assert {s.flag for s in schema.settings.values()} <= flags
-    negations = {opt for p in params for opt in p.secondary_opts}
+    negations = {opt for p in params for opt in p.secondary_opts if not opt.startswith("--no-program.")}
     assert negations == {"--no-" + s.flag[2:] for s in schema.settings.values() if s.is_bool}
 
 
@@ -85,19 +93,40 @@ def test_grpo_help_lists_every_field_with_its_default_and_docstring() -> None:
     assert "--runners" in out and "Trainer options" in out
 
 
+def _resolved(name: str, *args: str) -> dict[str | None, dict[str, object]]:
+    """The settings ``agentbolt train NAME ARGS`` would run with, by config table."""
+    ctx = _algorithm_command(name).make_context(name, list(args))
+    return _settings(_sections(algorithm_class(name)), ctx.params)
+
+
 def test_flags_override_the_config_file(tmp_path: Path) -> None:
     config = tmp_path / "c.toml"
-    config.write_text("max_len = 64\nrounds = 5\n[train]\nlr = 0.5\nlora = false\n[trainer]\nn_runners = 3\n")
-    schema, trainer = dataclass_schema(algorithm_class("sft")), trainer_schema()
-    params = {"config": config, "rounds": "2", "train__lr": None, "trainer__n_runners": "4"}
-    params |= {k: params.get(k) for k in [s.dest for s in schema.settings.values()] if k not in params}
-    params |= {f"trainer__{s.dest}": params.get(f"trainer__{s.dest}") for s in trainer.settings.values()}
-    algo, train_values = _settings(schema, trainer, params)
-    assert algo == {"max_len": 64, "rounds": 2, "train.lr": 0.5, "train.lora": False}
-    assert train_values == {"n_runners": 4}
-    sft = algorithm_class("sft")(**schema.kwargs(algo))
+    config.write_text(
+        "max_len = 64\nrounds = 5\n[train]\nlr = 0.5\nlora = false\n"
+        "[trainer]\nn_runners = 3\nrun_dir = 'a'\n[program]\ntimeout = 9\nstdin = true\n"
+    )
+    values = _resolved(
+        "sft", "--config", str(config), "--rounds", "2", "--runners", "4", "--program.timeout", "1.5"
+    )
+    assert values[None] == {"max_len": 64, "rounds": 2, "train.lr": 0.5, "train.lora": False}
+    assert values["trainer"] == {"n_runners": 4, "run_dir": "a"}
+    assert values["program"] == {"timeout": 1.5, "stdin": True}
+    sft = algorithm_class("sft")(**dataclass_schema(algorithm_class("sft")).kwargs(values[None]))
     # the nested table starts from SFT's own default TrainConfig, not TrainConfig()
     assert (sft.train.lr, sft.train.lora, sft.train.lora_r, sft.rounds) == (0.5, False, 16, 2)
+
+
+def test_the_program_options_are_its_parameters() -> None:
+    from agentbolt.runner.program import Program
+
+    schema = program_schema()
+    params = set(inspect.signature(Program.__init__).parameters) - {"self", "command", "scorer"}
+    assert set(schema.settings) == params and schema.python_only == ()
+    assert "seconds before its process group is killed" in schema.settings["timeout"].help
+    values = _resolved("evaluate", "--program.env", "Q={q}", "--program.env", "N=1", "--no-program.stdin")
+    assert values["program"] == {"env": {"Q": "{q}", "N": "1"}, "stdin": False}
+    # --timeout is Evaluate's own; the program's is --program.timeout
+    assert _resolved("evaluate", "--timeout", "5")[None] == {"timeout": 5.0}
 
 
 def _bad(tmp_path: Path, *args: str, config: str | None = None, suffix: str = ".toml") -> str:
@@ -220,3 +249,58 @@ def test_grpo_runs_one_step_on_the_tiny_model_from_a_config_file(tmp_path: Path)
     assert "GRPO step 1" in done.stdout, done.stdout
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [0, 1]
+
+
+PROGRAM = """
+import json, os
+
+with open(os.environ["AGENTBOLT_TASK_FILE"]) as f:
+    task = json.load(f)
+with open(os.environ["AGENTBOLT_RESULT_FILE"], "w") as f:
+    json.dump({"reward": float(os.environ["REWARD"]) * task["scale"]}, f)
+"""
+
+
+def test_a_program_agent_is_evaluated_from_the_command_line(tmp_path: Path) -> None:
+    (tmp_path / "prog.py").write_text(PROGRAM)
+    tasks = tmp_path / "tasks.json"
+    tasks.write_text(json.dumps([{"id": "a", "scale": 1, "r": 0.25}, {"id": "b", "scale": 2, "r": 0.25}]))
+    # each rollout runs in its own scratch directory: the script is named by its full path
+    args = [
+        "--command",
+        f"{sys.executable} {tmp_path / 'prog.py'}",
+        "--program.env",
+        "REWARD={r}",
+        "--val",
+        str(tasks),
+    ]
+    done = cli("train", "evaluate", *args, "--run-dir", str(tmp_path / "run"), cwd=tmp_path, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    [row] = [line for line in done.stdout.splitlines() if "│ val" in line]
+    # rewards 0.25 and 0.5, rendered from each task's fields into the program's variable
+    assert [cell.strip() for cell in row.split("│")][1:6] == ["val", "2", "2", "0", "0.375"], done.stdout
+
+
+def test_train_against_a_running_server_stores_the_rollouts_there(server, client, tmp_path: Path) -> None:
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"id": "s1", "q": "x", "reward": 0.5}\n')
+    args = ["--agent", f"{AGENTS}:echo", "--val", str(tasks), "--server", server.url, "--runners", "1"]
+    done = cli("train", "evaluate", *args, "--run-dir", str(tmp_path / "run"), cwd=tmp_path, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    [rollout] = client.list_rollouts().items
+    assert (rollout.task.id, rollout.status.value, rollout.reward) == ("s1", "succeeded", 0.5)
+    # no embedded server was started: its store would be in the run directory
+    assert not (tmp_path / "run" / "agentbolt.db").exists()
+
+
+def test_without_the_train_extra_grpo_says_which_to_install(tmp_path: Path) -> None:
+    from tests.test_install import TRAIN_MODULES, python
+
+    done = python("-m", "agentbolt", "train", "grpo", "--help", absent_dir=tmp_path, absent=TRAIN_MODULES)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    [line] = done.stderr.splitlines()  # one line, no traceback
+    assert line.startswith("error: agentbolt train grpo needs the ") and "(torch is not installed)" in line
+    assert line.endswith("pip install 'agentbolt[server,train]'")
+    # the algorithms that need no training library still build their options
+    apo = python("-m", "agentbolt", "train", "apo", "--help", absent_dir=tmp_path, absent=TRAIN_MODULES)
+    assert apo.returncode == 0 and "--beam-width" in apo.stdout, apo.stderr
