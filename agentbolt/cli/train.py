@@ -21,7 +21,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 from agentbolt.cli.common import fail, load_tasks
 from agentbolt.cli.options import (
@@ -45,12 +45,12 @@ __all__ = [
     "trainer_schema",
 ]
 
-# command name -> (class name in agentbolt.algorithms, the extras its run needs)
+# command name -> (class name in agentbolt.algorithms, the extras its run needs, what it does)
 ALGORITHMS = {
-    "evaluate": ("Evaluate", ("server",)),
-    "apo": ("APO", ("server",)),
-    "sft": ("SFT", ("server", "train")),
-    "grpo": ("GRPO", ("server", "train")),
+    "evaluate": ("Evaluate", ("server",), "Run every validation (else training) task once and report."),
+    "apo": ("APO", ("server",), "Optimize a prompt resource with an optimizer model."),
+    "sft": ("SFT", ("server", "train"), "Fine-tune the policy on its best runs (rejection sampling)."),
+    "grpo": ("GRPO", ("server", "train"), "Reinforcement learning on the policy's weights."),
 }
 # Trainer's parameters have no docstrings to read, so their help is kept here (their names,
 # types and defaults are still read from its signature).
@@ -125,7 +125,8 @@ def program_schema() -> Schema:
 
 
 class _TrainGroup(TyperGroup):
-    """Builds an algorithm's command only when it is asked for (its class may import torch).
+    """Builds an algorithm's command only when it runs or shows its help (its class may import
+    torch); the list of algorithms in ``agentbolt train --help`` is made of light stand-ins.
 
     ``ctx`` is the click context of the click that typer bundles, which typer does not export."""
 
@@ -135,13 +136,16 @@ class _TrainGroup(TyperGroup):
     def get_command(self, ctx: Any, cmd_name: str) -> Any:
         if cmd_name not in ALGORITHMS:
             return None
-        with needs_extra(f"agentbolt train {cmd_name}", *ALGORITHMS[cmd_name][1]):
-            return _algorithm_command(cmd_name)
+        return TyperCommand(cmd_name, help=ALGORITHMS[cmd_name][2])
 
     def resolve_command(self, ctx: Any, args: list[str]) -> Any:
         if args and args[0] not in ALGORITHMS and not args[0].startswith("-"):
             raise fail(f"unknown algorithm {args[0]!r}: choose one of {', '.join(ALGORITHMS)}")
-        return super().resolve_command(ctx, args)
+        name, stand_in, rest = super().resolve_command(ctx, args)
+        if name is None:
+            return name, stand_in, rest
+        with needs_extra(f"agentbolt train {name}", *ALGORITHMS[name][1]):
+            return name, _algorithm_command(name), rest
 
 
 train_app = typer.Typer(
@@ -182,12 +186,17 @@ def _command_help(cls: type, schema: Schema) -> str:
         # a dataclass without a docstring gets its signature as one; its module's says more
         doc = inspect.getdoc(sys.modules[cls.__module__]) or cls.__name__
     text = (
-        f"{cls.__name__}: {doc.splitlines()[0]}\n\nSettings come from the --config file (TOML or YAML: the"
+        f"{_summary(cls, doc)}\n\nSettings come from the --config file (TOML or YAML: the"
         " algorithm's at the top, \\[trainer] and \\[program] tables), then from flags."
     )
     if schema.python_only:
         text += f"\n\nSettable from Python only: {', '.join(schema.python_only)}."
     return text
+
+
+def _summary(cls: type, doc: str) -> str:
+    first = doc.splitlines()[0]
+    return first if first.startswith(f"{cls.__name__}:") else f"{cls.__name__}: {first}"
 
 
 def _option(name: str, kind: Any, *decls: str, help: str, panel: str | None = None) -> inspect.Parameter:

@@ -304,3 +304,15 @@ def test_without_the_train_extra_grpo_says_which_to_install(tmp_path: Path) -> N
     # the algorithms that need no training library still build their options
     apo = python("-m", "agentbolt", "train", "apo", "--help", absent_dir=tmp_path, absent=TRAIN_MODULES)
     assert apo.returncode == 0 and "--beam-width" in apo.stdout, apo.stderr
+
+
+def test_train_help_lists_the_algorithms_without_loading_torch() -> None:
+    from tests.test_install import HEAVY, loaded, python
+
+    done = python("-X", "importtime", "-m", "agentbolt", "train", "--help")
+    assert done.returncode == 0, done.stderr
+    for name in ALGORITHMS:
+        assert name in done.stdout
+    modules = loaded(done.stderr)
+    assert "typer" in modules  # the import log was parsed
+    assert not modules & set(HEAVY), modules & set(HEAVY)
