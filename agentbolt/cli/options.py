@@ -80,11 +80,25 @@ class Setting:
         """``value`` as this setting's type; a flag's text is parsed first (JSON for a table)."""
         if from_flag and isinstance(value, str):
             value = self._parse_flag(value)
+        elif not from_flag:
+            self._check_scalar(value)
         try:
             return _adapter(self.kind).validate_python(value)
         except ValidationError as exc:
             reason = exc.errors()[0]["msg"]
             raise ConfigError(f"{self.key}: {reason} (got {value!r})") from None
+
+    def _check_scalar(self, value: Any) -> None:
+        """A file's true/false and numbers are typed: pydantic's lax mode would take ``steps =
+        true`` as 1 and ``lora = 1`` as true, which is a mistake to report, not to guess at."""
+        members = union_members(self.kind)
+        if isinstance(value, bool) and bool not in members:
+            raise ConfigError(f"{self.key}: expected {self._words()}, got {value!r}")
+        if not isinstance(value, bool) and self.kind is bool:
+            raise ConfigError(f"{self.key}: expected true or false, got {value!r}")
+
+    def _words(self) -> str:
+        return " or ".join(getattr(m, "__name__", str(m)) for m in union_members(self.kind))
 
     def _parse_flag(self, text: str) -> Any:
         if text.lower() in _NONE_WORDS and _allows_none(self.kind):

@@ -160,6 +160,11 @@ def test_a_wrong_type_names_the_key(tmp_path: Path) -> None:
     assert line.startswith("error: steps:") and "integer" in line
 
 
+def test_a_file_is_not_read_loosely(tmp_path: Path) -> None:
+    assert "steps: expected int, got True" in _bad(tmp_path, "grpo", config="steps = true\n")
+    assert "lora: expected true or false, got 1" in _bad(tmp_path, "grpo", config="lora = 1\n")
+
+
 def test_a_wrong_type_in_a_nested_table_names_the_dotted_key(tmp_path: Path) -> None:
     assert "train.lr:" in _bad(tmp_path, "sft", config='[train]\nlr = "fast"\n')
 
