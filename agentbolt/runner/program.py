@@ -136,6 +136,8 @@ class Program(LitAgent):
             raise ConfigError(f"timeout must be positive, not {timeout}")
         if output_limit < 1:
             raise ConfigError(f"output_limit must be at least 1 byte, not {output_limit}")
+        if scorer is not None and (scorer_command is not None or not callable(scorer)):
+            raise ConfigError("scorer must be a callable, and only one of scorer and scorer_command is given")
         scorer_argv = _split(scorer_command, "scorer command") if scorer_command is not None else None
         self.scorer = Scorer(scorer, scorer_argv, timeout)
         self.stdin, self.timeout, self.reward_later = stdin, timeout, reward_later

@@ -75,10 +75,6 @@ class Scorer:
     argv: Sequence[str] | None = None
     timeout: float | None = None
 
-    def __post_init__(self) -> None:
-        if self.fn is not None and self.argv is not None:
-            raise ValueError("give a scorer function or a scorer command, not both")
-
     @property
     def present(self) -> bool:
         return self.fn is not None or self.argv is not None

@@ -138,7 +138,6 @@ def test_the_runner_token_never_reaches_the_program(guarded, tmp_path, monkeypat
     assert env["HARMLESS"] == "kept" and env["OPENAI_API_KEY"]
 
 
-@pytest.mark.xfail(strict=True, reason="server side of K1 not landed")
 def test_the_program_holds_its_own_attempt_key(guarded, tmp_path):
     srv, admin = guarded
     admin.publish_resources({"llm": LLM(base_url="http://127.0.0.1:9/v1", model="m")})
@@ -182,7 +181,6 @@ def test_a_scorer_command_reads_the_run_on_stdin(server, client):
         assert _named_rewards(client, ro.id) == {"scorer": 1.0}
 
 
-@pytest.mark.xfail(strict=True, reason="server side of K3 (the events URL) not landed")
 def test_rewards_posted_to_the_events_url_come_first(server, client):
     body = json.dumps([{"reward": 0.25, "name": "mine"}, {"type": "reward", "data": {"value": 0.5}}])
     [ro] = _enqueue(client, [{"body": body}])
@@ -269,7 +267,6 @@ def test_megabytes_of_output_are_recorded_cut(server, client):
         assert len(text) < 66_000 and f"[… {output['cut_bytes']} bytes cut …]" in text
 
 
-@pytest.mark.xfail(strict=True, reason="server side of K3 (the events URL) not landed")
 def test_a_nan_reward_through_the_events_url_is_refused(server, client):
     [bad, good] = _enqueue(client, [{"body": '{"reward": NaN}'}, {"body": '{"reward": 0.5}'}])
     _run(_runner(Program([PY, str(PROGRAMS / "post_events.py")]), server.url, 2, concurrency=2))
@@ -368,6 +365,19 @@ def test_the_runner_command_runs_a_program(server, client):
     assert sorted(client.get_rollout(r.id).reward for r in ros) == [0.25, 0.5]
 
 
+def test_the_runner_command_takes_a_scorer_and_the_task_on_stdin(server, client):
+    [ro] = _enqueue(client, [{"word": "abc"}])
+    scorer = f"{PROGRAMS / 'scoring.py'}:first_line_length"
+    args = ["--command", "cat", "--stdin", "--scorer", scorer, "--max-rollouts", "1"]
+    proc = _cli_runner(server.url, *args)
+    try:
+        assert proc.wait(60) == 0
+    finally:
+        proc.kill()
+    assert client.get_rollout(ro.id).reward == len('{"word": "abc"}')
+    assert _named_rewards(client, ro.id) == {"scorer": 15.0}
+
+
 # ---------------------------------------------------------------------- worker identity
 
 
@@ -399,6 +409,8 @@ def test_templates_fill_task_fields_and_refuse_what_no_task_could_fill():
             Program(["echo", bad])
     with pytest.raises(ConfigError, match="cannot be split"):
         Program("echo 'unclosed")
+    with pytest.raises(ConfigError, match="only one of scorer"):
+        Program("true", scorer=lambda run: 1.0, scorer_command="echo 1")
 
 
 def test_the_environment_loses_every_variable_holding_a_secret():
