@@ -1,13 +1,15 @@
 """The program examples end to end against the bundled SmolLM2: an unmodified Python script on
-``openai.OpenAI()`` and a Node.js agent on the official ``openai`` npm package, each started as
-a child process with only the standard variables set, through the server's per-attempt gateway
-and the embedded engine. Every model call must be recorded with its prompt and completion token
-ids, and the rollout must end with the reward the program reported."""
+``openai.OpenAI()`` and a Node.js agent on the official ``openai`` npm package, each run by a
+runner as a :class:`Program` (a child process given the standard variables), through the
+server's per-attempt gateway and the embedded engine. Every model call the program made must be
+recorded once, with its prompt and completion token ids, and the rollout must end with the
+reward the program reported."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -18,7 +20,9 @@ import pytest
 
 from agentbolt.client import Client
 from agentbolt.engine import EngineServer, ModelEngine, ModelNotFoundError, ensure_model
-from agentbolt.schemas import LLM, AttemptStatus, RolloutCreate, RolloutStatus, Task
+from agentbolt.runner.program import Program
+from agentbolt.runner.worker import Runner
+from agentbolt.schemas import LLM, RolloutCreate, RolloutStatus, Task
 from agentbolt.server import ServerConfig, ServerThread
 from tests.conftest import need
 
@@ -62,57 +66,57 @@ def node_command() -> list[str]:
     return ["node", str(NODE_AGENT / "agent.mjs")]
 
 
-def run_by_hand(client: Client, command: list[str], folder: Path) -> tuple[str, dict]:
-    """Claim one rollout and run ``command`` for it with what a runner gives a program: the
-    gateway and its key in the standard variables, the task in a file, a result file to write.
-    Finish the attempt with the reward the program wrote; return the rollout id and that
-    result."""
-    [rollout] = client.enqueue([RolloutCreate(task=Task(data=TASK))])
-    claim = client.dequeue("by-hand")
-    assert claim is not None and claim.resources is not None
-    llm = claim.resources.resources["llm"]
-    assert isinstance(llm, LLM) and "/gateway/" in llm.base_url
-    task_file, result_file = folder / "task.json", folder / "result.json"
-    task_file.write_text(json.dumps(claim.rollout.task.data))
-    env = {
-        "PATH": os.environ["PATH"],
-        "HOME": str(folder),
-        "OPENAI_BASE_URL": llm.base_url,
-        "OPENAI_API_KEY": llm.api_key or "",
-        "OPENAI_MODEL": llm.model,
-        "AGENTBOLT_TASK_FILE": str(task_file),
-        "AGENTBOLT_RESULT_FILE": str(result_file),
-    }
-    done = subprocess.run(command, env=env, cwd=folder, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(result_file.read_text())
-    client.finish(claim.attempt.id, AttemptStatus.SUCCEEDED, reward=result["reward"], worker_id="by-hand")
-    return rollout.id, result | {"stdout": done.stdout}
-
-
-def assert_recorded(client: Client, rollout_id: str, reward: float) -> list[dict]:
+def assert_recorded(client: Client, rollout_id: str) -> tuple[dict, list[dict]]:
+    """The rollout succeeded with the reward its program printed (with its answer and how many
+    model calls it made), and each of those calls is recorded with token ids. Returns what the
+    program printed and the calls' data."""
     [rollout] = client.wait([rollout_id], 10).rollouts
     assert rollout.status == RolloutStatus.SUCCEEDED, rollout.error
-    assert rollout.reward == reward
-    calls = [e.data for e in client.all_events(rollout_id) if e.type == "llm_call"]
-    assert calls, "no model call was recorded"
+    events = client.all_events(rollout_id)
+    [stdout] = [e.data["content"] for e in events if e.type == "message" and e.data["role"] == "stdout"]
+    reported = json.loads(stdout)
+    assert rollout.reward == reported["reward"]
+    calls = [e.data for e in events if e.type == "llm_call"]
+    assert len(calls) == reported["calls"] > 0  # each call the program made, recorded once
     for call in calls:
         assert call["error"] is None and call["upstream_status"] == 200
         assert call["prompt_token_ids"], call["request"]
         assert all(choice["token_ids"] for choice in call["choices"]), call["choices"]
-    return calls
+    assert reported["answer"] == calls[-1]["choices"][0]["message"]["content"]
+    return reported, calls
 
 
-@pytest.mark.parametrize("language", ["python", "node"])
-def test_example_run_by_hand_through_the_gateway(language, client, tmp_path):
+@pytest.mark.parametrize("language", ["python"])
+def test_example_run_by_a_runner(language, client, tmp_path):
     command = python_command() if language == "python" else node_command()
-    rollout_id, result = run_by_hand(client, command, tmp_path)
-    calls = assert_recorded(client, rollout_id, result["reward"])
+    [rollout] = client.enqueue([RolloutCreate(task=Task(data=TASK))])
+    runner = Runner(Program(command, timeout=120), client.url, max_rollouts=1, flush_interval=0.1)
+    asyncio.run(asyncio.wait_for(runner.run(), 180))
+    reported, calls = assert_recorded(client, rollout.id)
     assert TASK["question"] in json.dumps(calls[0]["request"]["messages"])
     assert calls[0]["request"]["tools"][0]["function"]["name"] == "calculator"
-    # what the program printed as its answer is the text of the last recorded call
-    printed = json.loads(result["stdout"])
-    assert printed["answer"] == calls[-1]["choices"][0]["message"]["content"]
-    assert len(calls) == printed["calls"]  # each call the program made, recorded once
+    rewards = [e.data for e in client.all_events(rollout.id) if e.type == "reward"]
+    named = {r["name"]: r["value"] for r in rewards if "name" in r}
+    assert [r["value"] for r in rewards if r.get("final")] == [reported["reward"]]
+    # the Python script writes the result file; the Node agent posts to the events URL
+    source = "result_file" if language == "python" else "program"
     # greedy SmolLM2 states 6*7 = 42, so the program scores its answer 1
-    assert result["reward"] == 1.0
+    assert named == {source: reported["reward"]} and reported["reward"] == 1.0
+
+
+def test_node_agent_run_by_the_runner_command(client, tmp_path):
+    """What a user who writes no Python runs: ``agentbolt runner --command``."""
+    command = node_command()
+    rollouts = client.enqueue([RolloutCreate(task=Task(data=TASK)) for _ in range(2)])
+    cli = Path(sys.executable).parent / "agentbolt"
+    argv = [str(cli), "runner", "--command", shlex.join(command), "--server", client.url]
+    done = subprocess.run(
+        [*argv, "--concurrency", "2", "--max-rollouts", "2", "--timeout", "120"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rollout in rollouts:
+        reported, calls = assert_recorded(client, rollout.id)
+        assert reported["reward"] == 1.0 and calls[0]["request"]["model"] == "smollm2"

@@ -5,45 +5,19 @@ from them."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
 import sys
 from pathlib import Path
 
-from agentbolt import LitAgent, Task, Trainer
+from agentbolt import Trainer
 from agentbolt.algorithms.grpo import GRPO
 from agentbolt.client import Client
 from agentbolt.engine import tiny_model_dir
-from agentbolt.schemas import LLM, ModelWeights, RolloutStatus
+from agentbolt.runner.program import Program
+from agentbolt.schemas import ModelWeights, RolloutStatus
 from agentbolt.server import ServerConfig, ServerThread
 
 PROGRAM = [sys.executable, str(Path(__file__).parent / "vowel_program.py")]
-
-
-class RunProgram(LitAgent):
-    """Runs ``PROGRAM`` once per rollout with what a program agent is given: the attempt's
-    gateway and key in the standard variables, the task in a file, a result file for its
-    reward."""
-
-    async def execute_rollout(self, task: Task) -> float:
-        import tempfile
-
-        llm: LLM = self.get_resource("llm")
-        with tempfile.TemporaryDirectory() as folder:
-            task_file, result_file = Path(folder) / "task.json", Path(folder) / "result.json"
-            task_file.write_text(json.dumps(task.data))
-            env = {
-                "PATH": os.environ["PATH"],
-                "OPENAI_BASE_URL": llm.base_url,
-                "OPENAI_API_KEY": llm.api_key or "",
-                "OPENAI_MODEL": llm.model,
-                "AGENTBOLT_TASK_FILE": str(task_file),
-                "AGENTBOLT_RESULT_FILE": str(result_file),
-            }
-            child = await asyncio.create_subprocess_exec(*PROGRAM, env=env, cwd=folder)
-            assert await asyncio.wait_for(child.wait(), 120) == 0
-            return float(json.loads(result_file.read_text())["reward"])
 
 
 def test_grpo_two_steps_on_a_program_agent_changes_the_served_weights(tmp_path):
@@ -66,7 +40,7 @@ def test_grpo_two_steps_on_a_program_agent_changes_the_served_weights(tmp_path):
     with ServerThread(config) as server, Client(server.url) as client:
         result = Trainer(
             algo, n_runners=1, runner_concurrency=8, server_url=server.url, run_dir=tmp_path / "run"
-        ).fit(RunProgram(), train)
+        ).fit(Program(PROGRAM, timeout=120), train)
         steps = [h for h in result.history if h["step"] > 0]
         assert [h["step"] for h in steps] == [1, 2]
         assert all(h["rollouts"] == 8 and h["failed"] == 0 for h in steps), steps
@@ -84,7 +58,16 @@ def test_grpo_two_steps_on_a_program_agent_changes_the_served_weights(tmp_path):
         assert len(rollouts) == 16 and all(r.status == RolloutStatus.SUCCEEDED for r in rollouts)
         served: dict[int, set[str]] = {}
         for rollout in rollouts:
-            calls = [e.data for e in client.all_events(rollout.id) if e.type == "llm_call"]
+            events = client.all_events(rollout.id)
+            [stdout] = [
+                e.data["content"] for e in events if e.type == "message" and e.data["role"] == "stdout"
+            ]
+            named = {
+                e.data["name"]: e.data["value"] for e in events if e.type == "reward" and "name" in e.data
+            }
+            # the reward trained on is the one the program wrote
+            assert named == {"result_file": json.loads(stdout)["reward"]} == {"result_file": rollout.reward}
+            calls = [e.data for e in events if e.type == "llm_call"]
             assert len(calls) == 1, calls
             [call] = calls
             assert call["prompt_token_ids"] and call["choices"][0]["token_ids"]
