@@ -277,6 +277,17 @@ def test_a_nan_reward_through_the_events_url_is_refused(server, client):
     assert client.get_rollout(good.id).reward == 0.5
 
 
+def test_events_posted_for_another_attempt_are_forbidden(server, client):
+    other = _enqueue(client, [{}])[0]
+    [bad] = _enqueue(client, [{"body": '{"reward": 1}', "url": f"{server.url}/agent/{other.id}/at-x/events"}])
+    _run(_runner(Program([PY, str(PROGRAMS / "post_events.py")]), server.url, 2, concurrency=2))
+    [stdout] = [d["content"] for d in _events(client, bad.id, "message") if d["role"] == "stdout"]
+    assert stdout.startswith("403"), stdout
+    rollout = client.get_rollout(bad.id)
+    assert rollout.status == RolloutStatus.FAILED and "no reward" in (rollout.error or "")
+    assert _events(client, other.id, "reward") == []  # nothing reached the other rollout
+
+
 # ---------------------------------------------------------------------- processes
 
 
