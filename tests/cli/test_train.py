@@ -26,6 +26,7 @@ from agentbolt.cli.train import (
     program_schema,
     trainer_schema,
 )
+from agentbolt.errors import ConfigError
 from agentbolt.trainer import Trainer
 
 AGENTS = str(Path(__file__).parents[1] / "sample_agents.py")
@@ -77,6 +78,21 @@ def test_the_trainer_options_are_its_parameters() -> None:
         assert setting.default == inspect.signature(Trainer.__init__).parameters[key].default
     flags = {opt for p in _algorithm_command("evaluate").params for opt in p.opts}
     assert {"--n-runners", "--runners", "--server-url", "--server", "--run-dir"} <= flags
+
+
+def test_a_program_table_gives_env_and_a_scorer(tmp_path: Path) -> None:
+    (tmp_path / "scoring.py").write_text("def score(run):\n    return 0.5\n")
+    config = tmp_path / "c.toml"
+    config.write_text(f'[program]\nenv = {{Q = "{{q}}"}}\nscorer = "{tmp_path / "scoring.py"}:score"\n')
+    program = _resolved("evaluate", "--config", str(config))["program"]
+    assert program["env"] == {"Q": "{q}"} and program["scorer"](None) == 0.5
+    # the flag replaces the file's variables
+    assert _resolved("evaluate", "--config", str(config), "--program.env", "R=1")["program"]["env"] == {
+        "R": "1"
+    }
+    config.write_text("[program]\nscorer = 3\n")
+    with pytest.raises(ConfigError, match="program.scorer: expected 'module:fn', got 3"):
+        _resolved("evaluate", "--config", str(config))
 
 
 def test_grpo_help_lists_every_field_with_its_default_and_docstring() -> None:
