@@ -1,6 +1,7 @@
 """The calculator agent written with the OpenAI Agents SDK and a function tool. The SDK talks to
-the ``LLM`` resource's endpoint (the per-attempt gateway inside a rollout) through its Chat
-Completions model; its own trace export to openai.com is switched off.
+the ``LLM`` resource's endpoint (the per-attempt gateway inside a rollout) with its default
+model, which speaks the Responses API (the gateway serves it, also for model servers that only
+speak chat completions); its own trace export to openai.com is switched off.
 
 Run: ``python examples/openai_agents_sdk_agent.py --base-url http://127.0.0.1:8000/v1 --model smollm2``
 """
@@ -13,7 +14,8 @@ from pathlib import Path
 from agents import (
     Agent,
     ModelSettings,
-    OpenAIChatCompletionsModel,
+    OpenAIProvider,
+    RunConfig,
     Runner,
     function_tool,
     set_tracing_disabled,
@@ -42,11 +44,13 @@ async def openai_agents_sdk_agent(task: Task, llm: LLM, system_prompt: str = SYS
         name="calculator",
         instructions=system_prompt,
         tools=[calculator],
-        model=OpenAIChatCompletionsModel(model=llm.model, openai_client=client),
+        model=llm.model,
         model_settings=ModelSettings(**llm.sampling_parameters),
     )
+    # the SDK's default provider and model, pointed at this rollout's endpoint
+    config = RunConfig(model_provider=OpenAIProvider(openai_client=client))
     try:
-        result = await Runner.run(agent, task.data["question"], max_turns=4)
+        result = await Runner.run(agent, task.data["question"], max_turns=4, run_config=config)
     finally:
         await client.close()
     return score(str(result.final_output), task.data["answer"])

@@ -240,7 +240,9 @@ def to_response(chat: dict[str, Any], request: dict[str, Any], response_id: str)
                 "status": "completed",
             }
         )
-    cut = choice.get("finish_reason") == "length"
+    # incomplete only at the limit the agent set: a chat server's own length limit has no
+    # Responses counterpart, and clients such as the Agents SDK raise on an incomplete answer
+    cut = choice.get("finish_reason") == "length" and request.get("max_output_tokens") is not None
     return {
         "id": response_id,
         "object": "response",

@@ -53,16 +53,21 @@ def test_example_end_to_end(name, rig, upstream):
         calls = [e.data for e in events if e.type == "llm_call"]
         assert len(calls) == 2, [c["request"] for c in calls]  # a tool call, then the answer
         first, second = calls
+        # the Agents SDK's default model speaks the Responses API; the gateway asked the chat model
+        assert [c["endpoint"] for c in calls] == [
+            "responses" if name == "openai_agents_sdk_agent" else "chat.completions"
+        ] * 2
+        asked = [c.get("chat_request") or c["request"] for c in calls]
         assert [c["stream"] for c in calls] == [name == "autogen_agent"] * 2  # AutoGen's client streams
         assert first["choices"][0]["finish_reason"] == "tool_calls"
         [tool_call] = first["choices"][0]["message"]["tool_calls"]
         assert tool_call["function"]["name"] == "calculator"
-        assert task["question"] in json.dumps(first["request"]["messages"])
-        tool_results = [m for m in second["request"]["messages"] if m.get("role") == "tool"]
+        assert task["question"] in json.dumps(asked[0]["messages"])
+        tool_results = [m for m in asked[1]["messages"] if m.get("role") == "tool"]
         assert [m["tool_call_id"] for m in tool_results] == [tool_call["id"]]
         assert "42" in json.dumps(tool_results[0]["content"])
-        for call in calls:  # recorded exactly: the ids and logprobs the upstream returns for it
-            truth = _truth(upstream, call["request"])
+        for call, request in zip(calls, asked, strict=True):  # recorded exactly: the upstream's ids
+            truth = _truth(upstream, request)
             assert call["prompt_token_ids"] == truth["prompt_token_ids"]
             assert call["choices"][0]["token_ids"] == truth["choices"][0]["token_ids"]
             assert call["choices"][0]["logprobs"] == [

@@ -9,7 +9,7 @@ import json
 import openai
 import pytest
 
-from agentbolt.server.responses import Untranslatable, to_chat
+from agentbolt.server.responses import Untranslatable, to_chat, to_response
 
 TOOL = {
     "type": "function",
@@ -133,3 +133,13 @@ def test_to_chat_merges_calls_and_maps_roles():
     assert chat["max_tokens"] == 5 and chat["tool_choice"] == {"type": "function", "function": {"name": "f"}}
     with pytest.raises(Untranslatable):
         to_chat({"input": []})
+
+
+def test_a_reply_cut_at_the_agents_limit_is_incomplete():
+    chat = {"choices": [{"message": {"role": "assistant", "content": "The"}, "finish_reason": "length"}]}
+    capped = to_response(chat, {"input": "hi", "max_output_tokens": 1}, "resp_1")
+    assert capped["status"] == "incomplete" and capped["incomplete_details"] == {
+        "reason": "max_output_tokens"
+    }
+    # the model server's own length limit has no Responses counterpart: the answer is complete
+    assert to_response(chat, {"input": "hi"}, "resp_2")["status"] == "completed"
