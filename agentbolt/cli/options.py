@@ -98,7 +98,10 @@ class Setting:
             raise ConfigError(f"{self.key}: expected true or false, got {value!r}")
 
     def _words(self) -> str:
-        return " or ".join(getattr(m, "__name__", str(m)) for m in union_members(self.kind))
+        names = (
+            "none" if m is type(None) else getattr(m, "__name__", str(m)) for m in union_members(self.kind)
+        )
+        return " or ".join(names)
 
     def _parse_flag(self, text: str) -> Any:
         if text.lower() in _NONE_WORDS and _allows_none(self.kind):
