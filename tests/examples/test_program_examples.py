@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shlex
 import shutil
 import subprocess
@@ -120,3 +121,28 @@ def test_node_agent_run_by_the_runner_command(client, tmp_path):
     for rollout in rollouts:
         reported, calls = assert_recorded(client, rollout.id)
         assert reported["reward"] == 1.0 and calls[0]["request"]["model"] == "smollm2"
+
+
+def test_node_agent_evaluated_by_agentbolt_train(client, tmp_path):
+    """``agentbolt train evaluate --command``: tasks from a JSON-lines file, the program run by the
+    trainer's runner process, the summary printed."""
+    command = node_command()
+    tasks = [TASK, {"question": "What is 12+30?", "answer": "42"}]
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    cli = Path(sys.executable).parent / "agentbolt"
+    done = subprocess.run(
+        [str(cli), "train", "evaluate", "--command", shlex.join(command), "--val", "tasks.jsonl"]
+        + ["--server", client.url, "--runners", "1", "--runner-concurrency", "2", "--run-dir", "run"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rollouts = list(client.pages(client.list_rollouts))
+    assert sorted(r.task.data["question"] for r in rollouts) == sorted(t["question"] for t in tasks)
+    rewards = [assert_recorded(client, r.id)[0]["reward"] for r in rollouts]
+    # the summary table: val, count 2, succeeded 2, failed 0, the mean of what the program reported
+    row = re.search(r"val\W+2\W+2\W+0\W+([\d.]+)", done.stdout)
+    assert row is not None, done.stdout
+    assert float(row.group(1)) == pytest.approx(sum(rewards) / len(rewards), abs=1e-3)
