@@ -69,7 +69,7 @@ from agentbolt.server.openai_format import (
     prepare,
     strip,
 )
-from agentbolt.server.responses import Untranslatable, new_id, stream_events, to_chat, to_response
+from agentbolt.server.responses import EventStream, Untranslatable, new_id, to_chat, to_response
 from agentbolt.server.store_caller import StoreCaller
 
 __all__ = ["Gateway"]
@@ -188,6 +188,7 @@ class Gateway:
             t0,
             CallTry.of(request, raw),
             responses,
+            new_id("resp") if responses is not None else None,
         )
         try:
             upstream = await self._send_with_fallback(call, payload)
@@ -218,8 +219,6 @@ class Gateway:
                 upstream.status_code,
             )
         out = await self._record_success(call, full, upstream.status_code, upstream.headers)
-        if responses is not None and responses.get("stream"):
-            return StreamingResponse(_sse(stream_events(out)), media_type="text/event-stream")
         return json_answer(out, upstream.status_code)
 
     def _upstream_request(self, call: ForwardedCall, payload: dict[str, Any]) -> httpx.Request:
@@ -303,6 +302,9 @@ class Gateway:
         """Pass a stream through chunk by chunk (stripped); record it reassembled before the
         final ``[DONE]``, so the record exists when the agent's call returns."""
         assembler = StreamAssembler(call.endpoint)
+        events = EventStream(call.responses, call.response_id or "") if call.responses is not None else None
+        if events is not None:
+            yield _sse(events.start())
         error: dict[str, Any] | None = None
         extra: dict[str, Any] = {"time_to_first_token_ms": None}
         recorded = False
@@ -320,11 +322,14 @@ class Gateway:
                         if isinstance(chunk["error"], dict)
                         else openai_error(str(chunk["error"]), "upstream_error")
                     )
-                    yield b"data: " + orjson.dumps(error) + b"\n\n"
+                    yield _sse(events.error(error)) if events else b"data: " + orjson.dumps(error) + b"\n\n"
                     continue
                 if extra["time_to_first_token_ms"] is None:
                     extra["time_to_first_token_ms"] = call.elapsed_ms()
                 assembler.add(chunk)
+                if events is not None:
+                    yield _sse(events.add(chunk))
+                    continue
                 out = strip(chunk, call.wants, stream=True)
                 if out is not None:
                     yield b"data: " + orjson.dumps(out) + b"\n\n"
@@ -332,14 +337,17 @@ class Gateway:
             error = openai_error(
                 f"the model server's stream broke: {call.scrub(str(exc))}", "upstream_stream_error", 502
             )
-            yield b"data: " + orjson.dumps(error) + b"\n\n"
+            yield _sse(events.error(error)) if events else b"data: " + orjson.dumps(error) + b"\n\n"
         except BaseException:  # the agent went away: still record what came
             error = openai_error("the client disconnected before the stream ended", "client_disconnected")
             raise
         else:
             recorded = True
-            await self._record_stream(call, upstream, assembler, error, extra)
-            yield b"data: [DONE]\n\n"
+            answer = await self._record_stream(call, upstream, assembler, error, extra)
+            if events is None:
+                yield b"data: [DONE]\n\n"
+            elif answer is not None:
+                yield _sse(events.finish(answer))
         finally:
             with anyio.CancelScope(shield=True):
                 await upstream.aclose()
@@ -353,15 +361,16 @@ class Gateway:
         assembler: StreamAssembler,
         error: dict[str, Any] | None,
         extra: dict[str, Any],
-    ) -> None:
+    ) -> dict[str, Any] | None:
+        """Record a finished stream; the answer as the agent gets it (``None`` after an error)."""
         if error is not None:
             await self._record(
                 call, self._error_data(call, upstream.status_code, error, assembler.response(), extra)
             )
-        else:
-            await self._record_success(
-                call, assembler.response(), upstream.status_code, upstream.headers, extra
-            )
+            return None
+        return await self._record_success(
+            call, assembler.response(), upstream.status_code, upstream.headers, extra
+        )
 
     # ------------------------------------------------------------------ recording
 
@@ -381,7 +390,7 @@ class Gateway:
         assert out is not None
         usage = out.get("usage") or count_usage(prompt_ids, choices)
         if call.responses is not None:
-            out = to_response({**out, "usage": usage}, call.responses, new_id("resp"))
+            out = to_response({**out, "usage": usage}, call.responses, call.response_id or new_id("resp"))
         data = self._base_data(call, status, out)
         data.update(
             prompt_token_ids=prompt_ids,
@@ -505,12 +514,15 @@ def _chat_for(body: dict[str, Any]) -> dict[str, Any]:
             "previous_response_id is not supported by this gateway: send the conversation as input items",
             "previous_response_id",
         )
-    return to_chat(body)
+    chat = to_chat(body)
+    if body.get("stream"):
+        chat["stream"] = True
+    return chat
 
 
-async def _sse(events: list[dict[str, Any]]) -> AsyncIterator[bytes]:
-    for event in events:
-        yield b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+def _sse(events: list[dict[str, Any]]) -> bytes:
+    """Responses events as server-sent events (named, as OpenAI sends them)."""
+    return b"".join(b"event: " + e["type"].encode() + b"\ndata: " + orjson.dumps(e) + b"\n\n" for e in events)
 
 
 def _backoff(attempt: int) -> float:

@@ -89,6 +89,7 @@ class ForwardedCall:
     t0: float  # perf_counter, for latency
     try_of: CallTry
     responses: dict[str, Any] | None = None  # a Responses request; ``request`` is its chat form
+    response_id: str | None = None  # the id of the Response answering it
 
     def elapsed_ms(self) -> float:
         return round((time.perf_counter() - self.t0) * 1000, 3)

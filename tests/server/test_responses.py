@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 
@@ -78,19 +79,58 @@ def test_function_call_out_and_its_output_back_in(rig, upstream):
     assert events[0].data["choices"][0]["message"]["tool_calls"][0]["id"] == call.call_id
 
 
-def test_stream_gives_the_response_events(rig, upstream):
+def test_stream_gives_the_response_events_as_the_model_streams(rig, upstream):
     claim = rig.claim()
     with _openai(claim).responses.stream(model="double", input="Hello there") as stream:
-        kinds = [event.type for event in stream]
+        events = list(stream)
         final = stream.get_final_response()
-    assert kinds[:2] == ["response.created", "response.in_progress"]
-    assert "response.output_text.delta" in kinds and kinds[-1] == "response.completed"
-    assert final.output_text
+    kinds = [event.type for event in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-1] == "response.completed" and kinds.count("response.output_text.delta") > 1
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert "".join(d.delta for d in deltas) == final.output_text
+    assert {d.item_id for d in deltas} == {final.output[0].id} and events[0].response.id == final.id
+    assert upstream.calls[-1].body["stream"] is True  # the model streamed too
     [event] = rig.llm_calls(claim.rollout.id)
     assert (
         event.data["stream"] is True and event.data["choices"][0]["message"]["content"] == final.output_text
     )
-    assert event.data["token_ids"] is True
+    assert event.data["token_ids"] is True and event.data["response"]["id"] == final.id
+
+
+def test_streamed_function_call(rig, upstream):
+    claim = rig.claim()
+    with _openai(claim).responses.stream(model="double", input="What is 6 times 7?", tools=[TOOL]) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    [call] = final.output
+    assert call.type == "function_call" and call.name == "calculator"
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(pieces) == 2 and "".join(pieces) == call.arguments
+    [event] = rig.llm_calls(claim.rollout.id)
+    assert event.data["choices"][0]["message"]["tool_calls"][0]["id"] == call.call_id
+
+
+def test_broken_stream_ends_with_an_error_event_and_is_recorded(rig, upstream):
+    claim = rig.claim(model="broken-stream")
+    with httpx.stream(
+        "POST",
+        f"{claim.resources.resources['llm'].base_url}/responses",
+        json={"model": "broken-stream", "input": "hi", "stream": True},
+        headers={"authorization": f"Bearer {claim.resources.resources['llm'].api_key}"},
+        timeout=10,
+    ) as answer:
+        kinds = [json.loads(line[5:])["type"] for line in answer.iter_lines() if line.startswith("data:")]
+    assert kinds[0] == "response.created" and kinds[-1] == "error" and "response.completed" not in kinds
+    [event] = rig.llm_calls(claim.rollout.id)
+    assert event.data["endpoint"] == "responses"
+    assert event.data["error"]["error"]["type"] == "upstream_stream_error"
 
 
 def test_untranslatable_requests_are_400_naming_the_field(rig, upstream):
