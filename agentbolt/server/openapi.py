@@ -5,6 +5,12 @@ FastAPI documents a 200 and its own 422 shape. agentbolt answers every error wit
 errors, validation, the gateway's OpenAI-style errors), so each operation lists the statuses
 it can get, with that body; and the bearer scheme is declared when the server has tokens.
 Found by fuzzing the schema (``tests/scale/test_fuzz.py``).
+
+OpenAPI links say which answer feeds which call: a published version can be read, and rollouts
+enqueued after it; an enqueued rollout can be read, cancelled and claimed; a claim's attempt can
+be heartbeated, given events, finished and used through the gateway (as the worker holding it),
+and its rollout cancelled. Clients and generators can follow them; schemathesis's stateful phase
+does, so those handlers are fuzzed on real attempts.
 """
 
 from __future__ import annotations
@@ -23,13 +29,47 @@ _WHY = {
     401: "Missing or invalid bearer token (when the server has tokens)",
     403: "The token's role may not do this",
     404: "Not found",
-    409: "Conflict: the attempt is no longer held, or the status change is not allowed",
+    409: "Conflict: the attempt is no longer held, the status change is not allowed, or the request contradicts what is stored",
     413: "Request body larger than the server's limit",
     422: "The request does not match the schema",
     502: "The model server failed or could not be reached",
     504: "The model server timed out",
 }
 _UNAUTHENTICATED = ("/health",)
+
+_FIRST_ROLLOUT = {"rollout_id": "$response.body#/0/id"}
+_CLAIMED = {"attempt_id": "$response.body#/attempt/id"}
+_CLAIMED_ROLLOUT = {"rollout_id": "$response.body#/rollout/id"}
+_CLAIMED_BOTH = {**_CLAIMED_ROLLOUT, **_CLAIMED}
+_HOLDER = {"worker_id": "$response.body#/attempt/worker_id"}
+# (source path, method, status) -> link name -> (target method, target path, parameters, body)
+_LINKS: dict[tuple[str, str, str], dict[str, tuple[str, str, dict[str, str], dict[str, str] | None]]] = {
+    ("/api/rollouts", "post", "201"): {
+        "GetRollout": ("get", "/api/rollouts/{rollout_id}", _FIRST_ROLLOUT, None),
+        "CancelRollout": ("post", "/api/rollouts/{rollout_id}/cancel", _FIRST_ROLLOUT, None),
+        "ListAttempts": ("get", "/api/rollouts/{rollout_id}/attempts", _FIRST_ROLLOUT, None),
+        "Dequeue": ("post", "/api/dequeue", {}, None),
+    },
+    ("/api/dequeue", "post", "200"): {
+        "GetAttempt": ("get", "/api/attempts/{attempt_id}", _CLAIMED, None),
+        "Heartbeat": ("post", "/api/attempts/{attempt_id}/heartbeat", _CLAIMED, _HOLDER),
+        "AddEvents": ("post", "/api/attempts/{attempt_id}/events", _CLAIMED, _HOLDER),
+        "Finish": ("post", "/api/attempts/{attempt_id}/finish", _CLAIMED, _HOLDER),
+        "CancelRollout": ("post", "/api/rollouts/{rollout_id}/cancel", _CLAIMED_ROLLOUT, None),
+        "ListEvents": ("get", "/api/rollouts/{rollout_id}/events", _CLAIMED_ROLLOUT, None),
+        "ChatCompletion": (
+            "post",
+            "/gateway/{rollout_id}/{attempt_id}/v1/chat/completions",
+            _CLAIMED_BOTH,
+            None,
+        ),
+        "Models": ("get", "/gateway/{rollout_id}/{attempt_id}/v1/models", _CLAIMED_BOTH, None),
+    },
+    ("/api/resources", "post", "201"): {
+        "GetResources": ("get", "/api/resources/{version}", {"version": "$response.body#/version"}, None),
+        "Enqueue": ("post", "/api/rollouts", {}, None),
+    },
+}
 
 
 def _statuses(path: str, method: str, op: dict[str, Any]) -> set[int]:
@@ -40,7 +80,11 @@ def _statuses(path: str, method: str, op: dict[str, Any]) -> set[int]:
         out.add(404)
     if method == "post":
         out.add(413)
-        if path.startswith(("/api/attempts/", "/gateway/")) or path.endswith("/cancel"):
+        if (
+            path.startswith(("/api/attempts/", "/gateway/"))
+            or path.endswith("/cancel")
+            or path == "/api/rollouts"
+        ):
             out.add(409)
     if path.startswith("/gateway/"):
         out |= {400, 404, 409, 502, 504}
@@ -68,6 +112,7 @@ def document(app: FastAPI, auth: bool) -> None:
                         "description": _WHY[status],
                         "content": {"application/json": {"schema": _REF}},
                     }
+        _link(schema)
         for replaced in ("HTTPValidationError", "ValidationError"):  # FastAPI's 422 shape
             components.pop(replaced, None)
         if auth:
@@ -76,6 +121,21 @@ def document(app: FastAPI, auth: bool) -> None:
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _link(schema: dict[str, Any]) -> None:
+    """Add the OpenAPI links of ``_LINKS``, naming each target by its operationId."""
+    paths = schema["paths"]
+    for (path, method, status), links in _LINKS.items():
+        response = paths[path][method]["responses"][status]
+        response["links"] = {}
+        for name, (target_method, target_path, parameters, body) in links.items():
+            link: dict[str, Any] = {"operationId": paths[target_path][target_method]["operationId"]}
+            if parameters:
+                link["parameters"] = parameters
+            if body:
+                link["requestBody"] = body
+            response["links"][name] = link
 
 
 def _document_auth(schema: dict[str, Any]) -> None:
