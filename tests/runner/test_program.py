@@ -112,10 +112,11 @@ def guarded(tmp_path):
         yield srv, admin
 
 
-def _report_env(url: str, out: Path, token: str) -> dict:
+def _report_env(url: str, out: Path, token: str) -> tuple[dict, Runner]:
     program = Program([PY, str(PROGRAMS / "report_env.py"), str(out)])
-    _run(_runner(program, url, 1, token=token))
-    return json.loads(out.read_text())["env"]
+    runner = _runner(program, url, 1, token=token)
+    _run(runner)
+    return json.loads(out.read_text())["env"], runner
 
 
 def test_the_runner_token_never_reaches_the_program(guarded, tmp_path, monkeypatch):
@@ -131,9 +132,11 @@ def test_the_runner_token_never_reaches_the_program(guarded, tmp_path, monkeypat
         monkeypatch.setenv(name, value)
     admin.publish_resources({"llm": LLM(base_url="http://127.0.0.1:9/v1", model="m")})
     [ro] = _enqueue(admin, [{}])
-    env = _report_env(srv.url, tmp_path / "given.json", token)
+    env, runner = _report_env(srv.url, tmp_path / "given.json", token)
     assert admin.get_rollout(ro.id).status == RolloutStatus.SUCCEEDED
     assert not [k for k, v in env.items() if token in v]
+    worker_token = runner.client.token or ""
+    assert worker_token.startswith("wt_") and not [k for k, v in env.items() if worker_token in v]
     assert not {"AGENTBOLT_TOKEN", "AGENTBOLT_RUNNER_TOKEN", "SOME_COPY", "AUTH_HEADER"} & set(env)
     assert env["HARMLESS"] == "kept" and env["OPENAI_API_KEY"]
 
@@ -142,7 +145,7 @@ def test_the_program_holds_its_own_attempt_key(guarded, tmp_path):
     srv, admin = guarded
     admin.publish_resources({"llm": LLM(base_url="http://127.0.0.1:9/v1", model="m")})
     _enqueue(admin, [{}])
-    env = _report_env(srv.url, tmp_path / "given.json", "runner-token-0123456789")
+    env, _ = _report_env(srv.url, tmp_path / "given.json", "runner-token-0123456789")
     assert env["OPENAI_API_KEY"].startswith("ak_") and len(env["OPENAI_API_KEY"]) == 35
 
 
