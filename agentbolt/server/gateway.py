@@ -69,7 +69,15 @@ from agentbolt.server.openai_format import (
     prepare,
     strip,
 )
-from agentbolt.server.responses import EventStream, Untranslatable, new_id, to_chat, to_response
+from agentbolt.server.responses import (
+    EventStream,
+    Untranslatable,
+    history_of,
+    new_id,
+    to_chat,
+    to_response,
+    with_history,
+)
 from agentbolt.server.store_caller import StoreCaller
 
 __all__ = ["Gateway"]
@@ -170,6 +178,9 @@ class Gateway:
             target = await self.target(rollout_id, attempt_id)
             resource, llm = target.pick(body.get("model"))
             key = await self.keys.resolve(llm, target.resources_version)
+            if responses is not None and responses.get("previous_response_id") is not None:
+                history = await self._history(target, responses["previous_response_id"])
+                body = with_history(body, responses, history)
         except Refused as exc:
             return exc.response()
         rejected = self._rejected.get(llm.base_url, frozenset())
@@ -484,6 +495,33 @@ class Gateway:
         except Exception:  # the agent still gets its answer; the lost record is logged
             log.exception("could not record an llm_call for attempt %s", call.target.attempt_id)
 
+    async def _history(self, target: Target, response_id: str) -> list[dict[str, Any]]:
+        """The conversation up to the attempt's Response ``response_id``, from its recorded
+        call: the state lives in the store, so any replica can continue it."""
+        found, cursor = None, None
+        while True:
+            page = await self.call(
+                self.store.list_events,
+                attempt_id=target.attempt_id,
+                types=[EventType.LLM_CALL.value],
+                limit=500,
+                cursor=cursor,
+            )
+            for event in page.items:
+                data = event.data
+                if (
+                    data.get("endpoint") == RESPONSES
+                    and (data.get("response") or {}).get("id") == response_id
+                ):
+                    found = data
+            if page.next_cursor is None or not page.items:
+                break
+            cursor = page.next_cursor
+        if found is None or found.get("error") or not found.get("choices"):
+            message = f"previous response {response_id!r} not found among this attempt's answered calls"
+            raise Refused(400, message, "invalid_request_error", "previous_response_id")
+        return history_of(found)
+
     # ------------------------------------------------------------------ models
 
     async def models(self, rollout_id: str, attempt_id: str) -> Response:
@@ -507,13 +545,11 @@ class Gateway:
 
 
 def _chat_for(body: dict[str, Any]) -> dict[str, Any]:
-    """The chat request for a Responses request; the conversation state behind
-    ``previous_response_id`` is not kept yet, so such a request is refused, not half answered."""
-    if body.get("previous_response_id") is not None:
-        raise Untranslatable(
-            "previous_response_id is not supported by this gateway: send the conversation as input items",
-            "previous_response_id",
-        )
+    """The chat request for a Responses request (without the history a
+    ``previous_response_id`` brings: that needs the attempt)."""
+    previous = body.get("previous_response_id")
+    if previous is not None and not isinstance(previous, str):
+        raise Untranslatable("'previous_response_id' must be a string", "previous_response_id")
     chat = to_chat(body)
     if body.get("stream"):
         chat["stream"] = True

@@ -23,12 +23,12 @@ MAX_KEY_LENGTH = 200  # a longer Idempotency-Key is recorded by its hash
 class Refused(Exception):
     """A call the gateway answers itself, with an OpenAI-style error."""
 
-    def __init__(self, status: int, message: str, type: str) -> None:
+    def __init__(self, status: int, message: str, type: str, param: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.type = status, type
+        self.status, self.type, self.param = status, type, param
 
     def response(self) -> Response:
-        return json_answer(openai_error(str(self), self.type, self.status), self.status)
+        return json_answer(openai_error(str(self), self.type, self.status, self.param), self.status)
 
 
 def json_answer(body: Any, status: int = 200) -> Response:

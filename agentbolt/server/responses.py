@@ -20,7 +20,17 @@ import time
 import uuid
 from typing import Any
 
-__all__ = ["REQUEST_SCHEMA", "EventStream", "Untranslatable", "check", "new_id", "to_chat", "to_response"]
+__all__ = [
+    "REQUEST_SCHEMA",
+    "EventStream",
+    "Untranslatable",
+    "check",
+    "history_of",
+    "new_id",
+    "to_chat",
+    "to_response",
+    "with_history",
+]
 
 # Fields copied as they are onto the chat request.
 _SAME = ("model", "temperature", "top_p", "parallel_tool_calls", "user", "seed", "stop")
@@ -216,6 +226,26 @@ def _response_format(text: Any) -> dict[str, Any] | None:
         return {"type": "json_object"}
     schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
     return {"type": "json_schema", "json_schema": schema}
+
+
+def history_of(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """The conversation a recorded Responses call leaves for the next call that names it as
+    ``previous_response_id``: what the model was asked (less that call's instructions, which
+    OpenAI does not carry over) and its answer."""
+    messages = list(data["chat_request"]["messages"])
+    if data["request"].get("instructions"):
+        messages = messages[1:]
+    answer = data["choices"][0]["message"]
+    reply: dict[str, Any] = {"role": "assistant", "content": answer.get("content")}
+    if answer.get("tool_calls"):
+        reply["tool_calls"] = answer["tool_calls"]
+    return [*messages, reply]
+
+
+def with_history(chat: dict[str, Any], body: dict[str, Any], history: list[dict[str, Any]]) -> dict[str, Any]:
+    """``chat`` (from :func:`to_chat`) with the earlier conversation after its system message."""
+    at = 1 if body.get("instructions") else 0
+    return {**chat, "messages": [*chat["messages"][:at], *history, *chat["messages"][at:]]}
 
 
 # ---------------------------------------------------------------------------- response

@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 
+from agentbolt.server import ServerConfig, ServerThread
 from agentbolt.server.responses import Untranslatable, to_chat, to_response
 
 TOOL = {
@@ -140,8 +141,45 @@ def test_untranslatable_requests_are_400_naming_the_field(rig, upstream):
     assert info.value.body["param"] == "tools[0]"
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(model="double", input="hi", previous_response_id="resp_123")
-    assert info.value.body["param"] == "previous_response_id"
+    assert info.value.body["param"] == "previous_response_id" and "resp_123" in info.value.body["message"]
     assert upstream.calls == []
+
+
+def test_previous_response_id_continues_on_another_replica(rig, upstream):
+    """The state behind previous_response_id is the attempt's record in the store: a second
+    server on the same database continues the conversation the first one answered."""
+    claim = rig.claim()
+    first = _openai(claim).responses.create(
+        model="double", input="What is 6 times 7?", instructions="Be brief.", tools=[TOOL]
+    )
+    [call] = first.output
+    base = claim.resources.resources["llm"].base_url
+    with ServerThread(ServerConfig(db=rig.server.config.db, upstream_timeout=5.0)) as replica:
+        other = openai.OpenAI(
+            base_url=base.replace(rig.server.url, replica.url),
+            api_key=claim.resources.resources["llm"].api_key,
+            max_retries=0,
+        )
+        output = {"type": "function_call_output", "call_id": call.call_id, "output": "42"}
+        second = other.responses.create(
+            model="double",
+            input=[output],
+            previous_response_id=first.id,
+            instructions="Answer.",
+            tools=[TOOL],
+        )
+        with pytest.raises(openai.BadRequestError):  # another attempt's answers are not its history
+            rig_other = rig.claim()
+            _openai(rig_other).responses.create(model="double", input="x", previous_response_id=first.id)
+    assert "42" in second.output_text and second.previous_response_id == first.id
+    messages = upstream.calls[-1].body["messages"]
+    # the new instructions replace the earlier ones; the earlier turn and its tool call come back
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool"]
+    assert messages[0]["content"] == "Answer." and messages[1]["content"] == "What is 6 times 7?"
+    assert messages[2]["tool_calls"][0]["id"] == call.call_id
+    events = rig.llm_calls(claim.rollout.id)
+    assert len(events) == 2 and events[1].data["chat_request"]["messages"] == messages
+    assert events[1].data["token_ids"] is True
 
 
 def test_to_chat_merges_calls_and_maps_roles():
