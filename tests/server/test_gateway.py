@@ -45,7 +45,7 @@ def test_claim_points_llm_at_gateway_and_hides_the_key(rig):
     claim = rig.claim(api_key="sk-upstream-secret")
     llm = claim.resources.resources["llm"]
     assert llm.base_url == f"{rig.server.url}/gateway/{claim.rollout.id}/{claim.attempt.id}/v1"
-    assert llm.api_key == "agentbolt"
+    assert llm.api_key == claim.agent_key and llm.api_key.startswith("ak_")  # the attempt's own key
     assert llm.model == "double"
 
 
@@ -396,6 +396,19 @@ def test_upstream_rejecting_both_extras_drops_each_once(rig, upstream):
     assert all(e.data["error"] is None and e.data["choices"][0]["message"]["content"] for e in events)
 
 
+def test_text_only_calls_are_counted_skipped_by_token_trainers_and_kept_for_text(rig, upstream):
+    from agentbolt.adapters import to_chat_rows, to_transitions
+
+    upstream.strict = True
+    claim = rig.claim()
+    _openai(claim).chat.completions.create(model="double", messages=MESSAGES)
+    events = rig.client.all_events(claim.rollout.id)
+    rows, stats = to_transitions(events)
+    assert rows == [] and stats.calls == 1 and stats.skipped_no_ids == 1
+    [row] = to_chat_rows(events)  # SFT from text still has the conversation
+    assert row["messages"][0]["content"] == MESSAGES[0]["content"] and row["messages"][-1]["content"]
+
+
 def test_agents_own_rejected_logprobs_is_never_retried_altered(rig, upstream):
     upstream.strict = {"logprobs"}
     claim = rig.claim()
@@ -431,7 +444,7 @@ def test_keys_from_config_and_redaction_everywhere(tmp_path, upstream, caplog):
             admin_client.enqueue([RolloutCreate(task=Task())])
             claim = runner.dequeue("w")
             llm = claim.resources.resources["llm"]
-            assert llm.api_key == runner_token  # the runner's own token: the gateway call authenticates
+            assert llm.api_key == claim.agent_key != runner_token  # the attempt's key, never the runner's
             client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0)
             client.chat.completions.create(model="double", messages=MESSAGES)
             assert upstream.calls[-1].headers["authorization"] == "Bearer sk-resource-secret"
