@@ -8,6 +8,7 @@ __all__ = [
     "AttemptEnded",
     "ConfigError",
     "Conflict",
+    "Forbidden",
     "InvalidTransition",
     "LeaseLost",
     "MissingExtra",
@@ -62,6 +63,13 @@ class Conflict(AgentboltError, ValueError):
     """The request contradicts what is stored (e.g. a task id enqueued again with other data)."""
 
     status_code = 409
+
+
+class Forbidden(AgentboltError, PermissionError):
+    """The caller's credential does not allow this request (e.g. a worker token naming
+    another worker)."""
+
+    status_code = 403
 
 
 class ConfigError(AgentboltError, ValueError):

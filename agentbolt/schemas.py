@@ -16,12 +16,16 @@ from enum import StrEnum
 from typing import Annotated, Any, Generic, Literal, TypeVar, get_args
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationInfo, field_validator, model_validator
 
 from agentbolt.errors import InvalidTransition
 
 __all__ = [
     "MAX_INT32",
+    "AgentEvent",
+    "AgentEvents",
+    "WorkerRegister",
+    "WorkerRegistration",
     "ErrorBody",
     "ErrorInfo",
     "WaitResult",
@@ -433,6 +437,66 @@ class EventsRequest(_Strict):
 
 class FinishRequest(AttemptFinish):
     worker_id: str | None = Field(default=None, max_length=200)
+
+
+class WorkerRegister(_Strict):
+    name: str | None = Field(
+        default=None, min_length=1, max_length=100, description="a hint the issued worker id starts with"
+    )
+
+
+class WorkerRegistration(BaseModel):
+    """A new worker identity: the token acts as a runner bound to ``worker_id`` (shown once)."""
+
+    worker_id: str
+    worker_token: str
+
+
+class AgentEvent(_Strict):
+    """One event an agent posts to its events URL: ``{"type": ..., "data": {...}}``, or the
+    shorthand ``{"reward": x, "name": ...}`` (type ``reward``, data ``{"value": x, "name": ...}``)."""
+
+    type: str | None = Field(default=None, min_length=1, max_length=100)
+    data: dict[str, Any] | None = None
+    reward: float | None = None
+    name: str | None = Field(default=None, max_length=200)
+
+    @model_validator(mode="after")
+    def _one_shape(self) -> AgentEvent:
+        if (self.type is None) == (self.reward is None):
+            raise ValueError('an event is {"type": ..., "data": {...}} or {"reward": <number>, "name": ...}')
+        if self.reward is not None and self.data is not None:
+            raise ValueError('the reward shorthand takes no "data"; give {"type": "reward", "data": ...}')
+        if self.type is not None and self.name is not None:
+            raise ValueError('"name" belongs to the reward shorthand; put it in "data"')
+        value = self.reward if self.reward is not None else (self.data or {}).get("value")
+        if self.reward is not None or self.type == EventType.REWARD:
+            _finite_reward(value)
+        _check_storable(self.data)
+        return self
+
+    def to_create(self) -> EventCreate:
+        if self.reward is not None:
+            named = {"name": self.name} if self.name is not None else {}
+            return EventCreate(type=EventType.REWARD, data={"value": self.reward, **named})
+        assert self.type is not None
+        return EventCreate(type=self.type, data=self.data or {})
+
+
+def _finite_reward(value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"a reward must be a finite number, not {value!r}")
+
+
+class AgentEvents(RootModel[list[AgentEvent]]):
+    """One event, or a JSON list of at most 10,000."""
+
+    root: list[AgentEvent] = Field(max_length=10_000)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        return [value] if isinstance(value, dict) else value
 
 
 class WaitRequest(_Strict):

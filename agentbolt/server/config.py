@@ -10,9 +10,15 @@ __all__ = ["Role", "ServerConfig"]
 
 
 class Role(StrEnum):
+    """What a bearer token may do. Configured tokens are admin, runner or reader; the server
+    issues the others: a worker token (a runner bound to one worker id) and an attempt's agent
+    key. Room is left for the reviewer and evaluator roles of human and model judges (the
+    evaluators issue): a new member here and its row in ``middleware.role_allows``."""
+
     ADMIN = "admin"  # everything
     RUNNER = "runner"  # read, and work on the attempts it holds (dequeue, events, finish, gateway)
     READER = "reader"  # read only (the dashboard)
+    AGENT = "agent"  # one attempt's agent key: its gateway routes and events URL, nothing else
 
 
 @dataclass(frozen=True)

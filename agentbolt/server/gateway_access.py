@@ -1,9 +1,9 @@
 """Who calls the upstream with which key, and where agents are sent.
 
 - :func:`rewrite_claim` points a dequeued claim's ``LLM`` resources at the attempt's gateway
-  URL, with a harmless ``api_key``: the runner's own bearer token when auth is on (the gateway
-  call must authenticate; the auth middleware lets runner tokens POST under ``/gateway/``),
-  else a placeholder. ``openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key)`` just works.
+  URL, with the attempt's own agent key as ``api_key``: it authorises that attempt's gateway
+  routes and events URL only, never the runner's rights, so agent code holds no more than its
+  own attempt. ``openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key)`` just works.
 - :class:`UpstreamKeys` finds the real key for an upstream call. Keys never leave the server
   except in the upstream request's header: the API serves resources with keys redacted.
 """
@@ -21,18 +21,17 @@ from agentbolt.server.store_caller import REDACTED, StoreCaller
 
 __all__ = ["PLACEHOLDER_KEY", "UpstreamKeys", "rewrite_claim"]
 
-PLACEHOLDER_KEY = "agentbolt"  # what agents get as api_key when the server has no auth
+PLACEHOLDER_KEY = "agentbolt"  # the api_key of a claim whose store minted no agent key
 
 
 def rewrite_claim(claim: Claim, request: Request) -> Claim:
-    """Point the claim's LLM resources at this attempt's gateway, with a harmless api_key: the
-    runner's own bearer token (the gateway needs it when auth is on), else a placeholder."""
+    """Point the claim's LLM resources at this attempt's gateway, with the attempt's agent key
+    as api_key: never the caller's own bearer token (a runner's or an admin's rights)."""
     if claim.resources is None or not any(isinstance(r, LLM) for r in claim.resources.resources.values()):
         return claim
     base = str(request.base_url).rstrip("/")
     url = f"{base}/gateway/{claim.rollout.id}/{claim.attempt.id}/v1"
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    key = token.strip() if scheme.lower() == "bearer" and token.strip() else PLACEHOLDER_KEY
+    key = claim.agent_key or PLACEHOLDER_KEY
     resources = {
         name: res.model_copy(update={"base_url": url, "api_key": key}) if isinstance(res, LLM) else res
         for name, res in claim.resources.resources.items()

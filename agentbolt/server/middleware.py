@@ -1,24 +1,42 @@
 """Pure ASGI middleware (cheaper than Starlette's BaseHTTPMiddleware on the hot path):
-request-size limit and bearer-token auth with roles."""
+request-size limit and bearer-token auth with roles.
+
+Two kinds of bearer token: those the server was configured with (admin, runner, reader), and
+those the store issued: a worker token (``wt_...``, a runner bound to its worker id) and an
+attempt's agent key (``ak_...``, only that attempt's gateway routes and events URL). Issued
+credentials are checked whether or not tokens are configured: with none configured, a request
+without a token may still do anything (loopback use), but a foreign or unknown issued
+credential is refused.
+"""
 
 from __future__ import annotations
 
 import hmac
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from agentbolt.server.config import Role
+from agentbolt.server.store_caller import StoreCaller
+from agentbolt.store.sql import AGENT_KEY_PREFIX, WORKER_TOKEN_PREFIX, token_sha256
 from agentbolt.web import error_body
 
-__all__ = ["AuthMiddleware", "BodyLimitMiddleware", "role_allows"]
+__all__ = ["AuthMiddleware", "BodyLimitMiddleware", "Caller", "role_allows"]
 
 Scope = dict[str, Any]
 
 # Paths anyone may read without a token.
 OPEN_PATHS = ("/health", "/", "/favicon.ico", "/dashboard", "/static/")
 # Paths a runner may write to (besides reading). Everything else that writes needs admin.
-RUNNER_WRITES = ("/api/dequeue", "/api/attempts/", "/gateway/", "/v1/traces")
+RUNNER_WRITES = (
+    "/api/dequeue",
+    "/api/attempts/",
+    "/api/workers/register",
+    "/gateway/",
+    "/agent/",
+    "/v1/traces",
+)
 # POSTs that only read (their bodies are too big for a query string): any role may send them.
 READ_POSTS = ("/api/events/query", "/api/rollouts/wait")
 
@@ -75,47 +93,123 @@ class _TooLarge(BaseException):  # not Exception: request parsing must not swall
     pass
 
 
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request (``scope["agentbolt.caller"]``): its role, and what an issued
+    credential binds it to: a worker id, or one attempt."""
+
+    role: Role
+    worker_id: str | None = None
+    rollout_id: str | None = None
+    attempt_id: str | None = None
+
+    def allows(self, method: str, path: str) -> bool:
+        if self.role == Role.AGENT:
+            return _own_attempt_path(path, self.rollout_id, self.attempt_id) or (
+                method == "GET" and _open(path)
+            )
+        return role_allows(self.role, method, path)
+
+
 def role_allows(role: Role, method: str, path: str) -> bool:
     if role == Role.ADMIN:
         return True
+    if role == Role.AGENT:  # only through Caller.allows, which knows its attempt
+        return False
     if method in ("GET", "HEAD", "OPTIONS") or (method == "POST" and path in READ_POSTS):
         return True
     return role == Role.RUNNER and path.startswith(RUNNER_WRITES)
 
 
+def _own_attempt_path(path: str, rollout_id: str | None, attempt_id: str | None) -> bool:
+    """The attempt's gateway routes and its events URL, and no other path."""
+    gateway = f"/gateway/{rollout_id}/{attempt_id}/"
+    return path.startswith(gateway) or path == f"/agent/{rollout_id}/{attempt_id}/events"
+
+
+def _open(path: str) -> bool:
+    return path in OPEN_PATHS or path.startswith("/static/")
+
+
+def _bearer(scope: Scope) -> bytes:
+    header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+    scheme, _, given = header.partition(b" ")
+    return given.strip() if scheme.lower() == b"bearer" else b""
+
+
+# issued credentials looked up once per process: what they bind to never changes
+_CACHE_LIMIT = 100_000
+
+
 class AuthMiddleware:
-    """Bearer tokens with roles; compared in constant time. Sets ``scope["agentbolt.role"]``."""
+    """Bearer tokens with roles: configured ones compared in constant time, issued ones (see
+    the module docstring) looked up in the store. Sets ``scope["agentbolt.role"]`` and
+    ``scope["agentbolt.caller"]``."""
 
-    def __init__(self, app: Any, tokens: dict[str, Role]) -> None:
-        self.app = app
+    def __init__(self, app: Any, tokens: dict[str, Role], call: StoreCaller) -> None:
+        self.app, self.call = app, call
         self.tokens = [(t.encode(), r) for t, r in tokens.items()]
+        self._issued: dict[bytes, Caller] = {}
 
-    def _role(self, scope: Scope) -> Role | None:
-        header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        scheme, _, given = header.partition(b" ")
-        if scheme.lower() != b"bearer" or not given:
+    def _configured(self, given: bytes) -> Caller | None:
+        if not given:
             return None
         found = None
         for token, role in self.tokens:  # no early exit: the time taken does not tell which matched
-            if hmac.compare_digest(token, given.strip()):
+            if hmac.compare_digest(token, given):
                 found = role
-        return found
+        return Caller(found) if found is not None else None
+
+    async def _issued_caller(self, given: bytes) -> Caller | None:
+        """The caller an issued credential names; None when the store issued no such one."""
+        if given in self._issued:
+            return self._issued[given]
+        text = given.decode("ascii", "replace")
+        caller = None
+        if text.startswith(AGENT_KEY_PREFIX):
+            found = await self.call(self.call.store.attempt_of_agent_key, text)
+            if found is not None:
+                caller = Caller(Role.AGENT, rollout_id=found[0], attempt_id=found[1])
+        else:
+            worker = await self.call(self.call.store.worker_of_token_sha256, token_sha256(text))
+            caller = Caller(Role.RUNNER, worker_id=worker) if worker is not None else None
+        if caller is not None:  # unknown ones are not kept: guesses must not fill memory
+            if len(self._issued) >= _CACHE_LIMIT:
+                self._issued.clear()
+            self._issued[given] = caller
+        return caller
+
+    async def _caller(self, given: bytes) -> Caller | None:
+        caller = self._configured(given)
+        if caller is None and given.startswith((AGENT_KEY_PREFIX.encode(), WORKER_TOKEN_PREFIX.encode())):
+            caller = await self._issued_caller(given)
+        return caller
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or not self.tokens:
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path, method = scope["path"], scope["method"]
-        role = self._role(scope)
-        if role is None and not (method == "GET" and (path in OPEN_PATHS or path.startswith("/static/"))):
+        path, method, given = scope["path"], scope["method"], _bearer(scope)
+        issued = given.startswith((AGENT_KEY_PREFIX.encode(), WORKER_TOKEN_PREFIX.encode()))
+        if not self.tokens and not issued:  # no auth configured: see the module docstring
+            return await self.app(scope, receive, send)
+        caller = await self._caller(given)
+        if caller is None and (issued or not (method == "GET" and _open(path))):
+            what = "unknown agent key or worker token" if issued else "missing or invalid bearer token"
             return await _send_json(
-                send,
-                401,
-                error_body("missing or invalid bearer token", "unauthorized"),
-                ((b"www-authenticate", b"Bearer"),),
+                send, 401, error_body(what, "unauthorized"), ((b"www-authenticate", b"Bearer"),)
             )
-        if role is not None and not role_allows(role, method, path):
-            return await _send_json(
-                send, 403, error_body(f"role {role.value!r} may not {method} {path}", "forbidden")
-            )
-        scope["agentbolt.role"] = role
+        if caller is not None and not caller.allows(method, path):
+            return await _send_json(send, 403, error_body(_refusal(caller, method, path), "forbidden"))
+        scope["agentbolt.role"] = caller.role if caller is not None else None
+        scope["agentbolt.caller"] = caller
         await self.app(scope, receive, send)
+
+
+def _refusal(caller: Caller, method: str, path: str) -> str:
+    if caller.role == Role.AGENT:
+        return (
+            f"an agent key may only call its own attempt's gateway and events URL "
+            f"(/gateway/{caller.rollout_id}/{caller.attempt_id}/..., "
+            f"/agent/{caller.rollout_id}/{caller.attempt_id}/events), not {method} {path}"
+        )
+    return f"role {caller.role.value!r} may not {method} {path}"

@@ -205,6 +205,18 @@ class Queries:
         with self._read() as tx:
             return attempt_from_row(attempt_row(tx, attempt_id))
 
+    def attempt_of_agent_key(self, agent_key: str) -> tuple[str, str] | None:
+        """``(rollout_id, attempt_id)`` of the attempt this agent key was minted for, if any."""
+        with self._read() as tx:
+            row = tx.one("SELECT rollout_id, id FROM attempts WHERE agent_key = ?", (agent_key,))
+        return (row[0], row[1]) if row is not None else None
+
+    def worker_of_token_sha256(self, digest: str) -> str | None:
+        """The id of the registered worker whose token has this sha256, if any."""
+        with self._read() as tx:
+            row = tx.one("SELECT id FROM workers WHERE token_sha256 = ?", (digest,))
+        return row[0] if row is not None else None
+
     def list_workers(self, limit: int = 100) -> list[Worker]:
         with self._read() as tx:
             rows = tx.all(

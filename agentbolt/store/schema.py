@@ -68,6 +68,18 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             "CREATE INDEX events_call_key ON events (attempt_id, call_key, id) WHERE call_key IS NOT NULL",
         ],
     ),
+    (
+        # Issue 14: credentials the server issues. An attempt's agent key (kept in plain text,
+        # like the upstream keys in resources: it is useless once the attempt ends) and the
+        # sha256 of a registered worker's token (the token itself is shown once, at registration).
+        3,
+        [
+            "ALTER TABLE attempts ADD COLUMN agent_key TEXT",
+            "CREATE UNIQUE INDEX attempts_agent_key ON attempts (agent_key)",
+            "ALTER TABLE workers ADD COLUMN token_sha256 TEXT",
+            "CREATE UNIQUE INDEX workers_token ON workers (token_sha256)",
+        ],
+    ),
 ]
 
 _APPLIED = (

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import secrets
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -75,7 +76,15 @@ from agentbolt.store.statements import (
     touch_worker,
 )
 
-__all__ = ["Database", "SqlStore", "Tx", "keyed_rollout_id"]
+__all__ = [
+    "AGENT_KEY_PREFIX",
+    "WORKER_TOKEN_PREFIX",
+    "Database",
+    "SqlStore",
+    "Tx",
+    "keyed_rollout_id",
+    "token_sha256",
+]
 
 DEFAULT_LEASE_SECONDS = 30.0
 # dequeue ends lapsed attempts itself at most this often (seconds); the server's sweep runs too
@@ -84,6 +93,19 @@ EXPIRE_EVERY = 0.05
 _PUBLISH_LOCK = 1
 # serialize() key of the repeats of one dequeue (with ``on``: the worker and the key)
 _CLAIM_LOCK = 3
+# what the credentials the store issues start with, so the server can tell them from the
+# tokens it was configured with
+AGENT_KEY_PREFIX, WORKER_TOKEN_PREFIX = "ak_", "wt_"
+
+
+def _credential(prefix: str) -> str:
+    """A new credential: the prefix and 32 url-safe random characters (192 bits)."""
+    return prefix + secrets.token_urlsafe(24)
+
+
+def token_sha256(token: str) -> str:
+    """What the store keeps of a worker token: a leaked database does not hand out the token."""
+    return hashlib.sha256(token.encode()).hexdigest()
 
 
 def keyed_rollout_id(key: str, index: int) -> str:
@@ -137,7 +159,8 @@ class SqlStore(Queries):
     ) -> Claim | None:
         """Claim one new attempt for the oldest queued rollout, or return None. With ``key``, a
         repeat (by the same worker) returns the claim the first one made, even if its answer was
-        lost or it is still being made, and never claims a second rollout.
+        lost or it is still being made, and never claims a second rollout. The attempt gets its
+        own agent key (:attr:`Claim.agent_key`); a repeat returns the same one.
 
         One transaction: end lapsed attempts first (so their rollouts can be claimed now; at
         most every ``EXPIRE_EVERY`` seconds per store, the server's sweep does the rest), then
@@ -160,14 +183,16 @@ class SqlStore(Queries):
                 claimed = claim_made(tx, worker_id, key)  # a repeat: the first one's claim
         return self._as_claim(*claimed, lease) if claimed is not None else None
 
-    def _as_claim(self, rollout: Rollout, attempt: Attempt, lease: float) -> Claim:
+    def _as_claim(self, rollout: Rollout, attempt: Attempt, agent_key: str | None, lease: float) -> Claim:
         version = rollout.resources_version
         resources = self.get_resources(version) if version is not None else None
-        return Claim(rollout=rollout, attempt=attempt, resources=resources, lease_seconds=lease)
+        return Claim(
+            rollout=rollout, attempt=attempt, resources=resources, lease_seconds=lease, agent_key=agent_key
+        )
 
     def _claim(
         self, tx: Tx, worker_id: str, ts: float, lease: float, key: str | None
-    ) -> tuple[Rollout, Attempt] | None:
+    ) -> tuple[Rollout, Attempt, str | None] | None:
         """Mark the oldest queued rollout running and insert its new attempt; with ``key``,
         only if this worker made no claim with that key yet (checked in the same statement: a
         repeat costs no extra round trip until it finds nothing to claim)."""
@@ -194,9 +219,10 @@ class SqlStore(Queries):
             heartbeat_at=ts,
             lease_expires_at=ts + lease,
         )
+        agent_key = _credential(AGENT_KEY_PREFIX)
         tx.run(
-            f"INSERT INTO attempts ({ATTEMPT_COLS}, deadline, claim_key) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, NULL, NULL, NULL, ?, ?)",
+            f"INSERT INTO attempts ({ATTEMPT_COLS}, deadline, claim_key, agent_key) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, NULL, NULL, NULL, ?, ?, ?)",
             (
                 attempt.id,
                 rollout.id,
@@ -208,9 +234,10 @@ class SqlStore(Queries):
                 ts + lease,
                 ts + timeout if timeout else None,
                 key,
+                agent_key,
             ),
         )
-        return rollout, attempt
+        return rollout, attempt, agent_key
 
     def heartbeat(
         self, attempt_id: str, worker_id: str | None = None, lease_seconds: float | None = None
@@ -330,10 +357,43 @@ class SqlStore(Queries):
         with self._tx() as tx:
             return record_call(tx, self.db, attempt_id, event, key, body_sha256, retry)
 
+    def add_agent_events(
+        self, attempt_id: str, events: Sequence[EventCreate], key: str | None, worker_id: str | None = None
+    ) -> int:
+        """Append events an agent posted to its events URL while its attempt runs. They carry
+        no sequence (the runner numbers its own events; the store's order is theirs); with
+        ``key`` (the request's idempotency key) a repeat of the request stores nothing new.
+        An ended attempt is :class:`~agentbolt.errors.AttemptEnded` naming its state."""
+        keys = [f"agent:{key}:{i}" if key is not None else None for i in range(len(events))]
+        rows = keyed_event_rows(events, keys)
+        with self._tx() as tx:
+            self.db.serialize(tx, CALLS_LOCK, attempt_id)
+            if worker_id is not None:  # a worker token posts only to attempts its worker holds
+                held(tx, attempt_id, worker_id)
+            new = insert_keyed_events(tx, attempt_id, rows, running=True)
+            if new == 0:  # nothing stored: not running (say why), or a repeat
+                held(tx, attempt_id, worker_id)
+            return new
+
     def _events_tx(self, rows: list[tuple[Any, ...]]) -> Any:
         """One INSERT commits on its own; several (a batch over ``EVENTS_PER_INSERT``) need a
         transaction, so that an attempt ending meanwhile gets all of them or none."""
         return self._tx() if len(rows) > EVENTS_PER_INSERT else self._read()
+
+    # ------------------------------------------------------------------ workers
+
+    def register_worker(self, name: str | None = None) -> tuple[str, str]:
+        """Issue a new worker identity: ``(worker_id, worker_token)``. The id is the ``name``
+        hint with a random suffix, so a registration never takes over an existing worker; only
+        the token's sha256 is kept."""
+        worker_id = f"{name or 'worker'}-{secrets.token_hex(6)}"
+        token = _credential(WORKER_TOKEN_PREFIX)
+        with self._tx() as tx:
+            tx.run(
+                "INSERT INTO workers (id, last_seen, claims, token_sha256) VALUES (?, ?, 0, ?)",
+                (worker_id, now(), token_sha256(token)),
+            )
+        return worker_id, token
 
     # ------------------------------------------------------------------ resources
 

@@ -87,8 +87,8 @@ NEXT_QUEUED = (
     f"SELECT q.qseq FROM rollouts q WHERE q.status = {QUEUED} AND (q.resources_version IS NULL OR "
     "q.resources_version <= (SELECT MAX(version) FROM resources)) ORDER BY q.qseq LIMIT 1"
 )
-# The attempt a worker claimed with an idempotency key (parameters: worker, key).
-CLAIMED_WITH = f"SELECT {ATTEMPT_COLS} FROM attempts WHERE worker_id = ? AND claim_key = ?"
+# The attempt a worker claimed with an idempotency key, and its agent key (parameters: worker, key).
+CLAIMED_WITH = f"SELECT {ATTEMPT_COLS}, agent_key FROM attempts WHERE worker_id = ? AND claim_key = ?"
 # Running attempts whose lease lapsed or whose deadline passed (parameters: now, now).
 LAPSED = (
     f"SELECT id, lease_expires_at, deadline FROM attempts WHERE status = {RUNNING} "
@@ -160,13 +160,14 @@ def rollouts_by_id(tx: Tx, ids: Sequence[str]) -> list[Rollout]:
     return [found[i] for i in ids if i in found]
 
 
-def claim_made(tx: Tx, worker_id: str, key: str) -> tuple[Rollout, Attempt] | None:
-    """The rollout (as it stands now) and attempt that ``worker_id`` claimed with ``key``."""
+def claim_made(tx: Tx, worker_id: str, key: str) -> tuple[Rollout, Attempt, str | None] | None:
+    """The rollout (as it stands now), attempt and agent key that ``worker_id`` claimed with
+    ``key``."""
     row = tx.one(CLAIMED_WITH, (worker_id, key))
     if row is None:
         return None
-    attempt = attempt_from_row(row)
-    return rollouts_by_id(tx, [attempt.rollout_id])[0], attempt
+    attempt = attempt_from_row(row[:-1])
+    return rollouts_by_id(tx, [attempt.rollout_id])[0], attempt, row[-1]
 
 
 def touch_worker(tx: Tx, worker_id: str, ts: float, claimed: int) -> None:
@@ -314,11 +315,13 @@ def insert_events(
     return new
 
 
-def insert_keyed_events(tx: Tx, attempt_id: str, rows: list[tuple[Any, ...]]) -> int:
+def insert_keyed_events(tx: Tx, attempt_id: str, rows: list[tuple[Any, ...]], running: bool = False) -> int:
     """Insert events the server records itself, ``(type, timestamp, data, call_key)`` each,
     skipping those whose ``call_key`` the attempt already holds (a span delivered twice); a
-    ``None`` key is never skipped. The caller serializes the attempt's keyed records
-    (:data:`~.calls.CALLS_LOCK`): two transactions must not both find a key missing."""
+    ``None`` key is never skipped. With ``running``, only while the attempt runs (an agent's own
+    events). The caller serializes the attempt's keyed records (:data:`~.calls.CALLS_LOCK`):
+    two transactions must not both find a key missing."""
+    where = f" AND a.status = {RUNNING}" if running else ""
     new = 0
     for start in range(0, len(rows), EVENTS_PER_INSERT):
         chunk = rows[start : start + EVENTS_PER_INSERT]
@@ -326,7 +329,7 @@ def insert_keyed_events(tx: Tx, attempt_id: str, rows: list[tuple[Any, ...]]) ->
         new += tx.run(
             "INSERT INTO events (rollout_id, attempt_id, type, timestamp, data, call_key) "
             "SELECT a.rollout_id, a.id, v.column1, v.column2, v.column3, v.column4 "
-            f"FROM attempts a, (VALUES {marks}) v WHERE a.id = ? AND NOT EXISTS "
+            f"FROM attempts a, (VALUES {marks}) v WHERE a.id = ?{where} AND NOT EXISTS "
             "(SELECT 1 FROM events e WHERE e.attempt_id = a.id AND e.call_key = v.column4)",
             [*itertools.chain.from_iterable(chunk), attempt_id],
         )

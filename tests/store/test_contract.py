@@ -634,6 +634,59 @@ def test_stats_and_workers(store: SqlStore) -> None:
     assert [w.id for w in store.list_workers(limit=1)] == ["gamma"]
 
 
+# ---------------------------------------------------------------------------- credentials
+
+
+def test_each_attempt_gets_its_own_agent_key_and_a_keyed_retry_the_same(store: SqlStore) -> None:
+    store.enqueue(make(2))
+    first = claim(store, "w1", key="claim-1")
+    again = claim(store, "w1", key="claim-1")  # the answer was lost: the same claim and key
+    other = claim(store, "w2")
+    assert first.agent_key is not None and first.agent_key.startswith("ak_") and len(first.agent_key) == 35
+    assert again.attempt.id == first.attempt.id and again.agent_key == first.agent_key
+    assert other.agent_key not in (None, first.agent_key)
+    assert store.attempt_of_agent_key(first.agent_key) == (first.rollout.id, first.attempt.id)
+    assert store.attempt_of_agent_key("ak_" + "x" * 32) is None
+    assert "agent_key" not in store.get_attempt(first.attempt.id).model_dump()  # never served
+
+
+def test_a_registered_workers_token_is_kept_as_its_hash(store: SqlStore) -> None:
+    from agentbolt.store.sql import token_sha256
+
+    worker_id, token = store.register_worker("host-a")
+    other_id, other_token = store.register_worker("host-a")
+    assert worker_id.startswith("host-a-") and other_id != worker_id and token.startswith("wt_")
+    assert store.worker_of_token_sha256(token_sha256(token)) == worker_id
+    assert store.worker_of_token_sha256(token_sha256(other_token)) == other_id
+    assert store.worker_of_token_sha256(token_sha256("wt_unknown")) is None
+    with store.db.transaction() as tx:
+        assert tx.one("SELECT COUNT(*) FROM workers WHERE token_sha256 = ?", (token,)) == (0,)
+    store.enqueue(make(1))
+    claim(store, worker_id)  # the worker row is touched, its token kept
+    assert store.worker_of_token_sha256(token_sha256(token)) == worker_id
+    assert worker_id in [w.id for w in store.list_workers()]
+
+
+def test_agent_events_honour_their_key_and_stop_when_the_attempt_ends(store: SqlStore) -> None:
+    store.enqueue(make(1))
+    c = claim(store)
+    reward = [EventCreate(type="reward", data={"value": 1.0}), EventCreate(type="message")]
+    assert store.add_agent_events(c.attempt.id, reward, "k1") == 2
+    assert store.add_agent_events(c.attempt.id, reward, "k1") == 0  # a repeat
+    assert store.add_agent_events(c.attempt.id, [EventCreate(type="reward")], None) == 1
+    store.add_events(c.attempt.id, [EventCreate(sequence=0, type="mine")], "w1")  # the runner's own
+    events = store.list_events(c.rollout.id).items
+    assert [e.type for e in events] == ["reward", "message", "reward", "mine"]
+    assert [e.sequence for e in events] == [None, None, None, 0]
+    with pytest.raises(LeaseLost):
+        store.add_agent_events(c.attempt.id, reward, "k2", worker_id="w-other")
+    store.cancel(c.rollout.id)
+    with pytest.raises(AttemptEnded, match="cancelled"):
+        store.add_agent_events(c.attempt.id, reward, "k3")
+    with pytest.raises(NotFound):
+        store.add_agent_events("at-missing", reward, None)
+
+
 # ---------------------------------------------------------------------------- durability
 
 

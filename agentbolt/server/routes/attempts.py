@@ -1,7 +1,8 @@
 """An attempt, as the runner holding it works on it: read it, heartbeat, append events, finish.
 
 A runner token writes only to attempts it holds: it must name its ``worker_id``, which the
-store then checks against the attempt's holder (admins may write without one).
+store then checks against the attempt's holder (admins may write without one). A worker token
+acts for its own worker: it may leave ``worker_id`` out, and naming another is a 403.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from fastapi.responses import Response
 
 from agentbolt.schemas import Attempt, AttemptFinish, EventsRequest, FinishRequest, HeartbeatRequest, Rollout
 from agentbolt.server.config import Role
-from agentbolt.server.routes.common import IdempotencyKey, json_response
+from agentbolt.server.routes.common import IdempotencyKey, acting_worker, json_response
 from agentbolt.server.store_caller import StoreCaller, WakeUp
 
 __all__ = ["router"]
@@ -28,14 +29,14 @@ def router(call: StoreCaller, wake: WakeUp) -> APIRouter:
 
     @api.post("/heartbeat", response_model=Attempt)
     async def heartbeat(attempt_id: str, body: HeartbeatRequest, request: Request) -> Response:
-        _holder_named(request, body.worker_id)
-        return json_response(await call(store.heartbeat, attempt_id, body.worker_id, body.lease_seconds))
+        worker = _holder_named(request, body.worker_id)
+        return json_response(await call(store.heartbeat, attempt_id, worker, body.lease_seconds))
 
     @api.post("/events")
     async def add_events(attempt_id: str, body: EventsRequest, request: Request) -> Response:
         """Append events; ones whose (attempt, sequence) is already stored are skipped."""
-        _holder_named(request, body.worker_id)
-        added = await call(store.add_events, attempt_id, body.events, body.worker_id)
+        worker = _holder_named(request, body.worker_id)
+        added = await call(store.add_events, attempt_id, body.events, worker)
         return json_response({"added": added})
 
     @api.post("/finish", response_model=Rollout)
@@ -45,17 +46,19 @@ def router(call: StoreCaller, wake: WakeUp) -> APIRouter:
         """End the attempt: ``succeeded`` ends the rollout, ``failed`` fails it, ``released``
         requeues it. A retry of the finish that ended it (same ``Idempotency-Key``) gets the
         rollout again; any other write to an ended attempt is a 409 naming its state."""
-        _holder_named(request, body.worker_id)
+        worker = _holder_named(request, body.worker_id)
         finish = AttemptFinish(**body.model_dump(exclude={"worker_id"}))
-        rollout = await call(store.finish_attempt, attempt_id, finish, body.worker_id, key)
+        rollout = await call(store.finish_attempt, attempt_id, finish, worker, key)
         wake.notify()  # a requeue is new work; a final rollout ends someone's wait
         return json_response(rollout)
 
     return api
 
 
-def _holder_named(request: Request, worker_id: str | None) -> None:
-    """A runner token must name the worker it writes for (see the module docstring)."""
+def _holder_named(request: Request, named: str | None) -> str | None:
+    """The worker the write is for: a runner token must name it, a worker token's own
+    (see the module docstring)."""
+    worker_id = acting_worker(request, named)
     if worker_id is None and request.scope.get("agentbolt.role") == Role.RUNNER:
         missing = {
             "loc": ("body", "worker_id"),
@@ -63,3 +66,4 @@ def _holder_named(request: Request, worker_id: str | None) -> None:
             "type": "missing",
         }
         raise RequestValidationError([missing])
+    return worker_id

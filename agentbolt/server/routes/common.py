@@ -8,12 +8,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import Header
+from fastapi import Header, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 from pydantic_core import to_json
 
-__all__ = ["INT_CURSOR", "IdempotencyKey", "json_response"]
+from agentbolt.errors import Forbidden
+from agentbolt.server.middleware import Caller
+
+__all__ = ["INT_CURSOR", "IdempotencyKey", "acting_worker", "caller_of", "json_response"]
 
 # Cursors as the store writes them (a queue position; "<timestamp>:<event id>" for events):
 # anything else is a 422 from validation, not a 400 from the store.
@@ -40,3 +43,21 @@ def json_response(model: BaseModel | list[Any] | dict[str, Any] | None, status: 
     else:
         body = to_json(model).decode()
     return Response(content=body, status_code=status, media_type="application/json")
+
+
+def caller_of(request: Request) -> Caller | None:
+    """Who sent the request (None when the server has no auth and no credential was sent)."""
+    caller: Caller | None = request.scope.get("agentbolt.caller")
+    return caller
+
+
+def acting_worker(request: Request, named: str | None) -> str | None:
+    """The worker a runner write acts for. A worker token acts for its own worker only: naming
+    another is a 403, naming none means its own. Other tokens act for whom they name."""
+    caller = caller_of(request)
+    bound = caller.worker_id if caller is not None else None
+    if bound is None:
+        return named
+    if named is not None and named != bound:
+        raise Forbidden(f"this worker token belongs to worker {bound!r}; it cannot act for {named!r}")
+    return bound

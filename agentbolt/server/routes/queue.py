@@ -27,7 +27,7 @@ from agentbolt.schemas import (
     WaitResult,
 )
 from agentbolt.server.gateway_access import rewrite_claim
-from agentbolt.server.routes.common import INT_CURSOR, IdempotencyKey, json_response
+from agentbolt.server.routes.common import INT_CURSOR, IdempotencyKey, acting_worker, json_response
 from agentbolt.server.store_caller import StoreCaller, WakeUp, redact
 
 __all__ = ["POLL_SECONDS", "router"]
@@ -106,7 +106,10 @@ def router(call: StoreCaller, wake: WakeUp) -> APIRouter:
         """Claim the oldest queued rollout as a new attempt; ``null`` when the queue stays empty
         for ``wait`` seconds (a long poll: a runner gets new work as soon as it is enqueued).
         The claim carries the lease granted (``lease_seconds``). A retry with the same
-        ``Idempotency-Key`` (same worker) gets the same claim, never a second one."""
+        ``Idempotency-Key`` (same worker) gets the same claim, never a second one. The claim's
+        ``agent_key`` is the attempt's own credential, also every LLM resource's ``api_key``. A
+        worker token claims only for its own worker (403 naming another)."""
+        acting_worker(request, body.worker_id)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + body.wait
         while (claim := await call(store.dequeue, body.worker_id, body.lease_seconds, key)) is None:

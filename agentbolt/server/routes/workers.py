@@ -1,0 +1,38 @@
+"""Worker identity: ``POST /api/workers/register`` issues a worker id and a token bound to it.
+
+A runner (``Runner`` does it at start; ``Trainer``'s runners, Ray actors and Kubernetes Jobs
+alike, each with the runner token it was given) registers once and then acts with the worker
+token: dequeue, heartbeat, events and finish naming another worker are refused (403), so one
+runner cannot act for another. A plain runner token may still name any worker id (older
+runners); the binding needs the registration.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from agentbolt.errors import Forbidden
+from agentbolt.schemas import WorkerRegister, WorkerRegistration
+from agentbolt.server.routes.common import caller_of, json_response
+from agentbolt.server.store_caller import StoreCaller
+
+__all__ = ["router"]
+
+
+def router(call: StoreCaller) -> APIRouter:
+    api = APIRouter(prefix="/api/workers", tags=["runner"])
+    store = call.store
+
+    @api.post("/register", response_model=WorkerRegistration, status_code=201)
+    async def register(body: WorkerRegister, request: Request) -> Response:
+        """Issue a new worker id (the ``name`` hint with a random suffix) and its token, shown
+        only in this answer. Needs a runner or admin token (not a worker token: that already is
+        an identity)."""
+        caller = caller_of(request)
+        if caller is not None and caller.worker_id is not None:
+            raise Forbidden("a worker token cannot register another worker: use the runner token")
+        worker_id, token = await call(store.register_worker, body.name)
+        return json_response(WorkerRegistration(worker_id=worker_id, worker_token=token), 201)
+
+    return api
