@@ -81,7 +81,7 @@ def _statuses(path: str, method: str, op: dict[str, Any]) -> set[int]:
     if method == "post":
         out.add(413)
         if (
-            path.startswith(("/api/attempts/", "/gateway/"))
+            path.startswith(("/api/attempts/", "/gateway/", "/agent/"))
             or path.endswith("/cancel")
             or path == "/api/rollouts"
         ):

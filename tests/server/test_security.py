@@ -92,6 +92,8 @@ def test_readers_and_runners_cannot_do_admin_writes(secure):
         assert httpx.post(f"{url}/api/resources", json=body, headers=_h(token)).status_code == 403
         assert httpx.post(f"{url}/api/rollouts/x/cancel", headers=_h(token)).status_code == 403
     assert httpx.post(f"{url}/api/dequeue", json={"worker_id": "w"}, headers=_h(READER)).status_code == 403
+    r = httpx.post(f"{url}/api/workers/register", json={"name": "r"}, headers=_h(READER))
+    assert r.status_code == 403 and "reader" in r.json()["error"]["message"]  # readers cannot register
 
 
 # ---------------------------------------------------------------------------- secrets
