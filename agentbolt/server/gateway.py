@@ -1,9 +1,12 @@
 """The gateway: an OpenAI-compatible endpoint per attempt that records every model call.
 
 ``/gateway/{rollout_id}/{attempt_id}/v1/{chat/completions,completions,responses,models}`` forwards
-to the upstream named by the rollout's ``LLM`` resource (the ``base_url`` as published); a
-Responses call goes out as a chat completion (:mod:`.responses`) and is recorded as one, with
-``endpoint: "responses"``, the agent's request and the ``chat_request`` it became. It asks the
+to the upstream named by the rollout's ``LLM`` resource (the ``base_url`` as published). A
+Responses call goes to an upstream's own ``/responses`` as it is (recorded text-only unless the
+answer carries ids); where that is a 404 or 405 (remembered per upstream: the embedded engine,
+most model servers) it goes out as a chat completion (:mod:`.responses`) and is recorded as
+one, with ``endpoint: "responses"``, the agent's request and the ``chat_request`` it became;
+``previous_response_id`` then continues from the attempt's recorded call. It asks the
 upstream for token ids and logprobs, records one ``llm_call`` event per call (see
 ``docs/events.md``) and returns to the agent only what the agent asked for. Dequeued claims
 get their ``LLM`` resources pointed here (:func:`~agentbolt.server.gateway_access.rewrite_claim`),
@@ -62,6 +65,7 @@ from agentbolt.server.openai_format import (
     COMPLETIONS,
     RESPONSES,
     StreamAssembler,
+    Wants,
     check_request,
     count_usage,
     extract,
@@ -72,6 +76,8 @@ from agentbolt.server.openai_format import (
 from agentbolt.server.responses import (
     EventStream,
     Untranslatable,
+    chat_choice,
+    chat_usage,
     history_of,
     new_id,
     to_chat,
@@ -86,9 +92,11 @@ log = logging.getLogger("agentbolt.gateway")
 
 RETRY_STATUSES = (429, 502, 503)
 MAX_TRIES = 4
-_PATHS = {CHAT: "chat/completions", COMPLETIONS: "completions"}
+_PATHS = {CHAT: "chat/completions", COMPLETIONS: "completions", RESPONSES: "responses"}
+_PASSED = Wants(token_ids=True, logprobs=True, usage=True)  # a passed-through answer is not stripped
 # What the gateway adds to a request and may drop again when an upstream rejects it by name
 # (a whole word: "top_logprobs" does not name "logprobs").
+_FINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
 _EXTRAS = {
     name: re.compile(rf"(?<![A-Za-z0-9_]){name}(?![A-Za-z0-9_])".encode())
     for name in ("return_token_ids", "logprobs")
@@ -101,6 +109,7 @@ class Gateway:
         self._http: httpx.AsyncClient | None = None
         self._targets: OrderedDict[str, Target] = OrderedDict()
         self._rejected: dict[str, frozenset[str]] = {}  # base URL -> the extras it rejects
+        self._serves_responses: dict[str, bool] = {}  # base URL -> whether it has /responses
         self.keys = UpstreamKeys(call, config)
         self._urls: dict[tuple[str, str], httpx.URL] = {}
         # plain-http upstreams (model servers on the cluster network), as many calls at once as
@@ -165,24 +174,48 @@ class Gateway:
             return json_answer(
                 openai_error("the request body must be a JSON object", "invalid_request_error"), 400
             )
-        responses = None
-        if endpoint == RESPONSES:
+        responses, untranslatable = None, None
+        if endpoint == RESPONSES:  # its chat form; an upstream that serves /responses needs none
+            responses, endpoint = body, CHAT
             try:
-                responses, body, endpoint = body, _chat_for(body), CHAT
+                body = _chat_for(responses)
             except Untranslatable as exc:
-                return json_answer(openai_error(str(exc), "invalid_request_error", param=exc.param), 400)
-        malformed = check_request(endpoint, body)
+                untranslatable, body = exc, {}
+        malformed = check_request(endpoint, body) if untranslatable is None else None
         if malformed is not None:
             return json_answer(openai_error(malformed[0], "invalid_request_error", param=malformed[1]), 400)
         try:
             target = await self.target(rollout_id, attempt_id)
-            resource, llm = target.pick(body.get("model"))
+            resource, llm = target.pick((responses or body).get("model"))
             key = await self.keys.resolve(llm, target.resources_version)
-            if responses is not None and responses.get("previous_response_id") is not None:
-                history = await self._history(target, responses["previous_response_id"])
-                body = with_history(body, responses, history)
         except Refused as exc:
             return exc.response()
+        if responses is not None and self._serves_responses.get(llm.base_url, True):
+            passed = ForwardedCall(
+                target,
+                resource,
+                llm,
+                RESPONSES,
+                responses,
+                _PASSED,
+                key,
+                started,
+                t0,
+                CallTry.of(request, raw),
+            )
+            answer = await self._pass_through(passed)
+            if answer is not None:
+                return answer
+        if untranslatable is not None:
+            error = openai_error(str(untranslatable), "invalid_request_error", param=untranslatable.param)
+            return json_answer(error, 400)
+        if responses is not None and responses.get("previous_response_id") is not None:
+            try:
+                body = with_history(
+                    body, responses, await self._history(target, responses["previous_response_id"])
+                )
+            except Refused as exc:
+                return exc.response()
         rejected = self._rejected.get(llm.base_url, frozenset())
         payload, wants = prepare(
             endpoint, body, "return_token_ids" not in rejected, "logprobs" not in rejected
@@ -494,6 +527,81 @@ class Gateway:
             )
         except Exception:  # the agent still gets its answer; the lost record is logged
             log.exception("could not record an llm_call for attempt %s", call.target.attempt_id)
+
+    async def _pass_through(self, call: ForwardedCall) -> Response | None:
+        """Send a Responses call as it is to an upstream that serves /responses; ``None`` when
+        it has none (a 404 or 405, remembered): the call is then translated."""
+        base = call.llm.base_url
+        try:
+            upstream = await self._send(functools.partial(self._upstream_request, call, call.request))
+        except httpx.TimeoutException as exc:
+            return await self._failed(
+                call, 504, "upstream_timeout", f"the model server timed out ({type(exc).__name__})"
+            )
+        except httpx.HTTPError as exc:
+            return await self._failed(
+                call, 502, "upstream_unavailable", f"the model server is unreachable: {exc}"
+            )
+        if upstream.status_code in (404, 405):
+            await upstream.aclose()
+            if base not in self._serves_responses:
+                log.info("model server %s has no /responses: Responses calls are translated", base)
+            self._serves_responses[base] = False
+            return None
+        self._serves_responses[base] = True
+        if upstream.status_code >= 400:
+            return await self._upstream_error(call, upstream)
+        if call.request.get("stream"):
+            return StreamingResponse(
+                self._relay_passed(call, upstream),
+                media_type="text/event-stream",
+                headers={"cache-control": "no-cache"},
+            )
+        try:
+            full = orjson.loads(await upstream.aread())
+        except (orjson.JSONDecodeError, httpx.HTTPError) as exc:
+            return await self._failed(
+                call,
+                502,
+                "upstream_invalid_response",
+                f"unreadable model server answer: {exc}",
+                upstream.status_code,
+            )
+        await self._record(call, self._passed_data(call, upstream.status_code, full))
+        return json_answer(full, upstream.status_code)
+
+    async def _relay_passed(self, call: ForwardedCall, upstream: httpx.Response) -> AsyncIterator[bytes]:
+        """A passed-through Responses stream, line by line; recorded from its final event."""
+        final: dict[str, Any] | None = None
+        try:
+            async for line in upstream.aiter_lines():
+                if line.startswith("data:"):
+                    with contextlib.suppress(orjson.JSONDecodeError):
+                        event = orjson.loads(line[5:].strip())
+                        if isinstance(event, dict) and event.get("type") in _FINAL_EVENTS:
+                            final = event.get("response")
+                yield line.encode() + b"\n"
+        finally:
+            with anyio.CancelScope(shield=True):
+                await upstream.aclose()
+                if final is None:
+                    error = openai_error("the stream ended without a final response", "upstream_stream_error")
+                    await self._record(call, self._error_data(call, upstream.status_code, error))
+                else:
+                    await self._record(call, self._passed_data(call, upstream.status_code, final))
+
+    def _passed_data(self, call: ForwardedCall, status: int, full: dict[str, Any]) -> dict[str, Any]:
+        """The record of a passed-through answer: text-only unless the upstream sent ids."""
+        data = self._base_data(call, status, full)
+        choice = chat_choice(full)
+        data.update(
+            prompt_token_ids=full.get("prompt_token_ids"),
+            choices=[choice],
+            usage=chat_usage(full.get("usage")),
+            model=full.get("model") or data["model"],
+        )
+        data["token_ids"] = data["prompt_token_ids"] is not None and choice["token_ids"] is not None
+        return data
 
     async def _history(self, target: Target, response_id: str) -> list[dict[str, Any]]:
         """The conversation up to the attempt's Response ``response_id``, from its recorded

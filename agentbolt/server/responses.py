@@ -24,6 +24,8 @@ __all__ = [
     "REQUEST_SCHEMA",
     "EventStream",
     "Untranslatable",
+    "chat_choice",
+    "chat_usage",
     "check",
     "history_of",
     "new_id",
@@ -460,3 +462,37 @@ def _done_events(index: int, item: dict[str, Any]) -> list[dict[str, Any]]:
         {"type": "response.content_part.done", **at, "content_index": 0, "part": part},
         done,
     ]
+
+
+# ---------------------------------------------------------------------------- passed through
+
+
+def chat_choice(response: dict[str, Any]) -> dict[str, Any]:
+    """A Responses answer as the chat choice the record keeps (``message``, ``finish_reason``,
+    ``token_ids`` when the upstream sent them), so every reader of llm_call sees one shape."""
+    text, calls = [], []
+    for item in response.get("output") or []:
+        if item.get("type") == "message":
+            text += [p.get("text", "") for p in item.get("content") or [] if p.get("type") == "output_text"]
+        elif item.get("type") == "function_call":
+            function = {"name": item.get("name", ""), "arguments": item.get("arguments", "")}
+            calls.append({"id": item.get("call_id"), "type": "function", "function": function})
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(text) or None}
+    if calls:
+        message["tool_calls"] = calls
+    finish = "tool_calls" if calls else ("length" if response.get("status") == "incomplete" else "stop")
+    return {
+        "index": 0,
+        "message": message,
+        "finish_reason": finish,
+        "token_ids": response.get("token_ids"),
+        "logprobs": None,
+    }
+
+
+def chat_usage(usage: Any) -> dict[str, int] | None:
+    """Responses usage in the chat fields the record keeps."""
+    if not isinstance(usage, dict):
+        return None
+    prompt, completion = int(usage.get("input_tokens") or 0), int(usage.get("output_tokens") or 0)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

@@ -221,3 +221,37 @@ def test_a_reply_cut_at_the_agents_limit_is_incomplete():
     }
     # the model server's own length limit has no Responses counterpart: the answer is complete
     assert to_response(chat, {"input": "hi"}, "resp_2")["status"] == "completed"
+
+
+@pytest.fixture
+def hosted(upstream):
+    upstream.serves_responses = True
+    yield upstream
+    upstream.serves_responses = False
+
+
+def test_upstream_with_responses_is_passed_through_and_recorded_text_only(rig, hosted):
+    claim = rig.claim()
+    client = _openai(claim)
+    answer = client.responses.create(model="double", input="Hi", tools=[{"type": "web_search"}])
+    assert answer.id == "resp_hosted" and answer.output_text == "Hosted answer."
+    with client.responses.stream(model="double", input="Hi again") as stream:
+        streamed = stream.get_final_response()
+    assert streamed.output_text == "Hosted answer."
+    assert [c.path for c in hosted.calls] == ["/v1/responses", "/v1/responses"]
+    assert hosted.calls[0].body["tools"] == [{"type": "web_search"}]  # sent as the agent wrote it
+    events = rig.llm_calls(claim.rollout.id)
+    assert [e.data["stream"] for e in events] == [False, True]
+    for event in events:
+        assert event.data["endpoint"] == "responses" and event.data["token_ids"] is False
+        assert event.data["prompt_token_ids"] is None
+        assert event.data["choices"][0]["message"]["content"] == "Hosted answer."
+        assert event.data["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+
+
+def test_upstream_without_responses_is_asked_once_then_translated(rig, upstream):
+    claim = rig.claim()
+    client = _openai(claim)
+    for _ in range(2):
+        assert client.responses.create(model="double", input="Hi").output_text
+    assert [c.path for c in upstream.calls] == ["/v1/chat/completions"] * 2  # the 404 is not an answer

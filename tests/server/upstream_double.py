@@ -12,7 +12,8 @@ every call waits), ``delay_next`` (seconds the next calls wait, one each), ``str
 ``return_token_ids`` as OpenAI does; or a set of the parameters to reject, each with a 400 naming
 it), ``model_version`` (sent as ``x-model-version``), models
 named ``error-500`` (a 500 that echoes the caller's Authorization header, to test scrubbing)
-and ``broken-stream`` (a stream cut off mid-way). ``calls`` holds what each request carried.
+and ``broken-stream`` (a stream cut off mid-way). ``serves_responses``: answer ``/v1/responses`` as a
+hosted API does (a fixed Responses body or its events, no token ids); off, that path is a 404. ``calls`` holds what each request carried.
 """
 
 from __future__ import annotations
@@ -142,6 +143,7 @@ class UpstreamDouble:
         self.calls: list[Seen] = []
         self.fail_next: list[int] = []
         self.strict: bool | set[str] = False
+        self.serves_responses = False
         self.model_version: str | None = "7"
         self.delay = 0.0
         self.delay_next: list[float] = []
@@ -197,6 +199,10 @@ class UpstreamDouble:
         async def completions(request: Request) -> Any:
             return await self._answer(request, chat=False)
 
+        @app.post("/v1/responses")
+        async def responses(request: Request) -> Any:
+            return await self._responses(request)
+
         return app
 
     async def _answer(self, request: Request, chat: bool) -> Any:
@@ -235,6 +241,58 @@ class UpstreamDouble:
             else self._completion_body(body, prompt_ids, choices)
         )
         return JSONResponse(full, headers=headers)
+
+    async def _responses(self, request: Request) -> Any:
+        if not self.serves_responses:
+            return JSONResponse({"detail": "Not Found"}, 404)
+        body = await request.json()
+        self.calls.append(Seen(request.url.path, dict(request.headers), body))
+        text = "Hosted answer."
+        message = {
+            "type": "message",
+            "id": "msg_hosted",
+            "role": "assistant",
+            "status": "completed",
+            "content": [{"type": "output_text", "text": text, "annotations": []}],
+        }
+        usage = {
+            "input_tokens": 5,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": 2,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": 7,
+        }
+        full = {
+            "id": "resp_hosted",
+            "object": "response",
+            "created_at": CREATED,
+            "status": "completed",
+            "model": body.get("model"),
+            "output": [message],
+            "parallel_tool_calls": True,
+            "tool_choice": "auto",
+            "tools": [],
+            "usage": usage,
+        }
+        if not body.get("stream"):
+            return JSONResponse(full)
+        at = {"item_id": "msg_hosted", "output_index": 0, "content_index": 0}
+        part = message["content"][0]
+        events = [
+            {"type": "response.created", "response": {**full, "status": "in_progress", "output": []}},
+            {"type": "response.output_item.added", "output_index": 0, "item": {**message, "content": []}},
+            {"type": "response.content_part.added", **at, "part": {**part, "text": ""}},
+            {"type": "response.output_text.delta", **at, "delta": text, "logprobs": []},
+            {"type": "response.output_text.done", **at, "text": text, "logprobs": []},
+            {"type": "response.content_part.done", **at, "part": part},
+            {"type": "response.output_item.done", "output_index": 0, "item": message},
+            {"type": "response.completed", "response": full},
+        ]
+        lines = "".join(
+            f"event: {e['type']}\ndata: {json.dumps({**e, 'sequence_number': i})}\n\n"
+            for i, e in enumerate(events)
+        )
+        return StreamingResponse(iter([lines]), media_type="text/event-stream")
 
     def _rejected(self, body: dict[str, Any]) -> str | None:
         """The first parameter of the request that ``strict`` makes this double reject."""

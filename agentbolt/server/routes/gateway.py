@@ -58,8 +58,8 @@ def router(gateway: Gateway) -> APIRouter:
 
     @api.post("/responses", openapi_extra=_openapi_body(RESPONSES), responses=_RESPONSES)
     async def responses(rollout_id: str, attempt_id: str, request: Request) -> Response:
-        """OpenAI Responses API, answered through the rollout's LLM as a chat completion and
-        recorded with its token ids."""
+        """OpenAI Responses API: passed to an upstream that serves it, else answered through
+        the rollout's LLM as a chat completion and recorded with its token ids."""
         return await gateway.forward(request, rollout_id, attempt_id, RESPONSES)
 
     @api.get("/models")
