@@ -32,6 +32,9 @@ pytestmark = pytest.mark.model
 EXAMPLES = Path(__file__).parents[2] / "examples"
 NODE_AGENT = EXAMPLES / "node_agent"
 TASK = {"question": "What is 6*7?", "answer": "42"}
+# The reward event each example's reward arrives as: the Python script writes the result file,
+# the Node.js agent posts to the events URL.
+SOURCE = {"python": "result_file", "node": "program"}
 
 
 @pytest.fixture(scope="module")
@@ -67,16 +70,19 @@ def node_command() -> list[str]:
     return ["node", str(NODE_AGENT / "agent.mjs")]
 
 
-def assert_recorded(client: Client, rollout_id: str) -> tuple[dict, list[dict]]:
+def assert_recorded(client: Client, rollout_id: str, source: str) -> tuple[dict, list[dict]]:
     """The rollout succeeded with the reward its program printed (with its answer and how many
-    model calls it made), and each of those calls is recorded with token ids. Returns what the
-    program printed and the calls' data."""
+    model calls it made), recorded as the reward event of ``source``, and each of those calls
+    is recorded with token ids. Returns what the program printed and the calls' data."""
     [rollout] = client.wait([rollout_id], 10).rollouts
     assert rollout.status == RolloutStatus.SUCCEEDED, rollout.error
     events = client.all_events(rollout_id)
     [stdout] = [e.data["content"] for e in events if e.type == "message" and e.data["role"] == "stdout"]
     reported = json.loads(stdout)
     assert rollout.reward == reported["reward"]
+    rewards = [e.data for e in events if e.type == "reward"]
+    assert {r["name"]: r["value"] for r in rewards if "name" in r} == {source: reported["reward"]}
+    assert [r["value"] for r in rewards if r.get("final")] == [reported["reward"]]
     calls = [e.data for e in events if e.type == "llm_call"]
     assert len(calls) == reported["calls"] > 0  # each call the program made, recorded once
     for call in calls:
@@ -87,22 +93,16 @@ def assert_recorded(client: Client, rollout_id: str) -> tuple[dict, list[dict]]:
     return reported, calls
 
 
-@pytest.mark.parametrize("language", ["python"])
+@pytest.mark.parametrize("language", ["python", "node"])
 def test_example_run_by_a_runner(language, client, tmp_path):
     command = python_command() if language == "python" else node_command()
     [rollout] = client.enqueue([RolloutCreate(task=Task(data=TASK))])
     runner = Runner(Program(command, timeout=120), client.url, max_rollouts=1, flush_interval=0.1)
     asyncio.run(asyncio.wait_for(runner.run(), 180))
-    reported, calls = assert_recorded(client, rollout.id)
+    reported, calls = assert_recorded(client, rollout.id, SOURCE[language])
     assert TASK["question"] in json.dumps(calls[0]["request"]["messages"])
     assert calls[0]["request"]["tools"][0]["function"]["name"] == "calculator"
-    rewards = [e.data for e in client.all_events(rollout.id) if e.type == "reward"]
-    named = {r["name"]: r["value"] for r in rewards if "name" in r}
-    assert [r["value"] for r in rewards if r.get("final")] == [reported["reward"]]
-    # the Python script writes the result file; the Node agent posts to the events URL
-    source = "result_file" if language == "python" else "program"
-    # greedy SmolLM2 states 6*7 = 42, so the program scores its answer 1
-    assert named == {source: reported["reward"]} and reported["reward"] == 1.0
+    assert reported["reward"] == 1.0  # greedy SmolLM2 states 6*7 = 42
 
 
 def test_node_agent_run_by_the_runner_command(client, tmp_path):
@@ -119,7 +119,7 @@ def test_node_agent_run_by_the_runner_command(client, tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     for rollout in rollouts:
-        reported, calls = assert_recorded(client, rollout.id)
+        reported, calls = assert_recorded(client, rollout.id, SOURCE["node"])
         assert reported["reward"] == 1.0 and calls[0]["request"]["model"] == "smollm2"
 
 
@@ -141,7 +141,7 @@ def test_node_agent_evaluated_by_agentbolt_train(client, tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rollouts = list(client.pages(client.list_rollouts))
     assert sorted(r.task.data["question"] for r in rollouts) == sorted(t["question"] for t in tasks)
-    rewards = [assert_recorded(client, r.id)[0]["reward"] for r in rollouts]
+    rewards = [assert_recorded(client, r.id, SOURCE["node"])[0]["reward"] for r in rollouts]
     # the summary table: val, count 2, succeeded 2, failed 0, the mean of what the program reported
     row = re.search(r"val\W+2\W+2\W+0\W+([\d.]+)", done.stdout)
     assert row is not None, done.stdout
