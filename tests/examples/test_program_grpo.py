@@ -54,6 +54,11 @@ def test_grpo_two_steps_on_a_program_agent_changes_the_served_weights(tmp_path):
         paths = [w.path for w in weights]  # engine://<name>@<the engine's weight version>
         assert len(set(paths)) == 3 and all(p.startswith("engine://") for p in paths), paths
 
+        engine_version = {
+            v.version: v.resources["policy_weights"].path.rpartition("@")[2]
+            for v in versions
+            if "policy_weights" in v.resources
+        }
         rollouts = list(client.pages(client.list_rollouts, limit=100))
         assert len(rollouts) == 16 and all(r.status == RolloutStatus.SUCCEEDED for r in rollouts)
         served: dict[int, set[str]] = {}
@@ -72,6 +77,8 @@ def test_grpo_two_steps_on_a_program_agent_changes_the_served_weights(tmp_path):
             [call] = calls
             assert call["prompt_token_ids"] and call["choices"][0]["token_ids"]
             assert call["resources_version"] == rollout.resources_version
+            # served by the very weights its resources version names
+            assert str(call["model_version"]) == engine_version[rollout.resources_version]
             served.setdefault(rollout.resources_version, set()).add(str(call["model_version"]))
         # step 1 sampled the base weights, step 2 those its update swapped into the engine
         assert len(served) == 2 and all(len(v) == 1 for v in served.values()), served
