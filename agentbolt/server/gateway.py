@@ -60,12 +60,12 @@ from agentbolt.schemas import LLM, AttemptStatus, EventCreate, EventType
 from agentbolt.server.config import ServerConfig
 from agentbolt.server.gateway_access import UpstreamKeys
 from agentbolt.server.gateway_call import CallTry, ForwardedCall, Refused, Target, json_answer
+from agentbolt.server.gateway_responses import PASSED, ResponsesUpstream, chat_for, sse
 from agentbolt.server.openai_format import (
     CHAT,
     COMPLETIONS,
     RESPONSES,
     StreamAssembler,
-    Wants,
     check_request,
     count_usage,
     extract,
@@ -76,11 +76,7 @@ from agentbolt.server.openai_format import (
 from agentbolt.server.responses import (
     EventStream,
     Untranslatable,
-    chat_choice,
-    chat_usage,
-    history_of,
     new_id,
-    to_chat,
     to_response,
     with_history,
 )
@@ -93,10 +89,8 @@ log = logging.getLogger("agentbolt.gateway")
 RETRY_STATUSES = (429, 502, 503)
 MAX_TRIES = 4
 _PATHS = {CHAT: "chat/completions", COMPLETIONS: "completions", RESPONSES: "responses"}
-_PASSED = Wants(token_ids=True, logprobs=True, usage=True)  # a passed-through answer is not stripped
 # What the gateway adds to a request and may drop again when an upstream rejects it by name
 # (a whole word: "top_logprobs" does not name "logprobs").
-_FINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
 _EXTRAS = {
     name: re.compile(rf"(?<![A-Za-z0-9_]){name}(?![A-Za-z0-9_])".encode())
     for name in ("return_token_ids", "logprobs")
@@ -109,7 +103,7 @@ class Gateway:
         self._http: httpx.AsyncClient | None = None
         self._targets: OrderedDict[str, Target] = OrderedDict()
         self._rejected: dict[str, frozenset[str]] = {}  # base URL -> the extras it rejects
-        self._serves_responses: dict[str, bool] = {}  # base URL -> whether it has /responses
+        self.responses = ResponsesUpstream(self)
         self.keys = UpstreamKeys(call, config)
         self._urls: dict[tuple[str, str], httpx.URL] = {}
         # plain-http upstreams (model servers on the cluster network), as many calls at once as
@@ -178,7 +172,7 @@ class Gateway:
         if endpoint == RESPONSES:  # its chat form; an upstream that serves /responses needs none
             responses, endpoint = body, CHAT
             try:
-                body = _chat_for(responses)
+                body = chat_for(responses)
             except Untranslatable as exc:
                 untranslatable, body = exc, {}
         malformed = check_request(endpoint, body) if untranslatable is None else None
@@ -190,20 +184,20 @@ class Gateway:
             key = await self.keys.resolve(llm, target.resources_version)
         except Refused as exc:
             return exc.response()
-        if responses is not None and self._serves_responses.get(llm.base_url, True):
+        if responses is not None and self.responses.may_serve(llm.base_url):
             passed = ForwardedCall(
                 target,
                 resource,
                 llm,
                 RESPONSES,
                 responses,
-                _PASSED,
+                PASSED,
                 key,
                 started,
                 t0,
                 CallTry.of(request, raw),
             )
-            answer = await self._pass_through(passed)
+            answer = await self.responses.send(passed)
             if answer is not None:
                 return answer
         if untranslatable is not None:
@@ -212,7 +206,7 @@ class Gateway:
         if responses is not None and responses.get("previous_response_id") is not None:
             try:
                 body = with_history(
-                    body, responses, await self._history(target, responses["previous_response_id"])
+                    body, responses, await self.responses.history(target, responses["previous_response_id"])
                 )
             except Refused as exc:
                 return exc.response()
@@ -348,7 +342,7 @@ class Gateway:
         assembler = StreamAssembler(call.endpoint)
         events = EventStream(call.responses, call.response_id or "") if call.responses is not None else None
         if events is not None:
-            yield _sse(events.start())
+            yield sse(events.start())
         error: dict[str, Any] | None = None
         extra: dict[str, Any] = {"time_to_first_token_ms": None}
         recorded = False
@@ -366,13 +360,13 @@ class Gateway:
                         if isinstance(chunk["error"], dict)
                         else openai_error(str(chunk["error"]), "upstream_error")
                     )
-                    yield _sse(events.error(error)) if events else b"data: " + orjson.dumps(error) + b"\n\n"
+                    yield sse(events.error(error)) if events else b"data: " + orjson.dumps(error) + b"\n\n"
                     continue
                 if extra["time_to_first_token_ms"] is None:
                     extra["time_to_first_token_ms"] = call.elapsed_ms()
                 assembler.add(chunk)
                 if events is not None:
-                    yield _sse(events.add(chunk))
+                    yield sse(events.add(chunk))
                     continue
                 out = strip(chunk, call.wants, stream=True)
                 if out is not None:
@@ -381,7 +375,7 @@ class Gateway:
             error = openai_error(
                 f"the model server's stream broke: {call.scrub(str(exc))}", "upstream_stream_error", 502
             )
-            yield _sse(events.error(error)) if events else b"data: " + orjson.dumps(error) + b"\n\n"
+            yield sse(events.error(error)) if events else b"data: " + orjson.dumps(error) + b"\n\n"
         except BaseException:  # the agent went away: still record what came
             error = openai_error("the client disconnected before the stream ended", "client_disconnected")
             raise
@@ -391,7 +385,7 @@ class Gateway:
             if events is None:
                 yield b"data: [DONE]\n\n"
             elif answer is not None:
-                yield _sse(events.finish(answer))
+                yield sse(events.finish(answer))
         finally:
             with anyio.CancelScope(shield=True):
                 await upstream.aclose()
@@ -528,108 +522,6 @@ class Gateway:
         except Exception:  # the agent still gets its answer; the lost record is logged
             log.exception("could not record an llm_call for attempt %s", call.target.attempt_id)
 
-    async def _pass_through(self, call: ForwardedCall) -> Response | None:
-        """Send a Responses call as it is to an upstream that serves /responses; ``None`` when
-        it has none (a 404 or 405, remembered): the call is then translated."""
-        base = call.llm.base_url
-        try:
-            upstream = await self._send(functools.partial(self._upstream_request, call, call.request))
-        except httpx.TimeoutException as exc:
-            return await self._failed(
-                call, 504, "upstream_timeout", f"the model server timed out ({type(exc).__name__})"
-            )
-        except httpx.HTTPError as exc:
-            return await self._failed(
-                call, 502, "upstream_unavailable", f"the model server is unreachable: {exc}"
-            )
-        if upstream.status_code in (404, 405):
-            await upstream.aclose()
-            if base not in self._serves_responses:
-                log.info("model server %s has no /responses: Responses calls are translated", base)
-            self._serves_responses[base] = False
-            return None
-        self._serves_responses[base] = True
-        if upstream.status_code >= 400:
-            return await self._upstream_error(call, upstream)
-        if call.request.get("stream"):
-            return StreamingResponse(
-                self._relay_passed(call, upstream),
-                media_type="text/event-stream",
-                headers={"cache-control": "no-cache"},
-            )
-        try:
-            full = orjson.loads(await upstream.aread())
-        except (orjson.JSONDecodeError, httpx.HTTPError) as exc:
-            return await self._failed(
-                call,
-                502,
-                "upstream_invalid_response",
-                f"unreadable model server answer: {exc}",
-                upstream.status_code,
-            )
-        await self._record(call, self._passed_data(call, upstream.status_code, full))
-        return json_answer(full, upstream.status_code)
-
-    async def _relay_passed(self, call: ForwardedCall, upstream: httpx.Response) -> AsyncIterator[bytes]:
-        """A passed-through Responses stream, line by line; recorded from its final event."""
-        final: dict[str, Any] | None = None
-        try:
-            async for line in upstream.aiter_lines():
-                if line.startswith("data:"):
-                    with contextlib.suppress(orjson.JSONDecodeError):
-                        event = orjson.loads(line[5:].strip())
-                        if isinstance(event, dict) and event.get("type") in _FINAL_EVENTS:
-                            final = event.get("response")
-                yield line.encode() + b"\n"
-        finally:
-            with anyio.CancelScope(shield=True):
-                await upstream.aclose()
-                if final is None:
-                    error = openai_error("the stream ended without a final response", "upstream_stream_error")
-                    await self._record(call, self._error_data(call, upstream.status_code, error))
-                else:
-                    await self._record(call, self._passed_data(call, upstream.status_code, final))
-
-    def _passed_data(self, call: ForwardedCall, status: int, full: dict[str, Any]) -> dict[str, Any]:
-        """The record of a passed-through answer: text-only unless the upstream sent ids."""
-        data = self._base_data(call, status, full)
-        choice = chat_choice(full)
-        data.update(
-            prompt_token_ids=full.get("prompt_token_ids"),
-            choices=[choice],
-            usage=chat_usage(full.get("usage")),
-            model=full.get("model") or data["model"],
-        )
-        data["token_ids"] = data["prompt_token_ids"] is not None and choice["token_ids"] is not None
-        return data
-
-    async def _history(self, target: Target, response_id: str) -> list[dict[str, Any]]:
-        """The conversation up to the attempt's Response ``response_id``, from its recorded
-        call: the state lives in the store, so any replica can continue it."""
-        found, cursor = None, None
-        while True:
-            page = await self.call(
-                self.store.list_events,
-                attempt_id=target.attempt_id,
-                types=[EventType.LLM_CALL.value],
-                limit=500,
-                cursor=cursor,
-            )
-            for event in page.items:
-                data = event.data
-                if (
-                    data.get("endpoint") == RESPONSES
-                    and (data.get("response") or {}).get("id") == response_id
-                ):
-                    found = data
-            if page.next_cursor is None or not page.items:
-                break
-            cursor = page.next_cursor
-        if found is None or found.get("error") or not found.get("choices"):
-            message = f"previous response {response_id!r} not found among this attempt's answered calls"
-            raise Refused(400, message, "invalid_request_error", "previous_response_id")
-        return history_of(found)
-
     # ------------------------------------------------------------------ models
 
     async def models(self, rollout_id: str, attempt_id: str) -> Response:
@@ -650,23 +542,6 @@ class Gateway:
             for m in dict.fromkeys(x.model for x in target.llms.values())
         ]
         return json_answer({"object": "list", "data": data})
-
-
-def _chat_for(body: dict[str, Any]) -> dict[str, Any]:
-    """The chat request for a Responses request (without the history a
-    ``previous_response_id`` brings: that needs the attempt)."""
-    previous = body.get("previous_response_id")
-    if previous is not None and not isinstance(previous, str):
-        raise Untranslatable("'previous_response_id' must be a string", "previous_response_id")
-    chat = to_chat(body)
-    if body.get("stream"):
-        chat["stream"] = True
-    return chat
-
-
-def _sse(events: list[dict[str, Any]]) -> bytes:
-    """Responses events as server-sent events (named, as OpenAI sends them)."""
-    return b"".join(b"event: " + e["type"].encode() + b"\ndata: " + orjson.dumps(e) + b"\n\n" for e in events)
 
 
 def _backoff(attempt: int) -> float:
