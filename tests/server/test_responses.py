@@ -4,6 +4,7 @@ that speaks chat completions only, so every call is translated."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -255,3 +256,38 @@ def test_upstream_without_responses_is_asked_once_then_translated(rig, upstream)
     for _ in range(2):
         assert client.responses.create(model="double", input="Hi").output_text
     assert [c.path for c in upstream.calls] == ["/v1/chat/completions"] * 2  # the 404 is not an answer
+
+
+def test_agents_sdk_default_model_streamed_through_the_gateway(rig, upstream):
+    """The OpenAI Agents SDK with its default (Responses) model, streamed: a function tool turn
+    and the answer, both recorded with token ids."""
+    from agents import Agent, OpenAIProvider, RunConfig, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+
+    @function_tool
+    def calculator(expression: str) -> str:
+        """Evaluate arithmetic."""
+        return "42"
+
+    claim = rig.claim()
+    llm = claim.resources.resources["llm"]
+
+    async def run() -> str:
+        client = openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0)
+        agent = Agent(name="calc", instructions="Use the tool.", tools=[calculator], model="double")
+        config = RunConfig(model_provider=OpenAIProvider(openai_client=client))
+        try:
+            result = Runner.run_streamed(agent, "What is 6 times 7?", max_turns=3, run_config=config)
+            async for _ in result.stream_events():
+                pass
+            return str(result.final_output)
+        finally:
+            await client.close()
+
+    assert "42" in asyncio.run(run())
+    events = rig.llm_calls(claim.rollout.id)
+    assert len(events) == 2 and all(e.data["endpoint"] == "responses" and e.data["stream"] for e in events)
+    assert all(e.data["token_ids"] is True and e.data["prompt_token_ids"] for e in events)
+    assert events[0].data["choices"][0]["finish_reason"] == "tool_calls"
+    assert [m["role"] for m in events[1].data["chat_request"]["messages"]][-2:] == ["assistant", "tool"]
