@@ -76,11 +76,11 @@ def _query(db: str, sql: str) -> list[tuple[Any, ...]]:
 
         with psycopg.connect(db) as conn:
             return conn.execute(sql).fetchall()
-    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
+    lite = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
     try:
-        return conn.execute(sql).fetchall()
+        return lite.execute(sql).fetchall()
     finally:
-        conn.close()
+        lite.close()
 
 
 @dataclass

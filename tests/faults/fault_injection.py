@@ -28,7 +28,9 @@ import socket
 import struct
 import threading
 from collections import Counter
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import h11
 import httpx
@@ -63,6 +65,7 @@ ENDPOINTS: dict[str, re.Pattern[str]] = {
     }.items()
 }
 KEY_HEADER = "idempotency-key"
+T = TypeVar("T")
 
 
 def endpoint_of(method: str, path: str) -> str | None:
@@ -215,6 +218,7 @@ class _Upstream:
 def _answer(conn: h11.Connection, response: _Message) -> bytes:
     """``response`` as ``conn`` (the client's side) sends it: head, body, end."""
     head = response.head
+    assert isinstance(head, h11.Response)
     data = conn.send(
         h11.Response(status_code=head.status_code, headers=list(head.headers), reason=head.reason)
     )
@@ -271,10 +275,11 @@ class FaultProxy:
         """Wait for the delayed and duplicate deliveries still under way."""
         self._run(self._extra_done(), timeout)
 
-    def _run(self, coro, timeout: float = 30.0):  # type: ignore[no-untyped-def]
+    def _run(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
+        """Run ``coro`` on the proxy's loop, from the test's thread."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
-    def _track(self, coro) -> asyncio.Task[None]:  # type: ignore[no-untyped-def]
+    def _track(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = self._loop.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import openai
@@ -64,9 +65,10 @@ EXPORT_TRIES = 3  # tries of a caller that retries by itself (OTLP export, a pro
 
 @dataclass
 class Wiring:
-    """Where each client sends its requests: agentbolt's clients through a dropping transport
-    straight to the server (``drop``), or through the proxy (every other fault); the openai SDK
-    and the OTLP exporter bring their own HTTP stacks, so they always go through the proxy."""
+    """Where each client sends its requests: agentbolt's clients and the program's through a
+    dropping transport straight to the server (``drop``), or through the proxy (every other
+    fault); the openai SDK and the OTLP exporter bring their own HTTP stacks, so they always go
+    through the proxy."""
 
     server_url: str
     proxy: FaultProxy
@@ -166,7 +168,7 @@ async def _events(runner: AsyncClient, ledger: Ledger, claim: Claim) -> None:
 
 def _agent_events(program: httpx.Client, ledger: Ledger, claim: Claim) -> None:
     """Post to the events URL as a program agent would: one key, sent again by each retry."""
-    events = [{"type": "tool_call", "data": {"marker": f"agent-{i}"}} for i in range(2)]
+    events: list[dict[str, Any]] = [{"type": "tool_call", "data": {"marker": f"agent-{i}"}} for i in range(2)]
     events.append({"reward": 0.5, "name": "agent"})  # the reward shorthand: data carries no marker
     headers = {"Idempotency-Key": uuid.uuid4().hex}
     url = f"/agent/{claim.rollout.id}/{claim.attempt.id}/events"

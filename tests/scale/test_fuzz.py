@@ -151,7 +151,7 @@ class ApiWorkflow(schema.exclude(path_regex="^/gateway/").as_state_machine()):  
         least a minute, and a valid long poll, which on an empty queue only waits, at most
         0.2 s. Values out of range stay as generated: they make the negative cases."""
         body = case.body if isinstance(case.body, dict) else {}
-        rollouts = body.get("rollouts") if isinstance(body.get("rollouts"), list) else []
+        rollouts: list[Any] = body["rollouts"] if isinstance(body.get("rollouts"), list) else []
         for part in (body, *rollouts):
             for field in ("lease_seconds", "timeout_seconds"):
                 _pin(part, field, valid=(0.0, 60.0), to=60.0)
