@@ -17,6 +17,7 @@ from typing import Any
 
 import orjson
 
+from agentbolt.errors import NotFound
 from agentbolt.server.config import Role
 from agentbolt.server.store_caller import StoreCaller
 from agentbolt.store.sql import AGENT_KEY_PREFIX, WORKER_TOKEN_PREFIX, token_sha256
@@ -200,9 +201,26 @@ class AuthMiddleware:
             )
         if caller is not None and not caller.allows(method, path):
             return await _send_json(send, 403, error_body(_refusal(caller, method, path), "forbidden"))
+        if caller is not None and caller.worker_id is not None and await self._held_elsewhere(caller, path):
+            message = (
+                f"this worker token belongs to worker {caller.worker_id!r}, which does not hold this attempt"
+            )
+            return await _send_json(send, 403, error_body(message, "forbidden"))
         scope["agentbolt.role"] = caller.role if caller is not None else None
         scope["agentbolt.caller"] = caller
         await self.app(scope, receive, send)
+
+    async def _held_elsewhere(self, caller: Caller, path: str) -> bool:
+        """A worker token on the gateway of an attempt its worker does not hold (an unknown
+        attempt is left to the gateway's 404)."""
+        parts = path.split("/", 4)  # "", "gateway", rollout, attempt, ...
+        if len(parts) < 4 or parts[1] != "gateway":
+            return False
+        try:
+            attempt = await self.call(self.call.store.get_attempt, parts[3])
+        except NotFound:
+            return False
+        return attempt.worker_id != caller.worker_id
 
 
 def _refusal(caller: Caller, method: str, path: str) -> str:

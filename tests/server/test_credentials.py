@@ -385,6 +385,19 @@ def test_a_worker_token_acts_only_for_its_own_worker(secure, action, body):
     assert state["status"] == "running"  # the refused writes changed nothing
 
 
+def test_a_worker_token_uses_only_its_own_workers_gateways(secure):
+    issued = _register(secure.url, RUNNER).json()
+    token = issued["worker_token"]
+    mine, theirs = secure.claim(issued["worker_id"]), secure.claim("w-other")
+    assert _chat(mine, token).status_code == 200
+    r = _chat(theirs, token)
+    assert r.status_code == 403 and "does not hold this attempt" in _error(r)[1]
+    assert httpx.get(f"{_gateway(theirs)}/models", headers=_h(token)).status_code == 403
+    assert _chat(theirs, RUNNER).status_code == 200  # a plain runner token is not bound (compatibility)
+    r = httpx.post(_events_url(secure.url, theirs), json={"reward": 1}, headers=_h(token))
+    assert r.status_code == 409 and "another worker" in _error(r)[1]
+
+
 def test_a_worker_token_has_no_admin_rights(secure):
     token = _register(secure.url, RUNNER).json()["worker_token"]
     body = {"resources": {"p": {"type": "prompt_template", "template": "x"}}}
