@@ -77,6 +77,7 @@ def check(body: dict[str, Any]) -> tuple[str, str] | None:
 
 def to_chat(body: dict[str, Any]) -> dict[str, Any]:
     """The chat-completions request that asks the model what ``body`` asks."""
+    _check_fields(body)
     messages: list[dict[str, Any]] = []
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
@@ -101,6 +102,20 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
     if response_format is not None:
         chat["response_format"] = response_format
     return chat
+
+
+# (field, test, what it must be): the fields REQUEST_SCHEMA types that to_chat does not read
+_FIELD_CHECKS: list[tuple[str, Any, str]] = [
+    ("model", lambda v: isinstance(v, str), "a string"),
+    ("stream", lambda v: isinstance(v, bool), "a boolean"),
+    ("tools", lambda v: isinstance(v, list), "a list of objects"),
+]
+
+
+def _check_fields(body: dict[str, Any]) -> None:
+    for name, test, what in _FIELD_CHECKS:
+        if body.get(name) is not None and not test(body[name]):
+            raise Untranslatable(f"'{name}' must be {what}", name)
 
 
 def _messages(items: Any) -> list[dict[str, Any]]:

@@ -212,6 +212,10 @@ def test_to_chat_merges_calls_and_maps_roles():
     assert chat["max_tokens"] == 5 and chat["tool_choice"] == {"type": "function", "function": {"name": "f"}}
     with pytest.raises(Untranslatable):
         to_chat({"input": []})
+    for field, value in (("model", 3), ("stream", "yes"), ("tools", {}), ("input", None)):
+        with pytest.raises(Untranslatable) as info:
+            to_chat({"input": "hi", field: value} if field != "input" else {})
+        assert info.value.param == field
 
 
 def test_a_reply_cut_at_the_agents_limit_is_incomplete():
