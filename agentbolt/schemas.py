@@ -16,7 +16,17 @@ from enum import StrEnum
 from typing import Annotated, Any, Generic, Literal, TypeVar, get_args
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    RootModel,
+    Tag,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from agentbolt.errors import InvalidTransition
 
@@ -24,6 +34,8 @@ __all__ = [
     "MAX_INT32",
     "AgentEvent",
     "AgentEvents",
+    "AgentReward",
+    "AgentTypedEvent",
     "WorkerRegister",
     "WorkerRegistration",
     "ErrorBody",
@@ -452,44 +464,49 @@ class WorkerRegistration(BaseModel):
     worker_token: str
 
 
-class AgentEvent(_Strict):
-    """One event an agent posts to its events URL: ``{"type": ..., "data": {...}}``, or the
-    shorthand ``{"reward": x, "name": ...}`` (type ``reward``, data ``{"value": x, "name": ...}``)."""
+class AgentTypedEvent(_Strict):
+    """An event an agent posts: ``{"type": ..., "data": {...}}``."""
 
-    type: str | None = Field(default=None, min_length=1, max_length=100)
-    data: dict[str, Any] | None = None
-    reward: float | None = None
-    name: str | None = Field(default=None, max_length=200)
+    type: str = Field(min_length=1, max_length=100, description="an EventType or a user type")
+    data: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
-    def _one_shape(self) -> AgentEvent:
-        if (self.type is None) == (self.reward is None):
-            raise ValueError('an event is {"type": ..., "data": {...}} or {"reward": <number>, "name": ...}')
-        if self.reward is not None and self.data is not None:
-            raise ValueError('the reward shorthand takes no "data"; give {"type": "reward", "data": ...}')
-        if self.type is not None and self.name is not None:
-            raise ValueError('"name" belongs to the reward shorthand; put it in "data"')
-        value = self.reward if self.reward is not None else (self.data or {}).get("value")
-        if self.reward is not None or self.type == EventType.REWARD:
-            _finite_reward(value)
+    def _storable(self) -> AgentTypedEvent:
+        value = self.data.get("value")
+        if self.type == EventType.REWARD and isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"a reward must be a finite number, not {value!r}")
         _check_storable(self.data)
         return self
 
     def to_create(self) -> EventCreate:
-        if self.reward is not None:
-            named = {"name": self.name} if self.name is not None else {}
-            return EventCreate(type=EventType.REWARD, data={"value": self.reward, **named})
-        assert self.type is not None
-        return EventCreate(type=self.type, data=self.data or {})
+        return EventCreate(type=self.type, data=self.data)
 
 
-def _finite_reward(value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"a reward must be a finite number, not {value!r}")
+class AgentReward(_Strict):
+    """The reward shorthand: ``{"reward": x, "name": ...}`` is type ``reward``, data
+    ``{"value": x, "name": ...}``."""
+
+    reward: float = Field(allow_inf_nan=False)
+    name: str | None = Field(default=None, max_length=200)
+
+    def to_create(self) -> EventCreate:
+        named = {"name": self.name} if self.name is not None else {}
+        return EventCreate(type=EventType.REWARD, data={"value": self.reward, **named})
+
+
+def _event_shape(value: Any) -> str:
+    return "reward" if isinstance(value, dict) and "reward" in value else "typed"
+
+
+# the shape is chosen by its keys, so a refusal speaks of that shape alone
+AgentEvent = Annotated[
+    Annotated[AgentTypedEvent, Tag("typed")] | Annotated[AgentReward, Tag("reward")],
+    Discriminator(_event_shape),
+]
 
 
 class AgentEvents(RootModel[list[AgentEvent]]):
-    """One event, or a JSON list of at most 10,000."""
+    """One event, or a JSON list of at most 10,000 (the schema documents the list)."""
 
     root: list[AgentEvent] = Field(max_length=10_000)
 
