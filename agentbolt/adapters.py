@@ -397,9 +397,11 @@ def _clean_message(raw: dict[str, Any]) -> dict[str, Any]:
 
 def _chat_row(event: Event) -> dict[str, Any] | None:
     data = event.data
-    request, choices = data.get("request") or {}, data.get("choices") or []
+    # a Responses call the gateway translated keeps the chat request the model was asked
+    request = data.get("chat_request") if data.get("endpoint") == "responses" else data.get("request")
+    choices = data.get("choices") or []
     response = choices[0].get("message") if choices else None
-    if data.get("endpoint") != "chat.completions" or data.get("error") or not response:
+    if not request or data.get("error") or not response:
         return None
     messages = [_clean_message(m) for m in request.get("messages", [])]
     row: dict[str, Any] = {"messages": [*messages, _clean_message({"role": "assistant", **response})]}

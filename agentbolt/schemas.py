@@ -358,9 +358,13 @@ class LLM(BaseModel):
     model_config = ConfigDict(json_schema_extra=_type_required)
 
     type: Literal["llm"] = "llm"
-    base_url: str
+    # an http(s) URL without spaces or control characters, and a key an HTTP header can carry:
+    # anything else would only fail later, inside the gateway's upstream call
+    base_url: str = Field(pattern=r"^https?://[^\s\x00-\x1f\x7f]+$", max_length=2000)
     model: str
-    api_key: str | None = Field(default=None, description="never stored in events; see the gateway")
+    api_key: str | None = Field(
+        default=None, pattern=r"^[\x21-\x7e]*$", description="never stored in events; see the gateway"
+    )
     sampling_parameters: dict[str, Any] = Field(default_factory=dict)
 
 

@@ -170,9 +170,10 @@ def store_run(
     failed_first: list[dict] | None = None,
 ) -> str:
     """Enqueue a rollout, record ``calls`` as its llm_call events and finish it with ``reward``;
-    with ``failed_first``, an earlier attempt records those calls and fails."""
+    with ``failed_first``, an earlier attempt records those calls and is given back (released:
+    a failed attempt would fail the rollout at once)."""
     rollout = client.enqueue([RolloutCreate(task=Task(data={"q": "x"}), mode=mode, max_attempts=2)])[0]
-    for events, status in ((failed_first, AttemptStatus.FAILED), (calls, AttemptStatus.SUCCEEDED)):
+    for events, status in ((failed_first, AttemptStatus.RELEASED), (calls, AttemptStatus.SUCCEEDED)):
         if events is None:
             continue
         claim = client.dequeue("w")

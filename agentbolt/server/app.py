@@ -36,8 +36,10 @@ log = logging.getLogger("agentbolt.server")
 
 
 def create_app(config: ServerConfig | None = None, store: SqlStore | None = None) -> FastAPI:
-    """Build the server app. ``store`` defaults to ``open_store(config.db)``."""
+    """Build the server app. ``store`` defaults to ``open_store(config.db)``, which the app then
+    owns: it is closed (its database connections with it) when the app shuts down."""
     config = config or ServerConfig()
+    owned = store is None
     store = store or open_store(config.db, lease_seconds=config.lease_seconds)
     call, wake = StoreCaller(store), WakeUp()
     gateway = Gateway(call, config)
@@ -53,6 +55,8 @@ def create_app(config: ServerConfig | None = None, store: SqlStore | None = None
                 await sweeper
             call.close()
             await gateway.aclose()
+            if owned:
+                store.close()
 
     app = FastAPI(
         title="agentbolt",
