@@ -307,6 +307,7 @@ class EventType(StrEnum):
     MESSAGE = "message"
     EXCEPTION = "exception"
     SPAN = "span"
+    STATE = "state"  # the environment's state at a model call: {"key": str, "llm_call_id": int}
 
 
 class EventCreate(_Strict):

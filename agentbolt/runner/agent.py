@@ -7,8 +7,8 @@ Two shapes:
 * decorate a plain function with :func:`rollout`; its parameters are filled from the task and
   the resources, by name first and then by type annotation.
 
-Inside a rollout, :func:`emit_reward`, :func:`emit_message`, :func:`emit_tool_call` and
-:func:`emit_event` record events from anywhere (any depth, any thread or task started from it):
+Inside a rollout, :func:`emit_reward`, :func:`emit_state`, :func:`emit_message`,
+:func:`emit_tool_call` and :func:`emit_event` record events from anywhere (any depth, any thread or task started from it):
 the current rollout lives in a :mod:`contextvars` variable, which both ``asyncio`` tasks and
 ``run_in_executor``/``to_thread`` copy. A plain ``threading.Thread`` does not copy it: there
 ``emit_*`` reaches the one rollout running in this process, and raises when several run (start
@@ -24,7 +24,7 @@ import inspect
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, get_type_hints
 
 from agentbolt.errors import ConfigError
@@ -45,11 +45,13 @@ __all__ = [
     "LitAgent",
     "RolloutContext",
     "active_rollout",
+    "call_id_of",
     "current_rollout",
     "emit_event",
     "emit_exception",
     "emit_message",
     "emit_reward",
+    "emit_state",
     "emit_tool_call",
     "rollout",
     "rollout_thread",
@@ -172,21 +174,109 @@ def _emit(type: str, data: dict[str, Any]) -> EventCreate | None:
     return ctx.emit(type, data) if ctx is not None else None
 
 
-def emit_reward(value: float, name: str | None = None, llm_call_id: int | None = None) -> None:
-    """Record a reward. With ``llm_call_id`` it belongs to that model call, else to the rollout
-    (a rollout whose agent returns None gets the sum of its rollout-level rewards)."""
+CALL_ID_HEADER = "x-agentbolt-call-id"
+MAX_STATE_KEY = 512
+_NOT_THROUGH_GATEWAY = (
+    "carries no agentbolt call id: the response did not come through the agentbolt gateway "
+    "(point the client at the rollout's LLM resource's base_url), or the gateway could not "
+    "record the call"
+)
+
+
+def call_id_of(obj: Any) -> int | None:
+    """The id of the model call ``obj`` names (the gateway's record of it, an ``llm_call``
+    event): an int, a string of digits, or an answer from the gateway (an openai response
+    object or chunk, a dict of its JSON, a raw response with the ``X-Agentbolt-Call-Id``
+    header), whose ``agentbolt`` field carries it. ``None`` when there is none."""
+    if obj is None or isinstance(obj, bool):
+        return None
+    if isinstance(obj, int):
+        return _checked_id(obj)
+    if isinstance(obj, str):
+        text = obj.strip()
+        return int(text) if text.isascii() and text.isdigit() else None
+    found = _agentbolt_field(obj)
+    if isinstance(found, Mapping):
+        value = found.get("call_id")
+        if isinstance(value, int) and not isinstance(value, bool):
+            return _checked_id(value)
+    headers = getattr(obj, "headers", None)
+    if isinstance(headers, Mapping) or hasattr(headers, "get"):
+        value = headers.get(CALL_ID_HEADER)  # type: ignore[union-attr]
+        if isinstance(value, str) and value.isascii() and value.isdigit():
+            return int(value)
+    return None
+
+
+def _checked_id(value: int) -> int:
+    if value < 0:
+        raise ValueError(f"a call id is a non-negative integer, not {value}")
+    return value
+
+
+def _agentbolt_field(obj: Any) -> Any:
+    """The ``agentbolt`` field of a dict or response object (pydantic keeps unknown fields in
+    ``model_extra``)."""
+    if isinstance(obj, Mapping):
+        return obj.get("agentbolt")
+    extra = getattr(obj, "model_extra", None)
+    if isinstance(extra, Mapping) and "agentbolt" in extra:
+        return extra["agentbolt"]
+    with contextlib.suppress(Exception):  # an object whose attributes raise is no answer
+        return getattr(obj, "agentbolt", None)
+    return None
+
+
+def _required_id(obj: Any, what: str) -> int:
+    found = call_id_of(obj)
+    if found is not None:
+        return found
+    if isinstance(obj, (int, str)):
+        raise ValueError(f"{what}={obj!r} is not a call id (a non-negative integer)")
+    raise ValueError(f"{what}: this {type(obj).__name__} {_NOT_THROUGH_GATEWAY}")
+
+
+def emit_reward(
+    value: float, name: str | None = None, call: Any = None, llm_call_id: int | str | None = None
+) -> None:
+    """Record a reward. With ``call`` (what :func:`call_id_of` takes: usually the response the
+    gateway answered, ``emit_reward(0.5, call=response)``) or its alias ``llm_call_id`` it
+    belongs to that model call (a per-turn reward), else to the rollout (a rollout whose agent
+    returns None gets the sum of its rollout-level rewards; per-call rewards never count there).
+    ``ValueError`` when ``call`` names no call or the two name different calls."""
     value = float(value)
     data: dict[str, Any] = {"value": value}
     if name is not None:
         data["name"] = name
+    call_id = _required_id(call, "call") if call is not None else None
     if llm_call_id is not None:
-        data["llm_call_id"] = llm_call_id
+        alias = _required_id(llm_call_id, "llm_call_id")
+        if call_id is not None and alias != call_id:
+            raise ValueError(f"call names model call {call_id} and llm_call_id names {alias}: give one")
+        call_id = alias
+    if call_id is not None:
+        data["llm_call_id"] = call_id
     ctx = _resolve()
     if ctx is None:
         return
-    if llm_call_id is None:
+    if call_id is None:
         ctx.rewards.append(value)
     ctx.emit(EventType.REWARD, data)
+
+
+def emit_state(key: str, call: Any) -> None:
+    """Declare the environment's state at a turn: ``key`` names what the model saw when it made
+    ``call`` (what :func:`call_id_of` takes; usually the response). Turns of a group's
+    trajectories with the same key are compared with each other (step-level grouping, GRPO's
+    ``advantage="gigpo"``): give equal keys to equal states, e.g. ``f"room={room};keys={n}"``,
+    never the rendered prompt. A non-empty string of at most 512 characters."""
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"a state key is a non-empty string, not {key!r}")
+    if len(key) > MAX_STATE_KEY:
+        raise ValueError(f"a state key has at most {MAX_STATE_KEY} characters, not {len(key)}")
+    if call is None:
+        raise ValueError("emit_state needs the call the state belongs to: emit_state(key, call=response)")
+    _emit(EventType.STATE, {"key": key, "llm_call_id": _required_id(call, "call")})
 
 
 def emit_message(content: str, role: str = "log") -> None:

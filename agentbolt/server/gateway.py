@@ -59,7 +59,14 @@ from agentbolt.http1 import Http1Transport, lean_mounts
 from agentbolt.schemas import LLM, AttemptStatus, EventCreate, EventType
 from agentbolt.server.config import ServerConfig
 from agentbolt.server.gateway_access import UpstreamKeys
-from agentbolt.server.gateway_call import CallTry, ForwardedCall, Refused, Target, json_answer
+from agentbolt.server.gateway_call import (
+    CallTry,
+    ForwardedCall,
+    Refused,
+    Target,
+    json_answer,
+    with_call_id,
+)
 from agentbolt.server.gateway_responses import PASSED, ResponsesUpstream, chat_for, sse
 from agentbolt.server.openai_format import (
     CHAT,
@@ -256,8 +263,8 @@ class Gateway:
                 f"unreadable model server answer: {exc}",
                 upstream.status_code,
             )
-        out = await self._record_success(call, full, upstream.status_code, upstream.headers)
-        return json_answer(out, upstream.status_code)
+        out, call_id = await self._record_success(call, full, upstream.status_code, upstream.headers)
+        return json_answer(out, upstream.status_code, call_id)
 
     def _upstream_request(self, call: ForwardedCall, payload: dict[str, Any]) -> httpx.Request:
         # built directly (not client.build_request): URL parsing and header merging cost more
@@ -338,7 +345,10 @@ class Gateway:
 
     async def _relay(self, call: ForwardedCall, upstream: httpx.Response) -> AsyncIterator[bytes]:
         """Pass a stream through chunk by chunk (stripped); record it reassembled before the
-        final ``[DONE]``, so the record exists when the agent's call returns."""
+        final ``[DONE]``, so the record exists when the agent's call returns. The call's id
+        rides on the last chunk (``agentbolt``): a closing chunk (finish reasons, or usage with
+        no choices) waits for the next one, so that the last can carry it; a stream that ends
+        with another chunk gets one more, with no choices."""
         assembler = StreamAssembler(call.endpoint)
         events = EventStream(call.responses, call.response_id or "") if call.responses is not None else None
         if events is not None:
@@ -346,6 +356,7 @@ class Gateway:
         error: dict[str, Any] | None = None
         extra: dict[str, Any] = {"time_to_first_token_ms": None}
         recorded = False
+        held: dict[str, Any] | None = None  # a closing chunk, kept back to carry the call's id
         try:
             async for line in upstream.aiter_lines():
                 if not line.startswith("data:"):
@@ -360,7 +371,10 @@ class Gateway:
                         if isinstance(chunk["error"], dict)
                         else openai_error(str(chunk["error"]), "upstream_error")
                     )
-                    yield sse(events.error(error)) if events else b"data: " + orjson.dumps(error) + b"\n\n"
+                    if held is not None:
+                        yield _sse_chunk(held)
+                        held = None
+                    yield sse(events.error(error)) if events else _sse_chunk(error)
                     continue
                 if extra["time_to_first_token_ms"] is None:
                     extra["time_to_first_token_ms"] = call.elapsed_ms()
@@ -370,22 +384,35 @@ class Gateway:
                     continue
                 out = strip(chunk, call.wants, stream=True)
                 if out is not None:
-                    yield b"data: " + orjson.dumps(out) + b"\n\n"
+                    if held is not None:
+                        yield _sse_chunk(held)
+                        held = None
+                    if _closing(out):
+                        held = out
+                    else:
+                        yield _sse_chunk(out)
         except (httpx.HTTPError, orjson.JSONDecodeError) as exc:
             error = openai_error(
                 f"the model server's stream broke: {call.scrub(str(exc))}", "upstream_stream_error", 502
             )
-            yield sse(events.error(error)) if events else b"data: " + orjson.dumps(error) + b"\n\n"
+            if held is not None:
+                yield _sse_chunk(held)
+                held = None
+            yield sse(events.error(error)) if events else _sse_chunk(error)
         except BaseException:  # the agent went away: still record what came
             error = openai_error("the client disconnected before the stream ended", "client_disconnected")
             raise
         else:
             recorded = True
-            answer = await self._record_stream(call, upstream, assembler, error, extra)
+            answer, call_id = await self._record_stream(call, upstream, assembler, error, extra)
             if events is None:
+                if held is not None:
+                    yield _sse_chunk(with_call_id(held, call_id))
+                elif call_id is not None:
+                    yield _sse_chunk(_id_chunk(call.endpoint, answer, call_id))
                 yield b"data: [DONE]\n\n"
             elif answer is not None:
-                yield sse(events.finish(answer))
+                yield sse(events.finish(with_call_id(answer, call_id)))
         finally:
             with anyio.CancelScope(shield=True):
                 await upstream.aclose()
@@ -399,13 +426,14 @@ class Gateway:
         assembler: StreamAssembler,
         error: dict[str, Any] | None,
         extra: dict[str, Any],
-    ) -> dict[str, Any] | None:
-        """Record a finished stream; the answer as the agent gets it (``None`` after an error)."""
+    ) -> tuple[dict[str, Any] | None, int | None]:
+        """Record a finished stream; the answer as the agent gets it (``None`` after an error)
+        and the id of its record."""
         if error is not None:
-            await self._record(
+            call_id = await self._record(
                 call, self._error_data(call, upstream.status_code, error, assembler.response(), extra)
             )
-            return None
+            return None, call_id
         return await self._record_success(
             call, assembler.response(), upstream.status_code, upstream.headers, extra
         )
@@ -419,8 +447,9 @@ class Gateway:
         status: int,
         headers: httpx.Headers,
         extra: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
-        """Record a successful call; return the body as the agent gets it."""
+    ) -> tuple[dict[str, Any], int | None]:
+        """Record a successful call; return the body as the agent gets it (without the call's
+        id) and the id of its record (``None`` when recording failed)."""
         prompt_ids, choices = extract(call.endpoint, full)
         model_version = headers.get("x-model-version") or full.get("model_version")
         mixed = bool(full.get("model_version_mixed"))
@@ -442,8 +471,7 @@ class Gateway:
             data["model_version_mixed"] = True
         # text-only (the upstream gave no ids): counted, usable from text, skipped by token trainers
         data["token_ids"] = prompt_ids is not None and all(c.get("token_ids") is not None for c in choices)
-        await self._record(call, data)
-        return out
+        return out, await self._record(call, data)
 
     def _base_data(self, call: ForwardedCall, status: int | None, response: Any) -> dict[str, Any]:
         asked = call.request if call.responses is None else call.responses
@@ -486,8 +514,8 @@ class Gateway:
         log.warning(
             "gateway call for attempt %s failed: %s", call.target.attempt_id, body["error"]["message"]
         )
-        await self._record(call, self._error_data(call, upstream_status, body))
-        return json_answer(body, status)
+        call_id = await self._record(call, self._error_data(call, upstream_status, body))
+        return json_answer(body, status, call_id)
 
     async def _upstream_error(self, call: ForwardedCall, upstream: httpx.Response) -> Response:
         """Pass the upstream's error on (OpenAI-style; keys scrubbed) and record it."""
@@ -504,14 +532,16 @@ class Gateway:
             message = message or raw[:2000]
             body = openai_error(f"model server error: {message}", "upstream_error", upstream.status_code)
         log.warning("model server answered %d for attempt %s", upstream.status_code, call.target.attempt_id)
-        await self._record(call, self._error_data(call, upstream.status_code, body))
-        return json_answer(body, upstream.status_code)
+        call_id = await self._record(call, self._error_data(call, upstream.status_code, body))
+        return json_answer(body, upstream.status_code, call_id)
 
-    async def _record(self, call: ForwardedCall, data: dict[str, Any]) -> None:
+    async def _record(self, call: ForwardedCall, data: dict[str, Any]) -> int | None:
+        """Record the call; the id of its record (the call id the agent gets), or ``None``
+        when the store failed (the agent still gets its answer; the lost record is logged)."""
         event = EventCreate(type=EventType.LLM_CALL, timestamp=call.started, data=data)
         tried = call.try_of
         try:
-            await self.call(
+            recorded = await self.call(
                 self.store.record_call,
                 call.target.attempt_id,
                 event,
@@ -521,6 +551,8 @@ class Gateway:
             )
         except Exception:  # the agent still gets its answer; the lost record is logged
             log.exception("could not record an llm_call for attempt %s", call.target.attempt_id)
+            return None
+        return recorded.id
 
     # ------------------------------------------------------------------ models
 
@@ -542,6 +574,29 @@ class Gateway:
             for m in dict.fromkeys(x.model for x in target.llms.values())
         ]
         return json_answer({"object": "list", "data": data})
+
+
+def _sse_chunk(chunk: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+
+def _closing(chunk: dict[str, Any]) -> bool:
+    """A chunk that may be a stream's last: every choice finished, or none (usage)."""
+    return all(isinstance(c, dict) and c.get("finish_reason") for c in chunk.get("choices") or [])
+
+
+def _id_chunk(endpoint: str, answer: dict[str, Any] | None, call_id: int) -> dict[str, Any]:
+    """The chunk that ends a stream with the call's id: no choices (as the usage chunk OpenAI
+    sends), the stream's id, model and time, and the ``agentbolt`` field."""
+    top = answer or {}
+    chunk: dict[str, Any] = {
+        "id": top.get("id") or "",
+        "object": "chat.completion.chunk" if endpoint == CHAT else "text_completion",
+        "created": top.get("created") or int(time.time()),
+        "model": top.get("model") or "",
+        "choices": [],
+    }
+    return with_call_id(chunk, call_id)
 
 
 def _backoff(attempt: int) -> float:

@@ -15,9 +15,21 @@ from fastapi.responses import Response
 from agentbolt.schemas import LLM
 from agentbolt.server.openai_format import Wants, openai_error
 
-__all__ = ["MAX_KEY_LENGTH", "CallTry", "ForwardedCall", "Refused", "Target", "json_answer"]
+__all__ = [
+    "CALL_ID_HEADER",
+    "MAX_KEY_LENGTH",
+    "CallTry",
+    "ForwardedCall",
+    "Refused",
+    "Target",
+    "json_answer",
+    "with_call_id",
+]
 
 MAX_KEY_LENGTH = 200  # a longer Idempotency-Key is recorded by its hash
+# The recorded ``llm_call`` event's id, on every answer whose call was recorded (not on streams:
+# those carry it in the body of a final chunk or event, see ``docs/events.md``).
+CALL_ID_HEADER = "X-Agentbolt-Call-Id"
 
 
 class Refused(Exception):
@@ -31,8 +43,22 @@ class Refused(Exception):
         return json_answer(openai_error(str(self), self.type, self.status, self.param), self.status)
 
 
-def json_answer(body: Any, status: int = 200) -> Response:
-    return Response(content=orjson.dumps(body), status_code=status, media_type="application/json")
+def json_answer(body: Any, status: int = 200, call_id: int | None = None) -> Response:
+    """A JSON answer; with ``call_id`` (the call's record) it is in the header and the body."""
+    if call_id is None:
+        return Response(content=orjson.dumps(body), status_code=status, media_type="application/json")
+    return Response(
+        content=orjson.dumps(with_call_id(body, call_id)),
+        status_code=status,
+        media_type="application/json",
+        headers={CALL_ID_HEADER: str(call_id)},
+    )
+
+
+def with_call_id(body: dict[str, Any], call_id: int | None) -> dict[str, Any]:
+    """``body`` with the top-level ``agentbolt`` field naming the call's record (a copy; the
+    body as it is when the call has no record). OpenAI's clients keep unknown fields."""
+    return body if call_id is None else {**body, "agentbolt": {"call_id": call_id}}
 
 
 @dataclass(frozen=True)

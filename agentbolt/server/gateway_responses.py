@@ -17,7 +17,7 @@ import orjson
 from fastapi.responses import Response, StreamingResponse
 
 from agentbolt.schemas import EventType
-from agentbolt.server.gateway_call import ForwardedCall, Refused, Target, json_answer
+from agentbolt.server.gateway_call import ForwardedCall, Refused, Target, json_answer, with_call_id
 from agentbolt.server.openai_format import RESPONSES, Wants, openai_error
 from agentbolt.server.responses import Untranslatable, chat_choice, chat_usage, history_of, to_chat
 
@@ -84,30 +84,38 @@ class ResponsesUpstream:
                 f"unreadable model server answer: {exc}",
                 upstream.status_code,
             )
-        await self.gateway._record(call, self._data(call, upstream.status_code, full))
-        return json_answer(full, upstream.status_code)
+        call_id = await self.gateway._record(call, self._data(call, upstream.status_code, full))
+        return json_answer(full, upstream.status_code, call_id)
 
     async def _relay(self, call: ForwardedCall, upstream: httpx.Response) -> AsyncIterator[bytes]:
-        """A passed-through Responses stream, line by line; recorded from its final event."""
+        """A passed-through Responses stream, line by line; recorded from its final event,
+        which then goes on with the call's id in its response (``agentbolt``)."""
         final: dict[str, Any] | None = None
+        recorded = False
         try:
             async for line in upstream.aiter_lines():
-                if line.startswith("data:"):
+                if line.startswith("data:") and not recorded:
                     with contextlib.suppress(orjson.JSONDecodeError):
                         event = orjson.loads(line[5:].strip())
                         if isinstance(event, dict) and event.get("type") in _FINAL_EVENTS:
                             final = event.get("response")
+                            if isinstance(final, dict):
+                                recorded = True
+                                with anyio.CancelScope(shield=True):
+                                    call_id = await self.gateway._record(
+                                        call, self._data(call, upstream.status_code, final)
+                                    )
+                                event = {**event, "response": with_call_id(final, call_id)}
+                                line = "data: " + orjson.dumps(event).decode()
                 yield line.encode() + b"\n"
         finally:
             with anyio.CancelScope(shield=True):
                 await upstream.aclose()
-                if final is None:
+                if not recorded:
                     error = openai_error("the stream ended without a final response", "upstream_stream_error")
                     await self.gateway._record(
                         call, self.gateway._error_data(call, upstream.status_code, error)
                     )
-                else:
-                    await self.gateway._record(call, self._data(call, upstream.status_code, final))
 
     def _data(self, call: ForwardedCall, status: int, full: dict[str, Any]) -> dict[str, Any]:
         """The record of a passed-through answer: text-only unless the upstream sent ids."""

@@ -37,12 +37,25 @@ from agentbolt.schemas import EventCreate
 from agentbolt.store.database import Database, Tx
 from agentbolt.store.rows import from_json, to_json
 
-__all__ = ["CALLS_LOCK", "record_call"]
+__all__ = ["CALLS_LOCK", "CallRecord", "record_call"]
 
 # serialize() section of the records of one attempt's calls and spans
 CALLS_LOCK = 2
 # a retry whose call has several records with its body looks this far back for its own
 _RECENT = 8
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    """Where a try of a model call was recorded: ``id`` is the ``llm_call`` event's id (the
+    call id the gateway hands the agent), ``new`` whether this try started that record. True
+    as a boolean when it did (what ``record_call`` answered before it gave the id)."""
+
+    id: int
+    new: bool
+
+    def __bool__(self) -> bool:
+        return self.new
 
 
 @dataclass(frozen=True)
@@ -62,9 +75,10 @@ def record_call(
     key: str | None,
     body_sha256: str,
     retry: int | None,
-) -> bool:
-    """Record one try of a model call; True when it started a new record, False when it
-    joined the record of its logical call. :class:`NotFound` when the attempt does not exist."""
+) -> CallRecord:
+    """Record one try of a model call: the id of its record, and whether this try started it
+    (it joined the record of its logical call otherwise). :class:`NotFound` when the attempt
+    does not exist."""
     db.serialize(tx, CALLS_LOCK, attempt_id)
     settled = f"key:{key}" if key is not None else f"sha256:{body_sha256}"
     earlier = _earlier_try(tx, attempt_id, settled, keyed=key is not None, retry=retry)
@@ -80,12 +94,12 @@ def record_call(
                 earlier.id,
             ),
         )
-        return False
+        return CallRecord(earlier.id, new=False)
     waiting = key is None and retry is not None and retry > 0
     data = {**event.data, "retries": 0, "tries": [retry or 0]}
-    added = tx.run(
+    added = tx.one(
         "INSERT INTO events (rollout_id, attempt_id, type, timestamp, data, call_key) "
-        "SELECT rollout_id, id, ?, ?, ?, ? FROM attempts WHERE id = ?",
+        "SELECT rollout_id, id, ?, ?, ?, ? FROM attempts WHERE id = ? RETURNING id",
         (
             event.type,
             event.timestamp,
@@ -94,9 +108,9 @@ def record_call(
             attempt_id,
         ),
     )
-    if not added:
+    if added is None:
         raise NotFound("attempt", attempt_id)
-    return True
+    return CallRecord(int(added[0]), new=True)
 
 
 def _earlier_try(tx: Tx, attempt_id: str, settled: str, keyed: bool, retry: int | None) -> _Record | None:

@@ -46,7 +46,7 @@ from agentbolt.schemas import (
     new_id,
     now,
 )
-from agentbolt.store.calls import CALLS_LOCK, record_call
+from agentbolt.store.calls import CALLS_LOCK, CallRecord, record_call
 from agentbolt.store.database import Database, Tx
 from agentbolt.store.queries import Queries
 from agentbolt.store.rows import (
@@ -351,9 +351,10 @@ class SqlStore(Queries):
 
     def record_call(
         self, attempt_id: str, event: EventCreate, key: str | None, body_sha256: str, retry: int | None
-    ) -> bool:
+    ) -> CallRecord:
         """Record one try of a model call the gateway forwarded: a new ``llm_call`` event, or
-        (False) this try joined the record of its logical call (see :mod:`.calls`)."""
+        (false as a boolean) this try joined the record of its logical call (see :mod:`.calls`);
+        either way the record's id, the call id the gateway returns to the agent."""
         with self._tx() as tx:
             return record_call(tx, self.db, attempt_id, event, key, body_sha256, retry)
 
