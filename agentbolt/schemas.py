@@ -470,9 +470,15 @@ class WorkerRegistration(BaseModel):
 
 
 class AgentTypedEvent(_Strict):
-    """An event an agent posts: ``{"type": ..., "data": {...}}``."""
+    """An event an agent posts: ``{"type": ..., "data": {...}}`` (type ``state`` has a shape
+    of its own, :class:`AgentStateEvent`)."""
 
-    type: str = Field(min_length=1, max_length=100, description="an EventType or a user type")
+    type: str = Field(
+        min_length=1,
+        max_length=100,
+        description="an EventType or a user type (a state declaration is AgentStateEvent)",
+        json_schema_extra={"not": {"const": EventType.STATE.value}},
+    )
     data: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -488,24 +494,54 @@ class AgentTypedEvent(_Strict):
 
 
 class AgentReward(_Strict):
-    """The reward shorthand: ``{"reward": x, "name": ...}`` is type ``reward``, data
-    ``{"value": x, "name": ...}``."""
+    """The reward shorthand: ``{"reward": x, "name": ..., "call": N}`` is type ``reward``, data
+    ``{"value": x, "name": ..., "llm_call_id": N}``; with ``call`` (the id the gateway returned
+    for a model call) the reward is that call's, not the rollout's."""
 
     reward: float = Field(allow_inf_nan=False)
     name: str | None = Field(default=None, max_length=200)
+    call: int | None = Field(
+        default=None,
+        ge=0,
+        le=2**53 - 1,
+        description="the model call this reward is for: the gateway's call id (X-Agentbolt-Call-Id)",
+    )
 
     def to_create(self) -> EventCreate:
         named = {"name": self.name} if self.name is not None else {}
-        return EventCreate(type=EventType.REWARD, data={"value": self.reward, **named})
+        called = {"llm_call_id": self.call} if self.call is not None else {}
+        return EventCreate(type=EventType.REWARD, data={"value": self.reward, **named, **called})
+
+
+class StateData(_Strict):
+    """The environment's state when the model made a call: ``key`` names it (equal states,
+    equal keys), ``llm_call_id`` the call (the gateway's call id)."""
+
+    key: str = Field(min_length=1, max_length=512)
+    llm_call_id: int = Field(ge=0, le=2**53 - 1, description="the model call: the gateway's call id")
+
+
+class AgentStateEvent(_Strict):
+    """A state declaration: ``{"type": "state", "data": {"key": ..., "llm_call_id": N}}``."""
+
+    type: Literal["state"]
+    data: StateData
+
+    def to_create(self) -> EventCreate:
+        return EventCreate(type=EventType.STATE, data=self.data.model_dump())
 
 
 def _event_shape(value: Any) -> str:
-    return "reward" if isinstance(value, dict) and "reward" in value else "typed"
+    if isinstance(value, dict) and "reward" in value:
+        return "reward"
+    return "state" if isinstance(value, dict) and value.get("type") == EventType.STATE else "typed"
 
 
 # the shape is chosen by its keys, so a refusal speaks of that shape alone
 AgentEvent = Annotated[
-    Annotated[AgentTypedEvent, Tag("typed")] | Annotated[AgentReward, Tag("reward")],
+    Annotated[AgentTypedEvent, Tag("typed")]
+    | Annotated[AgentReward, Tag("reward")]
+    | Annotated[AgentStateEvent, Tag("state")],
     Discriminator(_event_shape),
 ]
 

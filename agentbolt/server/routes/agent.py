@@ -2,10 +2,15 @@
 
 Authorised by the attempt's agent key as bearer (the ``OPENAI_API_KEY`` a program agent gets),
 or a runner or admin token. One event or a JSON list; each is ``{"type": ..., "data": {...}}``
-or the reward shorthand ``{"reward": <number>, "name": ...}``::
+or the reward shorthand ``{"reward": <number>, "name": ..., "call": <call id>}``::
 
     curl -H "Authorization: Bearer $OPENAI_API_KEY" -H 'content-type: application/json' \\
          -d '{"reward": 1}' "$AGENTBOLT_EVENTS_URL"
+
+With ``call`` (the id the gateway returned for a model call: its ``X-Agentbolt-Call-Id``
+header, or ``agentbolt.call_id`` in its body) the reward is that call's. A turn's state is
+``{"type": "state", "data": {"key": "<state>", "llm_call_id": <call id>}}``, exactly (a
+422 names what is missing). See ``docs/events.md``.
 
 The store orders them (they carry no sequence: the runner numbers its own events); a repeat
 with the same ``Idempotency-Key`` stores nothing new. Once the attempt ended: 409
