@@ -29,6 +29,10 @@ Decisions a reader should know:
 - With ``n > 1`` each choice is its own transition. A trajectory follows the choice that the
   next prompt continues (choice 0 when none or at the end); the other choices appear in
   transitions only.
+- Per turn (one call), :class:`CallSpan` also keeps the call's own rewards (``step_reward``: the
+  sum of the ``reward`` events naming it, None when none) and the environment state the agent
+  declared for it (``state``: the ``key`` of the last ``state`` event naming it, see
+  :func:`call_states`); :mod:`agentbolt.algorithms.credit` turns them into per-turn advantages.
 - ``TrajectoryRow.logprobs`` holds 0.0 at masked positions; it is ``None`` when any merged call
   lacks logprobs (recompute them with the policy then).
 """
@@ -49,6 +53,7 @@ __all__ = [
     "TrajectoryRow",
     "TransitionRow",
     "call_rewards",
+    "call_states",
     "chat_row_key",
     "latest_attempt",
     "rollout_reward",
@@ -110,6 +115,11 @@ class CallSpan:
     end: int
     reward: float | None
     """The call's reward under the reward rule (a per-call reward event overrides)."""
+    step_reward: float | None = None
+    """Sum of the reward events attached to this call; None when none is."""
+    state: str | None = None
+    """The ``key`` of the last ``state`` event naming this call: the environment state the
+    model answered in that turn (None when the agent declared none)."""
 
 
 @dataclass(frozen=True)
@@ -242,10 +252,38 @@ def call_rewards(events: Sequence[Event]) -> dict[int, float]:
     """Per-call rewards: ``llm_call`` event id -> sum of the reward events attached to it."""
     rewards: dict[int, float] = {}
     for e in events:
-        call_id, value = e.data.get("llm_call_id"), _reward_value(e)
+        call_id, value = _call_id(e.data.get("llm_call_id")), _reward_value(e)
         if e.type == EventType.REWARD and call_id is not None and value is not None:
-            rewards[int(call_id)] = rewards.get(int(call_id), 0.0) + value
+            rewards[call_id] = rewards.get(call_id, 0.0) + value
     return rewards
+
+
+STATE_EVENT = "state"
+"""Event type of a declared environment state: ``data = {"key": str, "llm_call_id": int}``."""
+MAX_STATE_KEY = 512
+
+
+def _call_id(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    return None
+
+
+def call_states(events: Sequence[Event]) -> dict[int, str]:
+    """Declared states: ``llm_call`` event id -> ``key`` of the last ``state`` event naming it.
+    Events without a non-empty string key (up to 512 characters) or a call id are ignored."""
+    states: dict[int, str] = {}
+    for e in events:
+        if e.type != STATE_EVENT:
+            continue
+        key, call_id = e.data.get("key"), _call_id(e.data.get("llm_call_id"))
+        if isinstance(key, str) and 0 < len(key) <= MAX_STATE_KEY and call_id is not None:
+            states[call_id] = key
+    return states
 
 
 # ---------------------------------------------------------------------------- transitions
@@ -304,8 +342,9 @@ def to_trajectories(
         calls, attempt_stats = _parse_calls(attempt_events)
         segments, mismatch_stats = _segments(calls)
         base, overrides = rollout_reward(attempt_events, reward), call_rewards(attempt_events)
+        states = call_states(attempt_events)
         for index, steps in enumerate(segments):
-            row = _trajectory(steps, index, base, overrides)
+            row = _trajectory(steps, index, base, overrides, states)
             rows.append(replace(row, group_id=group_id, task_id=task_id))
         stats += attempt_stats + mismatch_stats
     return rows, stats
@@ -341,7 +380,11 @@ def _segments(calls: Sequence[_CallTokens]) -> tuple[list[list[_Step]], AdapterS
 
 
 def _trajectory(
-    steps: Sequence[_Step], segment_index: int, base: float | None, overrides: dict[int, float]
+    steps: Sequence[_Step],
+    segment_index: int,
+    base: float | None,
+    overrides: dict[int, float],
+    states: dict[int, str],
 ) -> TrajectoryRow:
     ids: list[int] = []
     mask: list[int] = []
@@ -356,8 +399,18 @@ def _trajectory(
         else:
             logprobs = None
         end = len(ids)
-        reward = overrides.get(call.event.id, base)
-        spans.append(CallSpan(call.event.id, choice.index, end - len(choice.token_ids), end, reward))
+        event_id = call.event.id
+        spans.append(
+            CallSpan(
+                event_id,
+                choice.index,
+                start=end - len(choice.token_ids),
+                end=end,
+                reward=overrides.get(event_id, base),
+                step_reward=overrides.get(event_id),
+                state=states.get(event_id),
+            )
+        )
     first = steps[0][0].event
     return TrajectoryRow(
         rollout_id=first.rollout_id,

@@ -141,6 +141,37 @@ def test_attempts_are_kept_apart() -> None:
     assert [e.attempt_id for e in latest_attempt(events)] == ["at-2"] * 3
 
 
+def test_call_spans_keep_step_rewards_and_declared_states_per_attempt() -> None:
+    first, second, third = llm_call([1], [10]), llm_call([1, 10, 2], [11]), llm_call([1, 10, 2, 11, 3], [12])
+    other = llm_call([1], [10], attempt="at-2")
+    events = [
+        first,
+        second,
+        third,
+        other,
+        event("state", {"key": "room-a", "llm_call_id": first.id}),
+        event("state", {"key": "room-b", "llm_call_id": first.id}),  # the last one counts
+        event("state", {"key": "room-c", "llm_call_id": str(third.id)}),
+        event("state", {"key": "", "llm_call_id": second.id}),  # empty key: ignored
+        event("state", {"key": "x" * 513, "llm_call_id": second.id}),  # too long: ignored
+        event("state", {"key": "elsewhere", "llm_call_id": other.id}, attempt="at-2"),
+        reward(0.25, llm_call_id=second.id),
+        reward(0.5, llm_call_id=second.id),  # two for one call: summed
+        reward(-1.0, llm_call_id=other.id, attempt="at-2"),  # the other attempt's call
+        reward(1.0, final=True),
+    ]
+    rows, _ = to_trajectories(events)
+    mine, theirs = rows
+    assert [(s.step_reward, s.state) for s in mine.calls] == [
+        (None, "room-b"),
+        (0.75, None),
+        (None, "room-c"),
+    ]
+    assert [s.reward for s in mine.calls] == [1.0, 0.75, 1.0]  # today's meaning kept
+    assert [(s.step_reward, s.state) for s in theirs.calls] == [(-1.0, "elsewhere")]
+    assert mine.reward == 1.0 and theirs.reward is None
+
+
 # ---------------------------------------------------------------------------- transitions and rewards
 
 

@@ -31,7 +31,7 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from agentbolt.adapters import TrajectoryRow, latest_attempt, to_trajectories
+from agentbolt.adapters import STATE_EVENT, TrajectoryRow, latest_attempt, to_trajectories
 from agentbolt.algorithms.base import (
     DEFAULT_MAX_ATTEMPTS,
     Algorithm,
@@ -40,11 +40,11 @@ from agentbolt.algorithms.base import (
     run_rollouts,
     validate,
 )
+from agentbolt.algorithms.credit import ADVANTAGE_MODES, AdvantageMode, compute_advantages
 from agentbolt.algorithms.losses import (
     Batch,
     PolicyLoss,
     TrainRow,
-    grouped_advantages,
     micro_batches,
     pad_batch,
     reference_logprobs,
@@ -132,6 +132,27 @@ class GRPO(Algorithm):
     sampling goes there and each update is loaded as a LoRA adapter. None: the embedded engine."""
     serve_model: str | None = None
     """The base model's name on ``serve_url``."""
+    advantage: AdvantageMode = "rollout"
+    """Credit assignment: ``rollout`` (one advantage per sample, as GRPO), ``turn`` (each turn's
+    discounted return against the group's baseline) or ``gigpo`` (the episode advantage plus a
+    step advantage among the turns declared in the same state, see ``emit_state``). Formulas in
+    :mod:`agentbolt.algorithms.credit`."""
+    gamma: float = 1.0
+    """Discount of per-turn returns (``turn`` and ``gigpo``), in [0, 1]."""
+    step_weight: float = 1.0
+    """``gigpo``: weight of the step advantage against the episode advantage."""
+    collapse_entropy: float = 0.05
+    """Warn when the policy entropy of a step falls below this (0: never)."""
+    collapse_steps: int = 3
+    """Warn when more than 75% of the groups had zero reward spread for this many consecutive
+    steps (0: never)."""
+
+    def __post_init__(self) -> None:
+        if self.advantage not in ADVANTAGE_MODES:
+            choices = ", ".join(ADVANTAGE_MODES)
+            raise ValueError(f"advantage must be one of {choices}; got {self.advantage!r}")
+        if not 0.0 <= self.gamma <= 1.0:
+            raise ValueError(f"gamma must be in [0, 1]; got {self.gamma}")
 
     def run(self, ctx: TrainContext) -> GRPOResult:
         torch.manual_seed(self.seed)
@@ -219,7 +240,15 @@ class GRPO(Algorithm):
             console=ctx.console,
         )
 
+        collapse = _CollapseWatch(self.collapse_entropy, self.collapse_steps)
+        for row in history:  # a resumed run continues the count
+            collapse.check(row)
+
         def record(row: dict[str, Any]) -> None:
+            warning = collapse.check(row)
+            if warning:
+                row["warning"] = warning
+                print_line(ctx.console, f"warning: {warning}")
             history.append(row)
             log.write(row)
             _add_row(table, row)
@@ -343,7 +372,9 @@ class GRPO(Algorithm):
         kept = self._groups(batch)
         traj_rows: list[TrajectoryRow] = []
         gen_tokens = mismatches = 0
-        events = ctx.client.events_of([r.id for rs in kept.values() for r in rs], type=["llm_call", "reward"])
+        events = ctx.client.events_of(
+            [r.id for rs in kept.values() for r in rs], type=["llm_call", "reward", STATE_EVENT]
+        )
         for rollouts in kept.values():
             for r in rollouts:
                 # Only the attempt that finished: a retried rollout's lost attempt may have made
@@ -354,13 +385,14 @@ class GRPO(Algorithm):
                 traj_rows += rows
                 mismatches += stats.prefix_mismatches
                 gen_tokens += sum(row.num_model_tokens for row in rows)
-        train_rows, adv = grouped_advantages(traj_rows)
+        train_rows, adv = compute_advantages(traj_rows, self.advantage, self.gamma, self.step_weight)
         data = {
             "samples": len({(row.rollout_id, row.attempt_id) for row in traj_rows}),
             "groups": adv.groups,
             "zero_spread_groups": adv.zero_spread_groups,
             "dropped_groups": len(tasks) - len(kept),
             "prefix_mismatches": mismatches,
+            **adv.metrics(),
         }
         return train_rows, gen_tokens, data
 
@@ -412,11 +444,45 @@ _COLUMNS = (
     ("clip_fraction", "{:.3f}"),
     ("entropy", "{:.2f}"),
     ("zero_spread_groups", "{}"),
+    ("turns_mean", "{:.1f}"),
+    ("step_reward_mean", "{:+.3f}"),
     ("retried", "{}"),
     ("t_rollouts", "{:.1f}s"),
     ("t_update", "{:.1f}s"),
     ("t_sync", "{:.1f}s"),
 )
+
+
+@dataclass
+class _CollapseWatch:
+    """Signs that learning stalled: the policy entropy below ``min_entropy``, or more than 75% of
+    groups without a reward spread for ``steps`` steps in a row. Warns once per such stretch."""
+
+    min_entropy: float
+    steps: int
+    zero_spread_run: int = 0
+    warned: bool = False
+
+    def check(self, row: dict[str, Any]) -> str | None:
+        if "reward_mean" not in row:  # a validation-only row
+            return None
+        groups, entropy = row.get("groups") or 0, row.get("entropy")
+        mostly_flat = bool(groups) and row.get("zero_spread_groups", 0) / groups > 0.75
+        self.zero_spread_run = self.zero_spread_run + 1 if mostly_flat else 0
+        reasons = []
+        if self.min_entropy and entropy is not None and entropy < self.min_entropy:
+            reasons.append(f"policy entropy {entropy:.3f} is below {self.min_entropy:g}")
+        if self.steps and self.zero_spread_run >= self.steps:
+            reasons.append(
+                f"more than 75% of groups had zero reward spread for {self.zero_spread_run} steps in a row"
+            )
+        if not reasons:
+            self.warned = False
+            return None
+        if self.warned:
+            return None
+        self.warned = True
+        return "possible collapse: " + "; ".join(reasons)
 
 
 def _metrics_table() -> Table:

@@ -14,12 +14,12 @@ Where this departs from the papers:
   that of all micro-batches together. DAPO's asymmetric clip (``clip_high`` 0.28) is the default;
   pass 0.2 for the symmetric PPO clip.
 - The advantage std is the population std (``correction=0``); ``normalize_std=False`` gives the
-  Dr. GRPO variant. Groups whose rewards are all equal carry no signal and are skipped, not
-  trained on with zero advantage (that only costs a backward pass).
+  Dr. GRPO variant. Which tokens get which advantage (per rollout, per turn, GiGPO) is
+  :mod:`agentbolt.algorithms.credit`; groups without a spread are skipped there.
 - The KL penalty is optional (off by default, as in DAPO); when on it is the k3 estimator
   ``exp(ref - new) - (ref - new) - 1`` of GRPO, added per token.
-- One sample is one rollout attempt: a rollout split into several rows (prefix mismatches)
-  counts once in its group's statistics, and every row gets its advantage.
+- An advantage is per sequence (``advantages_B``) or per token (``advantages_BT``, per-turn
+  credit); the surrogate is the same, only the factor on each token's ratio differs.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from torch import Tensor, nn
 from agentbolt.adapters import TrajectoryRow
 
 __all__ = [
-    "AdvantageStats",
     "Batch",
     "LossFn",
     "PolicyLoss",
@@ -44,7 +43,6 @@ __all__ = [
     "entropy_from_logits",
     "forward_logits",
     "group_advantages",
-    "grouped_advantages",
     "logprobs_from_logits",
     "logprobs_from_suffix",
     "micro_batches",
@@ -74,49 +72,16 @@ class TrainRow:
     loss_mask: tuple[int, ...]
     old_logprobs: tuple[float, ...] | None = None
     advantage: float = 0.0
+    """The sequence's advantage; with per-token ``advantages`` only a summary (their mean over
+    the model tokens), the loss uses those."""
+    advantages: tuple[float, ...] | None = None
+    """Per token, aligned with ``input_ids`` (per-turn credit); None: ``advantage`` everywhere."""
 
     @classmethod
-    def of(cls, row: TrajectoryRow, advantage: float = 0.0) -> TrainRow:
-        return cls(row.input_ids, row.loss_mask, row.logprobs, advantage)
-
-
-@dataclass(frozen=True)
-class AdvantageStats:
-    groups: int = 0
-    zero_spread_groups: int = 0
-    """Groups skipped because every sample had the same reward (incl. groups of one)."""
-    no_reward_rows: int = 0
-    """Rows skipped because their reward is None."""
-    rows: int = 0
-    """Rows returned."""
-
-
-def _group_key(row: TrajectoryRow) -> str:
-    return row.group_id or row.task_id or f"rollout:{row.rollout_id}"
-
-
-def grouped_advantages(
-    rows: Sequence[TrajectoryRow], eps: float = 1e-6, normalize_std: bool = True
-) -> tuple[list[TrainRow], AdvantageStats]:
-    """Group rows by ``group_id`` (else ``task_id``, else alone), compute each sample's
-    advantage in its group and return the rows of groups with a reward spread."""
-    groups: dict[str, dict[tuple[str, str], list[TrajectoryRow]]] = {}
-    rewarded = [r for r in rows if r.reward is not None]
-    for row in rewarded:
-        groups.setdefault(_group_key(row), {}).setdefault((row.rollout_id, row.attempt_id), []).append(row)
-    out: list[TrainRow] = []
-    zero_spread = 0
-    for samples in groups.values():
-        rewards_G = torch.tensor([rs[0].reward for rs in samples.values()], dtype=torch.float64)
-        if float(rewards_G.max() - rewards_G.min()) == 0.0:
-            zero_spread += 1
-            continue
-        advantages_G = group_advantages(rewards_G, eps, normalize_std).tolist()
-        out += [
-            TrainRow.of(r, adv) for rs, adv in zip(samples.values(), advantages_G, strict=True) for r in rs
-        ]
-    stats = AdvantageStats(len(groups), zero_spread, len(rows) - len(rewarded), len(out))
-    return out, stats
+    def of(
+        cls, row: TrajectoryRow, advantage: float = 0.0, advantages: tuple[float, ...] | None = None
+    ) -> TrainRow:
+        return cls(row.input_ids, row.loss_mask, row.logprobs, advantage, advantages)
 
 
 # ---------------------------------------------------------------------------- batching
@@ -135,6 +100,9 @@ class Batch:
     advantages_B: Tensor
     ref_logprobs_BT: Tensor | None = None
     """Reference-policy logprobs for the KL term, see :func:`reference_logprobs`."""
+    advantages_BT: Tensor | None = None
+    """Per-token advantages (0 on padding) when any row has them; the loss then uses these
+    instead of ``advantages_B``."""
 
     @property
     def num_tokens(self) -> int:
@@ -152,12 +120,15 @@ def pad_batch(rows: Sequence[TrainRow], pad_token_id: int = 0, max_len: int | No
     T = max(len(r.input_ids) for r in rows)
     T = min(T, max_len) if max_len else T
     old = [r.old_logprobs for r in rows]
+    per_token = [r.advantages or (r.advantage,) * len(r.input_ids) for r in rows]
+    any_per_token = any(r.advantages is not None for r in rows)
     return Batch(
         input_ids_BT=_pad([r.input_ids for r in rows], T, pad_token_id, torch.long),
         attention_mask_BT=_pad([[1] * len(r.input_ids) for r in rows], T, 0, torch.long),
         loss_mask_BT=_pad([r.loss_mask for r in rows], T, 0, torch.float32),
         old_logprobs_BT=None if any(o is None for o in old) else _pad(old, T, 0.0, torch.float32),  # type: ignore[arg-type]
         advantages_B=torch.tensor([r.advantage for r in rows], dtype=torch.float32),
+        advantages_BT=_pad(per_token, T, 0.0, torch.float32) if any_per_token else None,
     )
 
 
@@ -289,14 +260,16 @@ def clipped_policy_loss(
     kl_coef: float = 0.0,
     entropy_BT: Tensor | None = None,
     num_tokens: float | None = None,
+    advantages_BT: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO-clipped surrogate, token-level mean (DAPO) over the model tokens of the batch.
 
     ``num_tokens`` is the divisor (default: this batch's mask sum); pass the total over all
-    micro-batches when accumulating so the summed gradient equals that of the whole batch."""
+    micro-batches when accumulating so the summed gradient equals that of the whole batch.
+    ``advantages_BT`` (per token, aligned with the logprobs) replaces ``advantages_B`` when given."""
     log_ratio_BT = new_logprobs_BT - old_logprobs_BT
     ratio_BT = log_ratio_BT.exp()
-    adv_BT = advantages_B[:, None].to(ratio_BT.dtype)
+    adv_BT = (advantages_BT if advantages_BT is not None else advantages_B[:, None]).to(ratio_BT.dtype)
     clipped_BT = ratio_BT.clamp(1 - clip_low, 1 + clip_high)
     per_token_BT = -torch.minimum(ratio_BT * adv_BT, clipped_BT * adv_BT)
     metrics: dict[str, float] = {}
@@ -360,6 +333,7 @@ class PolicyLoss:
             kl_coef=self.kl_coef,
             entropy_BT=entropy_BT,
             num_tokens=num_tokens,
+            advantages_BT=batch.advantages_BT,
         )
 
 

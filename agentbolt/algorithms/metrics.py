@@ -22,7 +22,7 @@ class MetricsLog:
         self._mlflow = _mlflow()
 
     def write(self, row: dict[str, Any]) -> None:
-        clean = {k: v for k, v in row.items() if isinstance(v, int | float | str | bool) or v is None}
+        clean = {k: v for k, v in row.items() if _loggable(v)}
         self._file.write(json.dumps(clean) + "\n")
         self._file.flush()
         numeric = {k: v for k, v in clean.items() if isinstance(v, int | float) and not isinstance(v, bool)}
@@ -36,6 +36,13 @@ class MetricsLog:
         self._file.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _loggable(value: Any) -> bool:
+    """A scalar, None, or a list of numbers (``turn_reward_by_index``)."""
+    if isinstance(value, list):
+        return all(isinstance(v, int | float) and not isinstance(v, bool) for v in value)
+    return isinstance(value, int | float | str | bool) or value is None
 
 
 def _wandb_run() -> Any:

@@ -2,19 +2,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 import torch
 from transformers import LlamaForCausalLM
 
 from agentbolt.adapters import TrajectoryRow
+from agentbolt.algorithms.credit import grouped_advantages
 from agentbolt.algorithms.losses import (
-    AdvantageStats,
     PolicyLoss,
     TrainRow,
     clipped_policy_loss,
     group_advantages,
-    grouped_advantages,
     micro_batches,
     pad_batch,
     sft_loss,
@@ -55,7 +55,8 @@ def test_grouped_advantages_skip_zero_spread_and_count_samples_once() -> None:
         traj("h", None),
     ]
     out, stats = grouped_advantages(rows, eps=0.0)
-    assert stats == AdvantageStats(groups=3, zero_spread_groups=2, no_reward_rows=1, rows=4)
+    assert (stats.groups, stats.zero_spread_groups, stats.no_reward_rows, stats.rows) == (3, 2, 1, 4)
+    assert stats.samples == 6 and all(r.advantages is None for r in out)
     assert [r.advantage for r in out] == pytest.approx([math.sqrt(2)] * 2 + [-math.sqrt(2) / 2] * 2)
     assert out[1].input_ids == (1, 2, 3)
 
@@ -214,8 +215,10 @@ def test_sft_loss_falls(tiny_llama: TinyLlama) -> None:
     assert state.step == 8
 
 
-def test_shared_prefix_pass_equals_the_plain_pass_in_values_and_gradients(tmp_path):
-    """The prefix computed once and expanded gives the same log-probs and LoRA gradients."""
+@pytest.mark.parametrize("per_token", [False, True])
+def test_shared_prefix_pass_equals_the_plain_pass_in_values_and_gradients(tmp_path, per_token: bool):
+    """The prefix computed once and expanded gives the same log-probs and LoRA gradients, with
+    one advantage per row or one per token (per-turn credit: aligned with input_ids)."""
     from transformers import AutoModelForCausalLM
 
     from agentbolt.engine import tiny_model_dir
@@ -233,8 +236,14 @@ def test_shared_prefix_pass_equals_the_plain_pass_in_values_and_gradients(tmp_pa
         TrainRow(tuple(prefix + tail), tuple([0] * 21 + [1] * (len(tail) - 1)), None, adv)
         for tail, adv in (([30, 31, 32, 33], 1.0), ([40, 41], -1.0), ([50, 51, 52], 0.5))
     ]
+    if per_token:  # a different advantage on every token (those on masked tokens must not matter)
+        rows = [
+            replace(r, advantages=tuple((-1) ** t * (t + b) / 10 for t in range(len(r.input_ids))))
+            for b, r in enumerate(rows)
+        ]
     batch = pad_batch(rows)
     assert shared_prefix_len(batch) == 20
+    assert (batch.advantages_BT is not None) == per_token
 
     def run(share: bool):
         model.zero_grad()
@@ -245,6 +254,11 @@ def test_shared_prefix_pass_equals_the_plain_pass_in_values_and_gradients(tmp_pa
 
     loss_a, metrics_a, grads_a = run(False)
     loss_b, metrics_b, grads_b = run(True)
+    # no old logprobs: the ratio is 1, so the loss is minus the mean advantage over model tokens
+    adv_BT = batch.advantages_BT if per_token else batch.advantages_B[:, None].expand_as(batch.loss_mask_BT)
+    assert adv_BT is not None
+    expected = -(adv_BT * batch.loss_mask_BT).sum() / batch.num_tokens
+    assert loss_a.item() == pytest.approx(expected.item(), abs=1e-6)
     assert torch.allclose(loss_a, loss_b, atol=1e-5)
     assert abs(metrics_a["entropy"] - metrics_b["entropy"]) < 1e-4
     assert grads_a.keys() == grads_b.keys() and grads_a
