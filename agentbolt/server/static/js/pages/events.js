@@ -3,11 +3,11 @@
 import { fmtInt, fmtMs, fmtNum, h, json, truncate } from "../dom.js";
 import { codeBlock, scrolls } from "../ui.js";
 
-export const KNOWN = ["llm_call", "tool_call", "span", "message", "reward", "exception"];
+export const KNOWN = ["llm_call", "tool_call", "span", "message", "reward", "state", "exception"];
 
 export const TYPE_LABEL = {
   llm_call: "LLM call", tool_call: "Tool call", span: "Span", message: "Message", reward: "Reward",
-  exception: "Exception", other: "Other",
+  state: "State", exception: "Exception", other: "Other",
 };
 
 export function typeOf(e) {
@@ -15,6 +15,34 @@ export function typeOf(e) {
 }
 
 const isObj = (v) => v !== null && typeof v === "object" && !Array.isArray(v);
+const callOf = (d) => (Number.isInteger(d?.llm_call_id) ? d.llm_call_id : null);
+
+/**
+ * The turns of a rollout: one per LLM call, numbered within its attempt in time order, with the
+ * per-call rewards that name it (their sum is the turn's step reward) and the state declared
+ * for it (the last `state` event naming it). Map: LLM call id -> turn.
+ */
+export function turnsOf(events) {
+  const turns = new Map();
+  const perAttempt = new Map();
+  for (const e of events) {
+    if (e.type !== "llm_call") continue;
+    const n = (perAttempt.get(e.attempt_id) || 0) + 1;
+    perAttempt.set(e.attempt_id, n);
+    turns.set(e.id, { id: e.id, turn: n, attempt_id: e.attempt_id, call: e, rewards: [], stepReward: null, state: null });
+  }
+  for (const e of events) {
+    const t = turns.get(callOf(e.data));
+    if (!t) continue;
+    if (e.type === "reward" && Number.isFinite(Number(e.data.value))) {
+      t.rewards.push(e);
+      t.stepReward = (t.stepReward ?? 0) + Number(e.data.value);
+    } else if (e.type === "state" && typeof e.data.key === "string") {
+      t.state = e.data.key;
+    }
+  }
+  return turns;
+}
 
 /** Text of a chat message's content: a string, or a list of parts ({type: "text", text}). */
 function contentText(content) {
@@ -65,17 +93,27 @@ export function eventSummary(e, env) {
       const t = llmTokens(d);
       const choice = d.choices?.[0];
       const out = choice?.message ? contentText(choice.message.content) || (choice.message.tool_calls?.length ? `→ ${choice.message.tool_calls.map((c) => c.function?.name || "tool").join(", ")}()` : "") : choice?.text || "";
-      return h("span", {}, h("span", { class: "strong" }, d.model || d.request?.model || "model"),
+      const turn = env?.turns?.get(e.id);
+      return h("span", {}, turn ? h("span", { class: "turn-tag", "data-testid": "turn-tag" }, `Turn ${turn.turn}`) : null,
+        h("span", { class: "strong" }, d.model || d.request?.model || "model"),
         h("span", { class: "muted" }, ` · ${t.prompt ?? "?"} → ${t.completion ?? "?"} tokens`),
         d.error ? h("span", { class: "error-text" }, " · error") : null,
+        turn && turn.stepReward !== null ? h("span", { class: "step-reward mono", title: "Step reward: the sum of the rewards for this call" }, ` · step ${signed(turn.stepReward)}`) : null,
+        turn && turn.state !== null ? h("span", { class: "muted", title: `State: ${turn.state}` }, " · state ", h("code", { class: "mono" }, truncate(turn.state, 40))) : null,
         out ? h("span", { class: "muted" }, ` · ${truncate(out.replace(/\s+/g, " "), 80)}`) : null);
     }
     case "reward": {
-      const linked = d.llm_call_id !== undefined && d.llm_call_id !== null;
+      const linked = callOf(d) !== null;
+      const turn = linked ? env?.turns?.get(d.llm_call_id) : null;
       return h("span", {}, h("span", { class: "strong mono" }, fmtNum(Number(d.value), 4)),
         d.name ? h("span", { class: "muted" }, ` · ${d.name}`) : null,
         d.final ? h("span", { class: "muted" }, " · final") : null,
-        linked ? h("span", { class: "muted" }, ` · for LLM call #${d.llm_call_id}`) : null);
+        linked ? h("span", { class: "muted" }, ` · for ${turn ? `turn ${turn.turn}, ` : ""}LLM call #${d.llm_call_id}`) : null);
+    }
+    case "state": {
+      const turn = env?.turns?.get(callOf(d));
+      return h("span", {}, h("code", { class: "strong mono" }, truncate(String(d.key ?? ""), 80)),
+        callOf(d) !== null ? h("span", { class: "muted" }, ` · for ${turn ? `turn ${turn.turn}, ` : ""}LLM call #${d.llm_call_id}`) : null);
     }
     case "tool_call":
       return h("span", {}, h("span", { class: "strong mono" }, `${d.name || "tool"}(`), h("span", { class: "muted mono" }, truncate(json(d.arguments ?? {}, 0), 60)), h("span", { class: "strong mono" }, ")"),
@@ -130,9 +168,11 @@ function llmBody(e, env) {
   const t = llmTokens(d);
   const req = isObj(d.request) ? d.request : {};
   const params = Object.fromEntries(Object.entries(req).filter(([k]) => !["messages", "prompt", "model"].includes(k)));
+  const turn = env.turns?.get(e.id);
   const rewards = env.rewardsFor.get(e.id) || [];
   const lp = meanLogprob(d.choices);
   const chips = [
+    turn ? ["Turn", String(turn.turn)] : null,
     ["Model", d.model || req.model || "—"],
     ["Prompt tokens", fmtInt(t.prompt)],
     ["Completion tokens", fmtInt(t.completion)],
@@ -141,7 +181,9 @@ function llmBody(e, env) {
     d.model_version !== undefined && d.model_version !== null ? ["Model version", String(d.model_version)] : null,
     d.upstream_status && d.upstream_status !== 200 ? ["Upstream status", String(d.upstream_status)] : null,
     lp !== null ? ["Mean logprob", fmtNum(lp, 3)] : null,
-    ...rewards.map((r) => ["Reward", fmtNum(Number(r.data.value), 4)]),
+    ...rewards.map((r) => [r.data.name ? `Reward · ${r.data.name}` : "Reward", fmtNum(Number(r.data.value), 4)]),
+    rewards.length > 1 && turn?.stepReward !== null ? ["Step reward", fmtNum(turn.stepReward, 4)] : null,
+    turn?.state !== null && turn?.state !== undefined ? ["State", h("code", { class: "mono", title: turn.state }, truncate(turn.state, 60))] : null,
   ].filter(Boolean);
   const input = Array.isArray(req.messages) ? req.messages.map((m) => message(m))
     : req.prompt !== undefined ? [message({ role: "prompt", content: contentText(req.prompt) })] : [];
@@ -167,6 +209,19 @@ function rewardBody(e, env) {
   return h("div", { class: "event-body event-body-inline" },
     target ? h("button", { type: "button", class: "btn btn-sm", "data-action": "jump", "data-target": `ev-${target.id}` }, `Go to LLM call #${target.id}`) : null,
     Object.keys(extra).length ? codeBlock(json(extra), { label: "Reward data" }) : null);
+}
+
+function stateBody(e, env) {
+  const target = env.byId.get(callOf(e.data));
+  const key = String(e.data?.key ?? "");
+  return h("div", { class: "event-body event-body-inline" },
+    target ? h("button", { type: "button", class: "btn btn-sm", "data-action": "jump", "data-target": `ev-${target.id}` }, `Go to LLM call #${target.id}`) : null,
+    key.length > 40 ? codeBlock(key, { label: "State key" }) : null);
+}
+
+/** A number with its sign: step rewards read as gains and losses. */
+export function signed(n) {
+  return n > 0 ? `+${fmtNum(n, 4)}` : fmtNum(n, 4);
 }
 
 function toolBody(e) {
@@ -200,6 +255,8 @@ export function eventBody(e, env) {
       return llmBody(e, env);
     case "reward":
       return rewardBody(e, env);
+    case "state":
+      return stateBody(e, env);
     case "tool_call":
       return toolBody(e);
     case "exception":

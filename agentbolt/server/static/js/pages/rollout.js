@@ -1,11 +1,12 @@
-// One rollout: its attempts, a timeline of its events, and every event in full — LLM calls
-// with their messages, token counts and latency, rewards, tool calls, exceptions.
+// One rollout: its attempts, a timeline of its events, its turns (one per LLM call, with the
+// step rewards and states the agent gave each), and every event in full — LLM calls with their
+// messages, token counts and latency, rewards, tool calls, exceptions.
 
 import { get, getAll } from "../api.js";
 import { FINAL } from "../data.js";
 import { ago, fmtDuration, fmtFull, fmtInt, fmtMs, fmtNum, fmtTime, h, hrefFor, json, shortId, truncate } from "../dom.js";
 import { badge, card, codeBlock, empty, facts, modeTag, mono, segmented, table } from "../ui.js";
-import { eventBody, eventSummary, eventTiming, TYPE_LABEL, typeOf } from "./events.js";
+import { eventBody, eventSummary, eventTiming, llmTokens, signed, turnsOf, TYPE_LABEL, typeOf } from "./events.js";
 import { timeline } from "./timeline.js";
 
 const MAX_EVENTS = 5000;
@@ -19,7 +20,7 @@ async function load(ctx) {
     get(`${path}/attempts`, null, opts),
     getAll(`${path}/events`, {}, { signal: ctx.signal, maxItems: MAX_EVENTS }),
   ]);
-  return { rollout, attempts, events: events.items, truncated: events.truncated, now: ctx.now() };
+  return { rollout, attempts, events: events.items, turns: turnsOf(events.items), truncated: events.truncated, now: ctx.now() };
 }
 
 function header(d) {
@@ -128,7 +129,7 @@ function eventsCard(d, ctx) {
       rewardsFor.set(e.data.llm_call_id, list);
     }
   }
-  const env = { byId, rewardsFor, multiAttempt: d.attempts.length > 1, numbers };
+  const env = { byId, rewardsFor, turns: d.turns, multiAttempt: d.attempts.length > 1, numbers };
   const list = h("ol", { class: "events" }, shown.map((e) => h("li", { class: `event ev-${typeOf(e)}`, id: `ev-${e.id}`, "data-key": `ev-${e.id}`, tabindex: "-1" },
     h("div", { class: "event-head" },
       h("span", { class: `ev-type et-${typeOf(e)}` }, TYPE_LABEL[typeOf(e)] || e.type),
@@ -149,6 +150,51 @@ function eventsCard(d, ctx) {
 function timelineCard(d) {
   if (!d.events.length && !d.attempts.length) return null;
   return card("Timeline", timeline(d), { id: "timeline", subtitle: "Time since the rollout started; select a mark to jump to its event" });
+}
+
+function turnOutput(e) {
+  const choice = e.data?.choices?.[0];
+  const m = choice?.message;
+  const text = m ? (typeof m.content === "string" ? m.content : "") || (m.tool_calls?.length ? `→ ${m.tool_calls.map((c) => c.function?.name || "tool").join(", ")}()` : "") : choice?.text || "";
+  return String(text).replace(/\s+/g, " ");
+}
+
+/** One row per model call: the turn's number, its step reward (with a bar) and its state. */
+function turnsCard(d) {
+  const turns = [...d.turns.values()];
+  const labelled = turns.some((t) => t.stepReward !== null || t.state !== null);
+  if (turns.length < 2 && !labelled) return null;
+  const multi = d.attempts.length > 1;
+  const numbers = new Map(d.attempts.map((a) => [a.id, a.number]));
+  const top = Math.max(1e-12, ...turns.map((t) => Math.abs(t.stepReward ?? 0)));
+  const bar = (v) => {
+    if (v === null) return h("span", { class: "faint" }, "—");
+    const width = `${Math.round((Math.abs(v) / top) * 100)}%`;
+    return h("span", { class: "turn-reward" },
+      h("span", { class: "mono" }, signed(v)),
+      h("span", { class: "turn-bar", "aria-hidden": "true" }, h("span", { class: v < 0 ? "turn-bar-fill turn-bar-neg" : "turn-bar-fill", style: { width } })));
+  };
+  const rows = turns.map((t) => {
+    const tokens = llmTokens(t.call.data);
+    return [
+      h("span", { class: "mono strong" }, String(t.turn)),
+      ...(multi ? [h("span", { class: "mono" }, `#${numbers.get(t.attempt_id) ?? "?"}`)] : []),
+      h("button", { type: "button", class: "btn btn-sm btn-link mono", "data-action": "jump", "data-target": `ev-${t.id}` }, `#${t.id}`),
+      t.state === null ? h("span", { class: "faint" }, "—") : h("code", { class: "mono", title: t.state }, truncate(t.state, 48)),
+      bar(t.stepReward),
+      h("span", { class: "mono muted" }, `${tokens.prompt ?? "?"} → ${tokens.completion ?? "?"}`),
+      t.call.data?.error ? h("span", { class: "error-text" }, "error") : h("span", { class: "muted" }, truncate(turnOutput(t.call), 60)),
+    ];
+  });
+  const total = turns.reduce((s, t) => s + (t.stepReward ?? 0), 0);
+  const rewarded = turns.filter((t) => t.stepReward !== null).length;
+  return card("Turns", table([
+    { label: "Turn", cls: "num" }, ...(multi ? [{ label: "Attempt" }] : []), { label: "LLM call" }, { label: "State" },
+    { label: "Step reward" }, { label: "Tokens" }, { label: "Output" },
+  ], rows, { caption: "Turns: one per model call, with its step reward and state", cls: "turns-table", key: (i) => `turn-${turns[i].id}` }), {
+    id: "turns",
+    subtitle: rewarded ? `${turns.length} model calls · ${rewarded} with step rewards, summing to ${signed(total)} (not part of the rollout's reward)` : `${turns.length} model calls · no per-call rewards`,
+  });
 }
 
 function llmTotals(events) {
@@ -189,6 +235,7 @@ export default {
       taskCard(d.rollout),
       attemptsCard(d),
       timelineCard(d),
+      turnsCard(d),
       eventsCard(d, ctx));
   },
   actions: {

@@ -22,7 +22,9 @@ function markTitle(e) {
       return `LLM call #${e.id} · ${d.model || "model"} · ${t.prompt ?? "?"} → ${t.completion ?? "?"} tokens${took}`;
     }
     case "reward":
-      return `Reward ${fmtNum(Number(d.value), 4)}${d.name ? ` (${d.name})` : ""}`;
+      return `Reward ${fmtNum(Number(d.value), 4)}${d.name ? ` (${d.name})` : ""}${Number.isInteger(d.llm_call_id) ? ` for LLM call #${d.llm_call_id}` : ""}`;
+    case "state":
+      return `State ${truncate(String(d.key ?? ""), 60)}${Number.isInteger(d.llm_call_id) ? ` for LLM call #${d.llm_call_id}` : ""}`;
     case "tool_call":
       return `Tool call ${d.name || ""}${took}`;
     case "exception":

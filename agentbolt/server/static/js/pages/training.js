@@ -1,5 +1,6 @@
 // Training: mean reward (train) and validation score per resources version or training step,
-// and the metrics algorithms publish in resources metadata ({"step": n, "metrics": {...}}).
+// the metrics algorithms publish in resources metadata ({"step": n, "metrics": {...}}), and,
+// for multi-turn agents, the mean step reward per turn (metrics.turn_reward_by_index).
 
 import { get } from "../api.js";
 import { lineChart } from "../charts.js";
@@ -8,6 +9,8 @@ import { fmtInt, fmtNum, fmtPct, fmtTime, h, truncate } from "../dom.js";
 import { card, empty, segmented, stat, table } from "../ui.js";
 
 const MAX_METRIC_CHARTS = 12;
+const MAX_TURN_ROWS = 10;
+const MAX_TURNS = 16;
 const SERIES = [
   { mode: "train", name: "Train reward", cls: "s1" },
   { mode: "val", name: "Validation score", cls: "s2" },
@@ -27,7 +30,7 @@ function numeric(v) {
 function rows(d) {
   const byVersion = new Map();
   const row = (v) => {
-    if (!byVersion.has(v)) byVersion.set(v, { version: v, step: null, created: null, metrics: {}, modes: {} });
+    if (!byVersion.has(v)) byVersion.set(v, { version: v, step: null, created: null, metrics: {}, turns: null, modes: {} });
     return byVersion.get(v);
   };
   for (const r of d.resources) {
@@ -36,6 +39,8 @@ function rows(d) {
     const meta = r.metadata || {};
     x.step = numeric(meta.step);
     for (const [k, v] of Object.entries(meta.metrics || {})) if (numeric(v) !== null) x.metrics[k] = v;
+    const turns = meta.metrics?.turn_reward_by_index;
+    if (Array.isArray(turns) && turns.length && turns.every((v) => v === null || numeric(v) !== null)) x.turns = turns;
   }
   for (const b of d.stats.by_version) {
     if (b.resources_version === null) continue;
@@ -74,6 +79,32 @@ function metricCharts(all, axis) {
   });
   return card("Algorithm metrics", h("div", { class: "grid-2 metric-grid" }, charts), {
     id: "metrics", subtitle: `From the metadata that training published with each resources version${keys.length > MAX_METRIC_CHARTS ? ` (first ${MAX_METRIC_CHARTS} of ${keys.length})` : ""}`,
+  });
+}
+
+/** Mean step reward per turn index, per training step: a row per version that has them. */
+function turnCard(all) {
+  const withTurns = all.filter((r) => r.turns);
+  if (!withTurns.length) return null;
+  const shown = withTurns.slice(-MAX_TURN_ROWS).reverse();
+  const width = Math.min(MAX_TURNS, Math.max(...shown.map((r) => r.turns.length)));
+  const top = Math.max(1e-12, ...shown.flatMap((r) => r.turns.slice(0, width).map((v) => Math.abs(v ?? 0))));
+  const cell = (v) => {
+    if (v === null || v === undefined) return h("span", { class: "faint" }, "—");
+    return h("span", { class: "turn-reward", title: `mean step reward ${fmtNum(v, 4)}` },
+      h("span", { class: "mono" }, fmtNum(v, 3)),
+      h("span", { class: "turn-bar", "aria-hidden": "true" },
+        h("span", { class: v < 0 ? "turn-bar-fill turn-bar-neg" : "turn-bar-fill", style: { width: `${Math.round((Math.abs(v) / top) * 100)}%` } })));
+  };
+  const rowsOut = shown.map((r) => [
+    h("a", { class: "link mono", href: `#/resources/${r.version}` }, `v${r.version}`),
+    r.step === null ? h("span", { class: "faint" }, "—") : h("span", { class: "mono" }, fmtNum(r.step)),
+    ...Array.from({ length: width }, (_, i) => cell(r.turns[i])),
+  ]);
+  const cols = [{ label: "Version" }, { label: "Step", cls: "num" }, ...Array.from({ length: width }, (_, i) => ({ label: `Turn ${i + 1}` }))];
+  return card("Per-turn step reward", table(cols, rowsOut, { caption: "Mean step reward per turn index", cls: "turn-grid", key: (i) => `tv${shown[i].version}` }), {
+    id: "turn-rewards",
+    subtitle: `Mean per-call reward at each turn of the step's rollouts, latest first${withTurns.length > MAX_TURN_ROWS ? ` (last ${MAX_TURN_ROWS} of ${withTurns.length})` : ""}`,
   });
 }
 
@@ -137,6 +168,7 @@ export default {
         subtitle: "Mean reward of finished rollouts per resources version, by mode",
       }),
       metricCharts(all, axis),
+      turnCard(all),
       card("Per version", versionTable(all), { id: "versions" }));
   },
   actions: {
