@@ -94,10 +94,16 @@ def _attempt(tree: Tree, attempt: Attempt, events: list[Event]) -> None:
 
 def _attempt_events(branch: Tree, events: list[Event]) -> None:
     previous: list[tuple[Any, Any]] = []  # (role, content) of the conversation so far
+    # the attempt's turns: its model calls numbered in order; per-call rewards and states name them
+    turns = {e.id: n for n, e in enumerate((e for e in events if e.type == EventType.LLM_CALL), 1)}
     for event in events:
         prefix = f"{_clock(event.timestamp)} "
         if event.type == EventType.LLM_CALL:
-            previous = _llm_call(branch, event, prefix, previous)
+            previous = _llm_call(branch, event, prefix, previous, turns.get(event.id))
+        elif event.type == EventType.REWARD:
+            _reward(branch, event, prefix, turns)
+        elif event.type == EventType.STATE:
+            _state(branch, event, prefix, turns)
         else:
             _RENDERERS.get(event.type, _other)(branch, event, prefix)
 
@@ -122,7 +128,7 @@ def _token_counts(data: dict[str, Any]) -> tuple[int | None, int | None]:
 
 
 def _llm_call(
-    branch: Tree, event: Event, prefix: str, previous: list[tuple[Any, Any]]
+    branch: Tree, event: Event, prefix: str, previous: list[tuple[Any, Any]], turn: int | None = None
 ) -> list[tuple[Any, Any]]:
     data = event.data
     prompt, completion = _token_counts(data)
@@ -130,7 +136,7 @@ def _llm_call(
     label = Text.assemble(
         prefix,
         ("llm_call", "bold magenta"),
-        f" #{event.id} {data.get('endpoint', '')}",
+        f" #{event.id}" + (f" turn {turn}" if turn is not None else "") + f" {data.get('endpoint', '')}",
         f"  model {data.get('model')}",
         f" v{data['model_version']}" if data.get("model_version") else "",
         f"  prompt {_count(prompt)} tok  completion {_count(completion)} tok",
@@ -197,10 +203,17 @@ def _answer(choice: dict[str, Any], numbered: bool) -> Text:
 # ---------------------------------------------------------------------------- other events
 
 
-def _reward(branch: Tree, event: Event, prefix: str) -> None:
+def _call_named(data: dict[str, Any], turns: dict[int, int] | None) -> str:
+    """``call #N`` (``, turn T`` when it is one of this attempt's calls)."""
+    call = data.get("llm_call_id")
+    turn = (turns or {}).get(call) if isinstance(call, int) else None
+    return f"call #{call}" + (f", turn {turn}" if turn is not None else "")
+
+
+def _reward(branch: Tree, event: Event, prefix: str, turns: dict[int, int] | None = None) -> None:
     data = event.data
     extras = [f"name {data['name']}"] if data.get("name") else []
-    extras += [f"call #{data['llm_call_id']}"] if data.get("llm_call_id") is not None else []
+    extras += [_call_named(data, turns)] if data.get("llm_call_id") is not None else []
     extras += ["final"] if data.get("final") else []
     branch.add(
         Text.assemble(
@@ -208,6 +221,18 @@ def _reward(branch: Tree, event: Event, prefix: str) -> None:
             ("reward ", "bold green"),
             _number(data.get("value")),
             f"  ({', '.join(extras)})" if extras else "",
+        )
+    )
+
+
+def _state(branch: Tree, event: Event, prefix: str, turns: dict[int, int] | None = None) -> None:
+    data = event.data
+    branch.add(
+        Text.assemble(
+            prefix,
+            ("state ", "bold cyan"),
+            _cut(data.get("key"), 160),
+            f"  ({_call_named(data, turns)})" if data.get("llm_call_id") is not None else "",
         )
     )
 

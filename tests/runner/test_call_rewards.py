@@ -11,9 +11,11 @@ from types import SimpleNamespace
 
 import openai
 import pytest
+from rich.console import Console
 
 import agentbolt
 from agentbolt import LLM, Runner, Task
+from agentbolt.cli.render import render_rollout
 from agentbolt.runner.agent import RolloutContext, call_id_of, emit_reward, emit_state
 from agentbolt.schemas import Attempt, AttemptStatus, Rollout, RolloutCreate, RolloutStatus
 
@@ -62,6 +64,14 @@ def test_an_agent_rewards_and_labels_its_own_calls(server, client, upstream):
     assert rewards == [(0.25, first), (0.5, second), (0.75, first), (1.0, None)]  # the last: returned
     states = [e.data for e in events if e.type == "state"]
     assert states == [{"key": "room=1", "llm_call_id": first}, {"key": "room=2", "llm_call_id": second}]
+
+    # what `agentbolt rollouts show` prints: turns numbered, rewards and states naming theirs
+    console = Console(record=True, width=200, color_system=None)
+    console.print(render_rollout(done, client.list_attempts(rollout.id), events))
+    shown = console.export_text()
+    assert f"llm_call #{first} turn 1 " in shown and f"llm_call #{second} turn 2 " in shown
+    assert f"state room=2  (call #{second}, turn 2)" in shown
+    assert f"reward 0.5  (name step, call #{second}, turn 2)" in shown
 
 
 @pytest.fixture
