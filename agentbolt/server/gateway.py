@@ -27,6 +27,11 @@ Choices worth knowing:
 - A call the agent's client retried is one record: a try with the same ``Idempotency-Key``, or
   with ``x-stainless-retry-count`` above 0 and the same body as an earlier call of the attempt,
   joins that call's record (:mod:`agentbolt.store.calls`).
+- Every answer whose call was recorded names its record, the call id an agent rewards a turn
+  by: header ``X-Agentbolt-Call-Id`` and body field ``agentbolt.call_id``; a stream carries it
+  on its last chunk (a Responses stream in its final event), since the record is made after
+  the last chunk came. A retry gets the id of the record it joined; a call the store failed to
+  record gets none (the answer still goes out).
 - An attempt that is no longer running (finished, cancelled, lease expired) takes no calls:
   409 ``AttemptEnded`` naming its state.
 - Cost: the POST routes are served by a pure ASGI fast path
