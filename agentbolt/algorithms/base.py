@@ -15,9 +15,20 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from agentbolt.client import Client
-from agentbolt.schemas import Mode, Rollout, RolloutCreate, RolloutStatus, Task
+from agentbolt.schemas import LLM, Mode, Rollout, RolloutCreate, RolloutStatus, Task
 
-__all__ = ["DEFAULT_MAX_ATTEMPTS", "Algorithm", "BatchResult", "TrainContext", "run_rollouts", "validate"]
+__all__ = [
+    "DEFAULT_MAX_ATTEMPTS",
+    "Algorithm",
+    "BatchResult",
+    "TrainContext",
+    "Validation",
+    "greedy_version",
+    "run_rollouts",
+    "run_sampled_and_greedy",
+    "validate",
+    "validate_both",
+]
 
 DEFAULT_MAX_ATTEMPTS = 3
 """Attempts per rollout unless the user says otherwise. The store retries only infrastructure
@@ -100,6 +111,20 @@ def run_rollouts(
         for task in tasks
         for _ in range(repeat)
     ]
+    return _run_items(client, items, timeout=timeout, console=console, label=label, progress=progress)[0]
+
+
+def _run_items(
+    client: Client,
+    *batches: list[RolloutCreate],
+    timeout: float,
+    console: Console | None,
+    label: str,
+    progress: Progress | None,
+) -> list[BatchResult]:
+    """Enqueue every batch at once, wait for all with one bar, cancel the stragglers; one
+    result per batch, in order."""
+    items = [item for batch in batches for item in batch]
     ids = [r.id for r in client.enqueue(items)] if items else []
     final = _wait_all(client, ids, timeout, console, label, progress)
     pending = [rid for rid in ids if rid not in final]
@@ -108,7 +133,81 @@ def run_rollouts(
             final[rid] = client.cancel(rid)
         except Exception:  # finished in the meantime
             final[rid] = client.get_rollout(rid)
-    return BatchResult(rollouts=[final[rid] for rid in ids], timed_out=len(pending))
+    out, at = [], 0
+    for batch in batches:
+        batch_ids = ids[at : at + len(batch)]
+        at += len(batch)
+        out.append(
+            BatchResult([final[rid] for rid in batch_ids], sum(1 for rid in batch_ids if rid in pending))
+        )
+    return out
+
+
+def greedy_version(client: Client, version: int | None, metadata: dict[str, Any] | None = None) -> int | None:
+    """A trial resources version (never the latest) with ``version``'s resources (the latest
+    when None) and every LLM resource's sampling temperature 0: greedy decoding. None when there
+    are no resources or no LLM resource among them.
+
+    Only agents that pass their LLM resource's ``sampling_parameters`` to the model (as the
+    built-in tasks do) decode greedily under it; one that sets its own temperature does not."""
+    base = client.get_resources(version) if version is not None else client.latest_resources()
+    if base is None or not any(isinstance(r, LLM) for r in base.resources.values()):
+        return None
+    resources = {
+        name: r.model_copy(update={"sampling_parameters": {**r.sampling_parameters, "temperature": 0.0}})
+        if isinstance(r, LLM)
+        else r
+        for name, r in base.resources.items()
+    }
+    meta = {**base.metadata, "stage": "greedy", "of": base.version, **(metadata or {})}
+    return client.publish_resources(resources, meta, trial=True).version
+
+
+def run_sampled_and_greedy(
+    client: Client,
+    tasks: Sequence[Task],
+    *,
+    mode: Mode,
+    resources_version: int | None,
+    greedy: bool = True,
+    timeout: float = 600.0,
+    rollout_timeout: float | None = None,
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+    console: Console | None = None,
+    label: str = "rollouts",
+    progress: Progress | None = None,
+) -> tuple[BatchResult, BatchResult | None]:
+    """Every task once with ``resources_version`` as published (sampled) and, with ``greedy``,
+    once more at temperature 0 (:func:`greedy_version`), both enqueued together. The greedy
+    result is None when not asked for or when there is no LLM resource to make greedy."""
+    greedy_at = greedy_version(client, resources_version) if greedy and tasks else None
+
+    def items(version: int | None, kind: str) -> list[RolloutCreate]:
+        return [
+            RolloutCreate(
+                task=task,
+                mode=mode,
+                resources_version=version,
+                timeout_seconds=rollout_timeout,
+                max_attempts=max_attempts,
+                metadata={"decoding": kind},
+            )
+            for task in tasks
+        ]
+
+    batches = [items(resources_version, "sampled")]
+    if greedy_at is not None:
+        batches.append(items(greedy_at, "greedy"))
+    results = _run_items(client, *batches, timeout=timeout, console=console, label=label, progress=progress)
+    return results[0], (results[1] if greedy_at is not None else None)
+
+
+@dataclass(frozen=True)
+class Validation:
+    sampled: BatchResult
+    """The validation tasks with the published sampling parameters."""
+    greedy: BatchResult | None
+    """The same tasks at temperature 0; None when not asked for (or no LLM resource)."""
 
 
 def validate(
@@ -136,6 +235,37 @@ def validate(
         label=label,
         progress=progress,
     )
+
+
+def validate_both(
+    ctx: TrainContext,
+    version: int | None,
+    *,
+    timeout: float,
+    rollout_timeout: float | None,
+    greedy: bool = True,
+    label: str = "validation",
+    progress: Progress | None = None,
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+) -> Validation | None:
+    """Like :func:`validate`, and with ``greedy`` every validation task once more at temperature 0
+    (both at once); None without validation tasks."""
+    if not ctx.val_tasks:
+        return None
+    sampled, greedy_batch = run_sampled_and_greedy(
+        ctx.client,
+        ctx.val_tasks,
+        mode=Mode.VAL,
+        resources_version=version,
+        greedy=greedy,
+        timeout=timeout,
+        rollout_timeout=rollout_timeout,
+        max_attempts=max_attempts,
+        console=ctx.console,
+        label=label,
+        progress=progress,
+    )
+    return Validation(sampled, greedy_batch)
 
 
 def _wait_all(

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rich.table import Table
 
-from agentbolt.algorithms.base import DEFAULT_MAX_ATTEMPTS, Algorithm, BatchResult, TrainContext, run_rollouts
+from agentbolt.algorithms.base import (
+    DEFAULT_MAX_ATTEMPTS,
+    Algorithm,
+    BatchResult,
+    TrainContext,
+    run_sampled_and_greedy,
+)
 from agentbolt.schemas import Mode
 
 __all__ = ["EvalSummary", "Evaluate", "summary_table"]
@@ -20,6 +26,9 @@ class EvalSummary:
     mean_reward: float | None
     timed_out: int
     resources_version: int | None
+    greedy: EvalSummary | None = None
+    """The same tasks at temperature 0 (``Evaluate(greedy=True)``); its ``resources_version`` is
+    the trial version that made the LLM greedy."""
 
     @staticmethod
     def of(batch: BatchResult) -> EvalSummary:
@@ -38,7 +47,10 @@ def summary_table(rows: dict[str, EvalSummary], title: str = "evaluation") -> Ta
     table = Table(title=title)
     for column in ("set", "count", "succeeded", "failed", "mean reward", "resources"):
         table.add_column(column, justify="left" if column == "set" else "right")
+    shown: list[tuple[str, EvalSummary]] = []
     for name, s in rows.items():
+        shown += [(name, s), *([(f"{name} (greedy)", s.greedy)] if s.greedy else [])]
+    for name, s in shown:
         reward = f"{s.mean_reward:.3f}" if s.mean_reward is not None else "-"
         version = str(s.resources_version) if s.resources_version is not None else "-"
         table.add_row(name, str(s.count), str(s.succeeded), str(s.failed), reward, version)
@@ -55,13 +67,19 @@ class Evaluate(Algorithm):
     """Seconds one attempt may take before the server ends it."""
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
     """Attempts per rollout: infrastructure failures are retried, an agent that raises is not."""
+    greedy: bool = False
+    """Run every task a second time at temperature 0 (a trial resources version, never the
+    latest) and report both: sampled success says what training sees, greedy what a
+    deterministic deployment gets."""
 
     def run(self, ctx: TrainContext) -> EvalSummary:
         tasks, mode = (ctx.val_tasks, Mode.VAL) if ctx.val_tasks else (ctx.train_tasks, Mode.TRAIN)
-        batch = run_rollouts(
+        batch, greedy = run_sampled_and_greedy(
             ctx.client,
             tasks,
             mode=mode,
+            resources_version=None,
+            greedy=self.greedy,
             timeout=self.timeout,
             rollout_timeout=self.rollout_timeout,
             max_attempts=self.max_attempts,
@@ -69,5 +87,7 @@ class Evaluate(Algorithm):
             label="evaluating",
         )
         summary = EvalSummary.of(batch)
+        if greedy is not None:
+            summary = replace(summary, greedy=EvalSummary.of(greedy))
         ctx.console.print(summary_table({mode.value: summary}))
         return summary

@@ -13,6 +13,12 @@ Departures from the paper are listed in :mod:`agentbolt.algorithms.losses`. Here
 per batch (fully on-policy, so the ratio starts at 1 and clipping guards numeric drift between
 the engine's bf16 sampling pass and the training pass), and the engine's weights are the merged
 LoRA weights (serving never pays for the adapter).
+
+The KL penalty (``kl_coef``) is to the initial weights: with LoRA the same model with its adapter
+disabled, with full fine-tuning a frozen copy of the initial model kept on the training device
+beside the trained one, so full fine-tuning with KL holds the weights twice (plus the optimizer's
+two moments of the trained copy). Validation runs every task sampled (the published sampling
+parameters) and greedy (temperature 0, ``val_greedy``).
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from agentbolt.algorithms.base import (
     BatchResult,
     TrainContext,
     run_rollouts,
-    validate,
+    validate_both,
 )
 from agentbolt.algorithms.credit import ADVANTAGE_MODES, AdvantageMode, compute_advantages
 from agentbolt.algorithms.losses import (
@@ -73,6 +79,9 @@ class GRPOResult:
     plot: Path | None
     resources_version: int | None
     metrics_file: Path
+    val_greedy_before: float | None = None
+    """Validation success at temperature 0 before training (``val_before`` is sampled)."""
+    val_greedy_after: float | None = None
 
 
 def success_rate(batch: BatchResult, threshold: float) -> float:
@@ -93,7 +102,8 @@ class GRPO(Algorithm):
     """Rollouts per task per step; advantages are computed within a group."""
     lr: float = 3e-4
     lora: bool = True
-    """False: full fine-tuning."""
+    """False: full fine-tuning (with ``kl_coef`` > 0 it keeps a frozen copy of the initial weights
+    for the KL term on the training device: twice the weights' memory)."""
     lora_r: int = 16
     clip_low: float = 0.2
     clip_high: float = 0.28
@@ -111,6 +121,10 @@ class GRPO(Algorithm):
     """Continue from ``<run_dir>/checkpoint`` if it exists."""
     success_threshold: float = 1.0
     """A rollout whose reward reaches this counts as a success."""
+    val_greedy: bool = True
+    """Validate twice: with the published sampling parameters (``val_success``) and at
+    temperature 0 (``val_greedy``, through a trial resources version that is never the latest).
+    Only agents that pass their LLM resource's sampling parameters on decode greedily then."""
     min_group_size: int = 2
     """Groups with fewer finished rollouts than this are dropped from the update."""
     step_timeout: float = 600.0
@@ -126,7 +140,7 @@ class GRPO(Algorithm):
     seed: int = 0
     plot: bool = True
     device: str | None = None
-    """Training device; None: ``cuda`` when available, else ``cpu``."""
+    """Training device, and the embedded engine's; None: ``cuda`` when available, else ``cpu``."""
     serve_url: str | None = None
     """A vLLM-compatible server already serving ``model`` (e.g. vLLM with ``--enable-lora``):
     sampling goes there and each update is loaded as a LoRA adapter. None: the embedded engine."""
@@ -163,12 +177,14 @@ class GRPO(Algorithm):
             serve_url=self.serve_url,
             serve_model=self.serve_model,
             dtype=self.engine_dtype,
+            device=self.device,
         )
         with served as policy:
             version = self._publish(ctx, policy, step=0, metrics={})
             state = self._train_state(policy)
-            log = MetricsLog(ctx.run_dir / "metrics.jsonl", resume=self.resume)
             start, history = self._maybe_resume(ctx, state, policy)
+            # rows past the checkpoint (a crash between checkpoints) are redone, not kept twice
+            log = MetricsLog(ctx.run_dir / "metrics.jsonl", resume=bool(start), keep_through=start)
             if start:
                 version = self._publish(ctx, policy, step=start, metrics=history[-1] if history else {})
             return self._loop(ctx, policy, state, log, start, history, version)
@@ -181,7 +197,8 @@ class GRPO(Algorithm):
         model = AutoModelForCausalLM.from_pretrained(policy.base_model_path, dtype=torch.float32)
         model = model.to(self._device())  # type: ignore[arg-type]
         config = TrainConfig(lora=self.lora, lora_r=self.lora_r, lora_alpha=2 * self.lora_r, lr=self.lr)
-        return make_train_state(model, config)
+        # full fine-tuning with KL keeps a frozen copy of the initial weights beside the trained ones
+        return make_train_state(model, config, reference=bool(self.kl_coef))
 
     def _device(self) -> torch.device:
         """Where training runs: the GPU when there is one (the engine picks its device the same way)."""
@@ -257,12 +274,11 @@ class GRPO(Algorithm):
 
         with Live(Group(table, progress), console=ctx.console, refresh_per_second=4, transient=False):
             if start == 0:
-                val_before = self._validate(ctx, version, progress)
-                record({"step": 0, "val_success": val_before, "resources_version": version})
+                record({"step": 0, **self._validate(ctx, version, progress), "resources_version": version})
             for step in range(start + 1, self.steps + 1):
                 row, version = self._step(ctx, policy, state, step, version, progress)
                 if self._validate_now(step):
-                    row["val_success"] = self._validate(ctx, version, progress)
+                    row.update(self._validate(ctx, version, progress))
                 record(row)
                 if self.checkpoint_every and (step % self.checkpoint_every == 0 or step == self.steps):
                     save_checkpoint(
@@ -278,26 +294,44 @@ class GRPO(Algorithm):
     def _result(
         self, ctx: TrainContext, history: list[dict[str, Any]], version: int, log: MetricsLog
     ) -> GRPOResult:
-        val_before = next(
-            (h["val_success"] for h in history if h.get("step") == 0 and "val_success" in h), None
-        )
-        val_after = next((h["val_success"] for h in reversed(history) if "val_success" in h), None)
+        def before(key: str) -> float | None:
+            return next((h[key] for h in history if h.get("step") == 0 and key in h), None)
+
+        def after(key: str) -> float | None:
+            return next((h[key] for h in reversed(history) if key in h), None)
+
         plot = plot_history(history, ctx.run_dir / "grpo.png") if self.plot else None
-        return GRPOResult(history, val_before, val_after, plot, version, log.path)
+        return GRPOResult(
+            history,
+            before("val_success"),
+            after("val_success"),
+            plot,
+            version,
+            log.path,
+            val_greedy_before=before("val_greedy"),
+            val_greedy_after=after("val_greedy"),
+        )
 
     def _validate_now(self, step: int) -> bool:
         return step == self.steps or bool(self.val_every and step % self.val_every == 0)
 
-    def _validate(self, ctx: TrainContext, version: int, progress: Progress) -> float | None:
-        batch = validate(
+    def _validate(self, ctx: TrainContext, version: int, progress: Progress) -> dict[str, float | None]:
+        """``val_success`` (sampled) and, with ``val_greedy``, ``val_greedy`` (temperature 0)."""
+        val = validate_both(
             ctx,
             version,
             timeout=self.step_timeout,
             rollout_timeout=self.rollout_timeout,
+            greedy=self.val_greedy,
             progress=progress,
             max_attempts=self.max_attempts,
         )
-        return success_rate(batch, self.success_threshold) if batch is not None else None
+        out: dict[str, float | None] = {
+            "val_success": success_rate(val.sampled, self.success_threshold) if val else None
+        }
+        if val is not None and val.greedy is not None:
+            out["val_greedy"] = success_rate(val.greedy, self.success_threshold)
+        return out
 
     def _step(
         self,
@@ -399,16 +433,18 @@ class GRPO(Algorithm):
     def _update(self, state: TrainState, rows: list[TrainRow]) -> dict[str, float]:
         if not rows:
             return {"num_tokens": 0.0}
-        batches = [pad_batch(mb) for mb in micro_batches(rows, max_tokens=self.max_tokens_per_micro_batch)]
-        if self.kl_coef:
-            batches = [_with_ref(b, reference_logprobs(state.model, b)) for b in batches]
-        loss = PolicyLoss(self.clip_low, self.clip_high, self.kl_coef)
         device = self._device()
-        batches = [_to_device(b, device) for b in batches] if device.type != "cpu" else batches
+        batches = [
+            _to_device(pad_batch(mb), device)
+            for mb in micro_batches(rows, max_tokens=self.max_tokens_per_micro_batch)
+        ]
+        loss = PolicyLoss(self.clip_low, self.clip_high, self.kl_coef)
         autocast = (
             torch.autocast(device.type, dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
         )
         with autocast:
+            if self.kl_coef:  # under the same autocast as the update: KL is 0 before the first one
+                batches = [_with_ref(b, reference_logprobs(state.reference_model, b)) for b in batches]
             return optimizer_step(state, batches, loss)
 
 
@@ -422,6 +458,7 @@ def _reward_stats(batch: BatchResult, threshold: float) -> dict[str, Any]:
         "success": success_rate(batch, threshold),
         "rollouts": len(batch.rollouts),
         "failed": len(batch.failed),
+        "timed_out": batch.timed_out,
         "retried": sum(1 for r in batch.rollouts if r.attempts > 1),
     }
 

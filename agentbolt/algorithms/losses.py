@@ -234,12 +234,18 @@ def _eval_mode(model: nn.Module) -> Iterator[None]:
 @torch.no_grad()
 def reference_logprobs(model: nn.Module, batch: Batch) -> Tensor:
     """Logprobs of the reference policy: a PEFT model with its adapter disabled, or ``model``
-    itself otherwise (pass a frozen copy of the base model for full fine-tuning)."""
+    itself otherwise (for full fine-tuning pass the frozen copy of the initial weights,
+    :attr:`~agentbolt.algorithms.train_state.TrainState.reference_model`).
+
+    Computed on the model's device (the batch is moved there if it is elsewhere); the result
+    lies on that device."""
+    device = next(model.parameters()).device
+    ids_BT, mask_BT = batch.input_ids_BT.to(device), batch.attention_mask_BT.to(device)
     with _eval_mode(model):
         if isinstance(model, PeftModel):
             with model.disable_adapter():
-                return token_logprobs(model, batch.input_ids_BT, batch.attention_mask_BT)
-        return token_logprobs(model, batch.input_ids_BT, batch.attention_mask_BT)
+                return token_logprobs(model, ids_BT, mask_BT)
+        return token_logprobs(model, ids_BT, mask_BT)
 
 
 # ---------------------------------------------------------------------------- losses

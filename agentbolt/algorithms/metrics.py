@@ -14,9 +14,16 @@ __all__ = ["MetricsLog", "plot_history"]
 
 
 class MetricsLog:
-    def __init__(self, path: Path, resume: bool = False) -> None:
+    """One JSON object per line. A new log starts the file afresh; ``resume`` appends, keeping
+    only the rows up to ``keep_through`` (the resumed checkpoint's step): rows written after that
+    checkpoint, before a crash, are redone by the resumed run and would otherwise appear twice.
+    A line cut short by the crash is dropped too."""
+
+    def __init__(self, path: Path, resume: bool = False, keep_through: int | None = None) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
+        if resume and keep_through is not None and path.exists():
+            _truncate_after(path, keep_through)
         self._file = path.open("a" if resume else "w")
         self._wandb = _wandb_run()
         self._mlflow = _mlflow()
@@ -43,6 +50,21 @@ def _loggable(value: Any) -> bool:
     if isinstance(value, list):
         return all(isinstance(v, int | float) and not isinstance(v, bool) for v in value)
     return isinstance(value, int | float | str | bool) or value is None
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] > step:
+            continue
+        kept.append(line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    tmp.replace(path)
 
 
 def _wandb_run() -> Any:
@@ -88,6 +110,15 @@ def plot_history(history: list[dict[str, Any]], path: Path) -> Path:
             "D-",
             lw=2.5,
             label="validation success",
+        )
+    greedy = [h for h in history if h.get("val_greedy") is not None]
+    if greedy:
+        ax.plot(
+            [h["step"] for h in greedy],
+            [h["val_greedy"] for h in greedy],
+            "^:",
+            lw=2,
+            label="validation success (greedy)",
         )
     ax.set_xlabel("step")
     ax.set_ylabel("reward / success rate")

@@ -125,8 +125,10 @@ def serve_policy(
     serve_url: str | None = None,
     serve_model: str | None = None,
     dtype: str | None = None,
+    device: str | None = None,
 ) -> Iterator[PolicyServer]:
-    """A remote policy when ``serve_url`` is given, else the embedded engine started here."""
+    """A remote policy when ``serve_url`` is given, else the embedded engine started here, on
+    ``device`` (None: ``cuda`` when available, else ``cpu``)."""
     from agentbolt.engine import EngineServer, ModelEngine, ensure_model
 
     path = str(ensure_model(model))
@@ -134,7 +136,7 @@ def serve_policy(
         yield RemotePolicy(serve_url, serve_model or model, path, run_dir / "adapters")
         return
     console.print(f"loading the policy model ({model}) into the embedded engine ...")
-    engine = ModelEngine.from_pretrained(path, dtype=dtype)
+    engine = ModelEngine.from_pretrained(path, device=device, dtype=dtype)
     try:
         with EngineServer(engine) as server:
             yield EnginePolicy(engine, server.base_url, path)

@@ -67,6 +67,21 @@ class TrainState:
     optimizer: torch.optim.Optimizer
     step: int = 0
     config: TrainConfig = field(default_factory=TrainConfig)
+    reference: nn.Module | None = None
+    """A frozen copy of the initial weights, the KL term's reference in full fine-tuning
+    (``make_train_state(..., reference=True)``): a second copy of the model in memory. None with
+    LoRA, whose reference is the model with its adapter disabled (no copy), or without KL."""
+
+    @property
+    def reference_model(self) -> nn.Module:
+        """The model whose log-probabilities are the initial policy's: the frozen copy, or the
+        LoRA model itself (:func:`~agentbolt.algorithms.losses.reference_logprobs` disables the
+        adapter). A full fine-tuning state made without ``reference=True`` has none."""
+        if self.reference is not None:
+            return self.reference
+        if isinstance(self.model, PeftModel):
+            return self.model
+        raise ValueError("full fine-tuning keeps no reference model: make_train_state(..., reference=True)")
 
 
 @contextmanager
@@ -97,11 +112,24 @@ def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
-def make_train_state(model: nn.Module, config: TrainConfig = TrainConfig()) -> TrainState:
+def make_train_state(
+    model: nn.Module, config: TrainConfig = TrainConfig(), *, reference: bool = False
+) -> TrainState:
+    """``model`` made trainable, with its optimizer. ``reference``: keep what a KL penalty to the
+    initial weights needs; for full fine-tuning that is a frozen copy of ``model`` taken now, on
+    the same device (twice the weights' memory), for LoRA nothing (the adapter is disabled)."""
+    frozen = _frozen_copy(model) if reference and not config.lora else None
     model = make_trainable(model, config)
     params = [p for _, p in _trainable(model)]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-    return TrainState(model=model, optimizer=optimizer, config=config)
+    return TrainState(model=model, optimizer=optimizer, config=config, reference=frozen)
+
+
+def _frozen_copy(model: nn.Module) -> nn.Module:
+    frozen = copy.deepcopy(model).eval()
+    for p in frozen.parameters():
+        p.requires_grad_(False)
+    return frozen
 
 
 def optimizer_step(state: TrainState, batches: Sequence[Batch], loss_fn: LossFn) -> dict[str, float]:

@@ -120,6 +120,11 @@ class ModelEngine:
     def version(self) -> int | str:
         return self._batcher.version
 
+    @property
+    def device(self) -> torch.device:
+        """Where the served weights are."""
+        return next(self.model.parameters()).device
+
     def start(self) -> ModelEngine:
         with self._start_lock:
             if not self._started:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -133,3 +134,42 @@ def test_merge_lora_merges_a_copy_unless_in_place(tmp_path: Path, tiny_llama: Ti
     assert expected.keys() == got.keys()
     for name in expected:
         assert torch.allclose(expected[name], got[name], atol=1e-6), name
+
+
+# ---------------------------------------------------------------------------- KL to the initial weights
+
+
+def _kl_after_updates(state: TrainState, updates: int) -> list[float]:
+    """The KL reported by each of ``updates`` policy-gradient steps on one fixed batch."""
+    rows = [
+        TrainRow((1, 2, 3, 4 + i, 5 + i), (0, 0, 1, 1, 1), None, 1.0 if i % 2 else -1.0) for i in range(4)
+    ]
+    kls = []
+    for _ in range(updates):
+        batch = pad_batch(rows)
+        batch = replace(batch, ref_logprobs_BT=reference_logprobs(state.reference_model, batch))
+        kls.append(optimizer_step(state, [batch], PolicyLoss(kl_coef=0.1))["kl"])
+    return kls
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_kl_is_measured_against_the_initial_weights(tiny_llama: TinyLlama, lora: bool) -> None:
+    state = make_train_state(tiny_llama(), TrainConfig(lora=lora, lr=1e-2), reference=True)
+    if lora:
+        assert state.reference is None and state.reference_model is state.model  # adapter disabled
+    else:
+        assert state.reference is not None and state.reference is not state.model
+        assert not any(p.requires_grad for p in state.reference.parameters())
+    kls = _kl_after_updates(state, 4)
+    assert kls[0] == pytest.approx(0.0, abs=1e-7)  # nothing trained yet: the policy is the reference
+    assert kls[-1] > 1e-4  # the trained policy drifted from the frozen one
+    if not lora:  # the frozen copy did not move with the trained model
+        initial = tiny_llama()
+        for a, b in zip(state.reference.parameters(), initial.parameters(), strict=True):
+            assert torch.equal(a, b)
+
+
+def test_full_fine_tuning_without_a_reference_refuses_kl(tiny_llama: TinyLlama) -> None:
+    state = make_train_state(tiny_llama(), TrainConfig(lora=False))
+    with pytest.raises(ValueError, match="reference"):
+        _ = state.reference_model
