@@ -297,7 +297,12 @@ def emit_tool_call(
 
 
 def emit_event(type: str, data: dict[str, Any] | None = None) -> None:
-    """Record an event of a user-defined type."""
+    """Record an event of a user-defined type (a ``state`` event is checked as
+    :func:`emit_state` checks it)."""
+    if type == EventType.STATE:
+        data = data or {}
+        emit_state(data.get("key"), data.get("llm_call_id"))
+        return
     _emit(type, data or {})
 
 

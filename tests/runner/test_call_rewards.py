@@ -135,7 +135,13 @@ def test_reward_and_state_validation(ctx):
         emit_state("k" * 513, call=3)
     with pytest.raises(ValueError, match="needs the call"):
         emit_state("k", call=None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="non-empty string"):
+        agentbolt.emit_event("state", {"key": 5, "llm_call_id": 3})
+    with pytest.raises(ValueError, match="needs the call"):
+        agentbolt.emit_event("state", {"key": "k"})
     assert ctx.take_pending() == []  # nothing refused was recorded
+    agentbolt.emit_event("state", {"key": "k", "llm_call_id": 3})
+    assert [(e.type, e.data) for e in ctx.take_pending()] == [("state", {"key": "k", "llm_call_id": 3})]
     emit_reward(1.0, call=3, llm_call_id=3)  # both, naming the same call
     emit_reward(2.0)
     emit_state("k" * 512, call="5")

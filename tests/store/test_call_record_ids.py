@@ -1,0 +1,29 @@
+"""``record_call`` answers the id of the ``llm_call`` record a try went to (the call id the
+gateway hands the agent), on every backend: a new record's own id, a joined record's id."""
+
+from __future__ import annotations
+
+from test_contract import claim, make
+
+from agentbolt.schemas import EventCreate
+from agentbolt.store import SqlStore
+
+
+def _call(n: int) -> EventCreate:
+    return EventCreate(type="llm_call", timestamp=1000.0 + n, data={"answer": n})
+
+
+def test_record_call_answers_the_id_of_the_record(store: SqlStore) -> None:
+    [queued] = store.enqueue(make(1))
+    aid = claim(store).attempt.id
+    store.add_events(aid, [EventCreate(sequence=0, type="message", data={})])  # ids are not 1, 2, ...
+    first = store.record_call(aid, _call(0), None, "h1", retry=0)
+    retried = store.record_call(aid, _call(1), None, "h1", retry=1)
+    keyed = store.record_call(aid, _call(2), "k", "h2", retry=None)
+    keyed_again = store.record_call(aid, _call(3), "k", "h2", retry=None)
+    other = store.record_call(aid, _call(4), None, "h1", retry=0)
+    assert [bool(r) for r in (first, retried, keyed, keyed_again, other)] == [True, False, True, False, True]
+    stored = [(e.id, e.data["answer"]) for e in store.list_events(queued.id, types=["llm_call"]).items]
+    assert stored == [(first.id, 1), (keyed.id, 3), (other.id, 4)]
+    assert (retried.id, keyed_again.id) == (first.id, keyed.id)
+    assert len({first.id, keyed.id, other.id}) == 3
