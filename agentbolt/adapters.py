@@ -258,8 +258,9 @@ def call_rewards(events: Sequence[Event]) -> dict[int, float]:
     return rewards
 
 
-STATE_EVENT = "state"
-"""Event type of a declared environment state: ``data = {"key": str, "llm_call_id": int}``."""
+STATE_EVENT: str = EventType.STATE
+"""Event type of a declared environment state (:func:`agentbolt.emit_state`):
+``data = {"key": str, "llm_call_id": int}``."""
 MAX_STATE_KEY = 512
 
 

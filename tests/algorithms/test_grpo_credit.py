@@ -1,0 +1,105 @@
+"""GRPO with per-turn credit end to end on a tiny random model: a three-turn agent rewards each
+of its calls and declares each turn's state by the call ids the gateway returns; the step rows
+carry the per-turn figures, and the collapse warning is printed and recorded."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import openai
+import pytest
+from rich.console import Console
+
+from agentbolt import LitAgent, Task, Trainer, emit_reward, emit_state
+from agentbolt.algorithms.grpo import GRPO
+from agentbolt.engine import tiny_model_dir
+from agentbolt.schemas import LLM
+
+TURNS = 3
+
+
+class ThreeTurnAgent(LitAgent):
+    """Three calls in one conversation (a user turn between them). Each call earns a step
+    reward (the share of 'a' among its letters) and is declared in state ``<task>:<turn>``; the
+    rollout's reward is the last reply's length."""
+
+    async def execute_rollout(self, task: Task) -> float:
+        llm: LLM = self.get_resource("llm")
+        messages = [{"role": "user", "content": task.data["q"]}]
+        text = ""
+        async with openai.AsyncOpenAI(
+            base_url=llm.base_url, api_key=llm.api_key or "x", max_retries=0
+        ) as client:
+            for turn in range(TURNS):
+                response = await client.chat.completions.create(
+                    model=llm.model,
+                    messages=messages,
+                    max_tokens=6,
+                    temperature=1.0,  # type: ignore[arg-type]
+                )
+                text = response.choices[0].message.content or ""
+                letters = [c for c in text.lower() if c.isalpha()]
+                emit_reward(letters.count("a") / len(letters) if letters else 0.0, call=response)
+                emit_state(f"{task.id}:{turn}", call=response)
+                messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "more"}]
+        return len(text) / 40
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(tiny_model_dir(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.mark.parametrize("advantage", ["turn", "gigpo"])
+def test_grpo_trains_on_per_turn_credit(tiny, tmp_path, advantage: str) -> None:
+    algo = GRPO(
+        model=tiny,
+        steps=2,
+        tasks_per_step=2,
+        group_size=4,
+        lr=1e-3,
+        val_every=0,
+        checkpoint_every=0,
+        engine_dtype="float32",
+        bf16=False,
+        step_timeout=120,
+        plot=False,
+        advantage=advantage,  # type: ignore[arg-type]
+        gamma=0.9,
+        collapse_entropy=1e9,  # every step is "below": warned once, on the first step only
+    )
+    out = io.StringIO()
+    run_dir = tmp_path / "run"
+    train = [{"id": f"t{i}", "q": f"say something {i}"} for i in range(2)]
+    trainer = Trainer(
+        algo, n_runners=1, runner_concurrency=8, run_dir=run_dir, console=Console(file=out, width=140)
+    )
+    result = trainer.fit(ThreeTurnAgent(), train, [{"id": "v0", "q": "val"}])
+
+    steps = [h for h in result.history if h["step"] > 0]
+    assert [h["step"] for h in steps] == [1, 2]
+    assert all(h["rollouts"] == 8 and h["failed"] == 0 for h in steps)
+    for h in steps:
+        assert h["turns_mean"] == TURNS  # every call of every sample is a turn
+        assert len(h["turn_reward_by_index"]) == TURNS
+        # the step reward of a turn is the share of 'a': in [0, 1], its mean that of the turns
+        assert all(0.0 <= x <= 1.0 for x in h["turn_reward_by_index"])
+        assert h["step_reward_mean"] == pytest.approx(sum(h["turn_reward_by_index"]) / TURNS)
+    # random replies differ in length and letters: some group has a spread and is trained on
+    assert any(h["train_tokens"] > 0 for h in steps)
+    trained = [h for h in steps if h["train_tokens"] > 0]
+    assert all(h["turn_adv_std"] > 0 for h in trained)  # per-token advantages, not one number
+    if advantage == "gigpo":
+        # each (task, turn) state holds the group's 4 samples' turns: anchors with a spread
+        assert any(h["anchor_groups"] > 0 for h in steps)
+    else:
+        assert all(h["anchor_groups"] == 0 for h in steps)
+
+    assert "possible collapse" in steps[0]["warning"] and "entropy" in steps[0]["warning"]
+    assert "warning" not in steps[1]  # the same stretch: warned once
+    printed = [x for x in out.getvalue().splitlines() if x.startswith("warning: possible collapse")]
+    assert len(printed) == 1
+    logged = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert logged[1]["turn_reward_by_index"] == steps[0]["turn_reward_by_index"]
+    assert logged[1]["warning"] == steps[0]["warning"]
