@@ -301,7 +301,7 @@ def emit_event(type: str, data: dict[str, Any] | None = None) -> None:
     :func:`emit_state` checks it)."""
     if type == EventType.STATE:
         data = data or {}
-        emit_state(data.get("key"), data.get("llm_call_id"))
+        emit_state(data.get("key", ""), data.get("llm_call_id"))
         return
     _emit(type, data or {})
 
