@@ -477,6 +477,7 @@ _COLUMNS = (
     ("success", "{:.0%}"),
     ("reward_mean", "{:.3f}"),
     ("val_success", "{:.0%}"),
+    ("val_greedy", "{:.0%}"),
     ("loss", "{:+.4f}"),
     ("clip_fraction", "{:.3f}"),
     ("entropy", "{:.2f}"),
