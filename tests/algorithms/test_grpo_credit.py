@@ -103,3 +103,31 @@ def test_grpo_trains_on_per_turn_credit(tiny, tmp_path, advantage: str) -> None:
     logged = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert logged[1]["turn_reward_by_index"] == steps[0]["turn_reward_by_index"]
     assert logged[1]["warning"] == steps[0]["warning"]
+
+
+def test_the_collapse_watch_warns_once_per_stretch_of_flat_groups() -> None:
+    from agentbolt.algorithms.grpo import _CollapseWatch
+
+    watch = _CollapseWatch(min_entropy=0.05, steps=3)
+
+    def step(zero_spread: int, groups: int = 4, entropy: float = 1.0) -> str | None:
+        return watch.check(
+            {"reward_mean": 0.0, "groups": groups, "zero_spread_groups": zero_spread, "entropy": entropy}
+        )
+
+    assert watch.check({"step": 0, "val_success": 0.5}) is None  # a validation row is no step
+    # 4 of 4 flat twice, then 3 of 4 (75%: not more than 75%) resets the count
+    assert [step(4), step(4), step(3)] == [None, None, None]
+    assert [step(4), step(4)] == [None, None]
+    warning = step(4)  # the third in a row
+    assert warning is not None and "zero reward spread for 3 steps" in warning
+    assert step(4) is None  # the same stretch: once
+    assert step(0) is None and step(4) is None  # a step with signal ends it
+    low = step(0, entropy=0.01)
+    assert low is not None and "entropy 0.010" in low and "spread" not in low
+    assert (
+        _CollapseWatch(min_entropy=0.0, steps=0).check(
+            {"reward_mean": 0, "groups": 1, "zero_spread_groups": 1, "entropy": 0.0}
+        )
+        is None
+    )
