@@ -182,3 +182,36 @@ def test_ids_name_events_of_the_right_attempt(rig):
     events: list[Event] = rig.client.all_events(claim.rollout.id)
     [event] = [e for e in events if e.id == agentbolt.call_id_of(answer)]
     assert event.type == "llm_call" and event.attempt_id == claim.attempt.id
+
+
+@pytest.fixture(scope="module")
+def engine_server(tmp_path_factory):
+    from agentbolt.engine import EngineServer, ModelEngine, tiny_model_dir
+
+    path = tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+    engine = ModelEngine.from_pretrained(path, device="cpu", dtype="float32", name="tiny", max_batch=8)
+    with EngineServer(engine) as server:
+        yield server
+    engine.close()
+
+
+def test_the_embedded_engine_as_upstream_gives_ids_too(rig, engine_server):
+    """The upstream training uses: plain, streamed (with and without usage) and Responses calls."""
+    claim = rig.claim(model="tiny", base_url=engine_server.base_url)
+    client = _openai(claim)
+    greedy = {"max_tokens": 6, "temperature": 0.0}
+    plain = client.chat.completions.create(model="tiny", messages=MESSAGES, **greedy)
+    streamed = list(client.chat.completions.create(model="tiny", messages=MESSAGES, stream=True, **greedy))
+    with_usage = list(
+        client.chat.completions.create(
+            model="tiny", messages=MESSAGES, stream=True, stream_options={"include_usage": True}, **greedy
+        )
+    )
+    response = client.responses.create(model="tiny", input="Hi", max_output_tokens=6, temperature=0.0)
+    events = rig.llm_calls(claim.rollout.id)
+    assert all(e.data["token_ids"] for e in events)
+    got = list(map(agentbolt.call_id_of, [plain, streamed[-1], with_usage[-1], response]))
+    assert got == [e.id for e in events]
+    assert with_usage[-1].usage is not None and with_usage[-1].usage.completion_tokens == 6
+    text = "".join(c.delta.content or "" for chunk in streamed for c in chunk.choices)
+    assert text == plain.choices[0].message.content == events[1].data["choices"][0]["message"]["content"]
