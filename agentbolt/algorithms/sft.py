@@ -48,7 +48,7 @@ from agentbolt.algorithms.base import (
     BatchResult,
     TrainContext,
     run_rollouts,
-    validate,
+    validate_both,
 )
 from agentbolt.algorithms.evaluate import EvalSummary
 from agentbolt.algorithms.losses import TrainRow
@@ -145,6 +145,9 @@ class SFT(Algorithm):
     """Fine-tune from the base model each round (ReST-EM) instead of continuing the adapter."""
     validate_before: bool = True
     """Validate the starting policy before the first round."""
+    val_greedy: bool = True
+    """Validate twice: with the published sampling parameters and at temperature 0 (a trial
+    resources version, never the latest); the greedy summary is the validation's ``greedy``."""
     round_timeout: float = 900.0
     """Seconds a round waits for its rollouts (and validation for its own); stragglers are cancelled."""
     rollout_timeout: float | None = 300.0
@@ -293,15 +296,19 @@ class SFT(Algorithm):
         return path, self._publish(ctx, policy, meta, weights)
 
     def _validate(self, ctx: TrainContext, version: int, label: str) -> EvalSummary | None:
-        batch = validate(
+        val = validate_both(
             ctx,
             version,
             timeout=self.round_timeout,
             rollout_timeout=self.rollout_timeout,
+            greedy=self.val_greedy,
             label=label,
             max_attempts=self.max_attempts,
         )
-        return EvalSummary.of(batch) if batch is not None else None
+        if val is None:
+            return None
+        greedy = EvalSummary.of(val.greedy) if val.greedy is not None else None
+        return replace(EvalSummary.of(val.sampled), greedy=greedy)
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -388,6 +395,10 @@ def _round_cells(r: RoundResult, val_before: EvalSummary | None) -> list[str]:
     val = _fmt(r.val.mean_reward if r.val else None)
     if val_before is not None:
         val += f" (start {_fmt(val_before.mean_reward)})"
+    if r.val is not None and r.val.greedy is not None:
+        start = val_before.greedy if val_before is not None else None
+        val += f", greedy {_fmt(r.val.greedy.mean_reward)}"
+        val += f" (start {_fmt(start.mean_reward)})" if start is not None else ""
     tokens_per_s = _fmt(r.train.tokens_per_s if r.train else None, ".0f")
     return [
         f"{r.succeeded}/{r.rollouts}",

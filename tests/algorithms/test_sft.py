@@ -268,6 +268,14 @@ def test_a_run_trains_publishes_and_swaps_weights(
     result = trainer.fit(scripted, train, val)
 
     assert len(result.rounds) == 2 and result.val_before is not None and result.val_before.count == 1
+    # validation ran sampled and greedy, the greedy pass on a trial version (never the latest)
+    greedy = result.val_before.greedy
+    assert greedy is not None and greedy.count == 1 and greedy.resources_version is not None
+    assert (
+        client.get_resources(greedy.resources_version).resources["llm"].sampling_parameters["temperature"]
+        == 0
+    )
+    assert client.get_resources(greedy.resources_version).trial
     first = result.rounds[0]
     assert (first.rollouts, first.kept, first.rows, first.duplicates) == (8, 4, 2, 2)
     assert first.train is not None and first.train.steps == 2
