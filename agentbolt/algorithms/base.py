@@ -159,7 +159,8 @@ def greedy_version(client: Client, version: int | None, metadata: dict[str, Any]
         else r
         for name, r in base.resources.items()
     }
-    meta = {**base.metadata, "stage": "greedy", "of": base.version, **(metadata or {})}
+    # not the base's metadata: its step and metrics would show up twice on the training page
+    meta = {"stage": "greedy", "of": base.version, **(metadata or {})}
     return client.publish_resources(resources, meta, trial=True).version
 
 

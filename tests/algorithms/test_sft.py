@@ -275,7 +275,9 @@ def test_a_run_trains_publishes_and_swaps_weights(
         client.get_resources(greedy.resources_version).resources["llm"].sampling_parameters["temperature"]
         == 0
     )
-    assert client.get_resources(greedy.resources_version).trial
+    greedy_resources = client.get_resources(greedy.resources_version)
+    assert greedy_resources.trial and greedy_resources.metadata["stage"] == "greedy"
+    assert "metrics" not in greedy_resources.metadata  # no second point per step on the training page
     first = result.rounds[0]
     assert (first.rollouts, first.kept, first.rows, first.duplicates) == (8, 4, 2, 2)
     assert first.train is not None and first.train.steps == 2
