@@ -359,9 +359,11 @@ class LLM(BaseModel):
     model_config = ConfigDict(json_schema_extra=_type_required)
 
     type: Literal["llm"] = "llm"
-    # an http(s) URL without spaces or control characters, and a key an HTTP header can carry:
-    # anything else would only fail later, inside the gateway's upstream call
-    base_url: str = Field(pattern=r"^https?://[^\s\x00-\x1f\x7f]+$", max_length=2000)
+    # an http(s) URL of printable ASCII without spaces (an international host name in its
+    # punycode form), and a key an HTTP header can carry: anything else would only fail later,
+    # inside the gateway's upstream call. ASCII classes only: the server's pattern engine and a
+    # client's (or a fuzzer's) then agree on every character.
+    base_url: str = Field(pattern=r"^https?://[\x21-\x7e]+$", max_length=2000)
     model: str
     api_key: str | None = Field(
         default=None, pattern=r"^[\x21-\x7e]*$", description="never stored in events; see the gateway"

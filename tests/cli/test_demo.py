@@ -77,3 +77,48 @@ def test_demo_off_a_terminal_prints_a_flushed_line_per_step(tiny: Path, tmp_path
     for line, row in zip((first, second), steps[1:], strict=True):
         assert f"| success {row['success']:.0%} | reward mean {row['reward_mean']:.3f} |" in line
         assert f"| retried {row['retried']} | t rollouts {row['t_rollouts']:.1f}s |" in line
+
+
+def _demo(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "COLUMNS": "400"}  # the error box on one line
+    return subprocess.run(
+        [sys.executable, "-m", "agentbolt", "demo", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+
+
+def test_demo_resume_without_a_run_folder_is_refused(tmp_path: Path) -> None:
+    done = _demo("--resume")
+    assert done.returncode == 2
+    assert "--resume continues a run: give its folder with --run-dir" in done.stderr
+    assert "Traceback" not in done.stderr
+    empty = _demo("--resume", "--run-dir", str(tmp_path))
+    assert empty.returncode == 2
+    assert "no checkpoint to resume in" in empty.stderr
+
+
+def test_demo_names_the_tasks_and_advantages_it_knows() -> None:
+    task = _demo("--task", "chess")
+    assert task.returncode == 2
+    assert "unknown task 'chess'; choose one of: calculator, chain, guess" in task.stderr
+    advantage = _demo("--task", "chain", "--advantage", "token")
+    assert advantage.returncode == 2
+    assert "'token': choose rollout, turn or gigpo" in advantage.stderr
+
+
+def test_demo_chain_runs_gigpo_end_to_end_on_a_tiny_model(tiny: Path, tmp_path: Path) -> None:
+    """The mechanism, not the gain: the multi-turn task under step-level grouping writes its
+    per-turn metrics and the before/after table with greedy and sampled success."""
+    run_dir = tmp_path / "run"
+    args = ["--task", "chain", "--advantage", "gigpo", "--model", str(tiny), "--steps", "1"]
+    args += ["--group-size", "2", "--tasks-per-step", "2", "--val-tasks", "2", "--concurrency", "4"]
+    done = _demo(*args, "--run-dir", str(run_dir))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "task chain" in done.stdout and "advantage gigpo" in done.stdout
+    assert "sampled (temperature 1)" in done.stdout and "greedy (temperature 0)" in done.stdout
+    steps = _steps(run_dir / "metrics.jsonl")
+    assert [s["step"] for s in steps] == [0, 1]
+    assert {"turns_mean", "step_reward_mean", "anchor_groups", "val_greedy"} <= set(steps[1])
