@@ -27,7 +27,6 @@ __all__ = [
     "run_rollouts",
     "run_sampled_and_greedy",
     "validate",
-    "validate_both",
 ]
 
 DEFAULT_MAX_ATTEMPTS = 3
@@ -217,40 +216,13 @@ def validate(
     *,
     timeout: float,
     rollout_timeout: float | None,
-    label: str = "validation",
-    progress: Progress | None = None,
-    max_attempts: int = DEFAULT_MAX_ATTEMPTS,
-) -> BatchResult | None:
-    """Run every validation task once with resources ``version``; None without validation tasks."""
-    if not ctx.val_tasks:
-        return None
-    return run_rollouts(
-        ctx.client,
-        ctx.val_tasks,
-        mode=Mode.VAL,
-        resources_version=version,
-        timeout=timeout,
-        rollout_timeout=rollout_timeout,
-        max_attempts=max_attempts,
-        console=ctx.console,
-        label=label,
-        progress=progress,
-    )
-
-
-def validate_both(
-    ctx: TrainContext,
-    version: int | None,
-    *,
-    timeout: float,
-    rollout_timeout: float | None,
     greedy: bool = True,
     label: str = "validation",
     progress: Progress | None = None,
     max_attempts: int = DEFAULT_MAX_ATTEMPTS,
 ) -> Validation | None:
-    """Like :func:`validate`, and with ``greedy`` every validation task once more at temperature 0
-    (both at once); None without validation tasks."""
+    """Run every validation task once with resources ``version`` and, with ``greedy``, once more at
+    temperature 0 (both at once); None without validation tasks."""
     if not ctx.val_tasks:
         return None
     sampled, greedy_batch = run_sampled_and_greedy(

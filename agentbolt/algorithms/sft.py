@@ -48,7 +48,7 @@ from agentbolt.algorithms.base import (
     BatchResult,
     TrainContext,
     run_rollouts,
-    validate_both,
+    validate,
 )
 from agentbolt.algorithms.evaluate import EvalSummary
 from agentbolt.algorithms.losses import TrainRow
@@ -296,7 +296,7 @@ class SFT(Algorithm):
         return path, self._publish(ctx, policy, meta, weights)
 
     def _validate(self, ctx: TrainContext, version: int, label: str) -> EvalSummary | None:
-        val = validate_both(
+        val = validate(
             ctx,
             version,
             timeout=self.round_timeout,

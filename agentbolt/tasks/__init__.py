@@ -4,8 +4,8 @@
 tests use them too. Each task is plain agent code over the OpenAI client, run like any user agent.
 
 - ``calculator`` (the quick default): one tool call, then the answer; two model turns.
-- ``chain``: three operations, one calculator call each, carrying results; five model turns at
-  most, a step reward per correct call. The multi-turn task (see ``docs/training.md`` for the
+- ``chain``: four operations given one at a time, one calculator call each, carrying results;
+  six model turns at most, a step reward per correct call. The multi-turn task (see ``docs/training.md`` for the
   measurements that chose it).
 - ``guess``: find a hidden number from higher/lower hints; five guesses at most.
 """
@@ -56,7 +56,7 @@ TASKS: dict[str, BuiltinTask] = {
     ),
     "chain": BuiltinTask(
         "chain",
-        "three operations, one calculator call each, then the answer, up to five turns",
+        "four operations, one calculator call each, then the answer, up to six turns",
         chain.SYSTEM_PROMPT,
         chain.WORKED_EPISODE,
         chain.ChainEpisode,

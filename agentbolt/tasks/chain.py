@@ -1,9 +1,11 @@
-"""A multi-turn task: a chain of operations, one calculator call per operation.
+"""A multi-turn task: a chain of four operations, one calculator call per operation.
 
-"Start with 17. Add 25. Then multiply by 3. Then subtract 40. What is the result?" The
-calculator takes one operation per call (``CALC: <a> <op> <b>``), so the model must carry each
-``RESULT`` into the next call: three tool turns with the environment's answer between them, then
-``ANSWER: <number>``; an episode ends after ``len(ops) + 2`` model turns at most.
+The environment gives the operations one at a time: "Start with 17. Add 25." - the model calls
+the calculator (``CALC: 17 + 25``, one operation per call) - "RESULT: 42. Then multiply by 3." -
+``CALC: 42 * 3`` - and so on, then "What is the final result?" - ``ANSWER: <number>``. Each
+call must carry the last ``RESULT`` into the next operation: four tool turns with the
+environment's answer between them, then the answer; an episode ends after ``len(ops) + 2``
+model turns at most.
 
 Rewards:
 
@@ -30,6 +32,7 @@ from agentbolt.tasks.base import Episode, Split, ToolUse, Turn, make_split
 __all__ = ["STEP_REWARD", "ChainEpisode", "make_tasks", "one_operation"]
 
 STEP_REWARD = 0.1
+OPERATIONS = 4
 SYSTEM_PROMPT = (
     "You are a careful assistant with a calculator tool that does one operation per call. "
     "Reply with exactly one line each turn: 'CALC: <number> <+, - or *> <number>' to use it, "
@@ -59,7 +62,7 @@ def one_operation(a: int, op: str, b: int) -> int:
 def _draw(rng: random.Random) -> tuple[str, dict[str, Any]]:
     start = rng.randint(10, 99)
     ops: list[tuple[str, int]] = []
-    for _ in range(3):
+    for _ in range(OPERATIONS):
         op = rng.choice("+-*")
         ops.append((op, rng.randint(2, 9) if op == "*" else rng.randint(10, 99)))
     value = start
@@ -70,7 +73,8 @@ def _draw(rng: random.Random) -> tuple[str, dict[str, Any]]:
 
 
 def make_tasks(n: int, seed: int, split: Split = "train") -> list[Task]:
-    """``n`` distinct chains of three operations in ``split`` (held-out ones never in training)."""
+    """``n`` distinct chains of :data:`OPERATIONS` operations in ``split`` (held-out ones never in
+    training)."""
     return make_split(n, seed, split, _draw, "chain")
 
 
