@@ -285,3 +285,13 @@ def test_evaluate_reports_greedy_next_to_sampled_and_greedy_is_reproducible(tiny
     assert greedy[0] == greedy[1]  # temperature 0: the same replies, the same checksums
     assert sampled[0] != sampled[1]  # temperature 1: other replies each time
     assert Evaluate().greedy is False
+
+
+def test_validate_before_false_skips_only_the_untrained_validation(tiny, tmp_path):
+    algo = _grpo(tiny, 1, validate_before=False, val_greedy=False)
+    result = Trainer(algo, n_runners=1, runner_concurrency=8, run_dir=tmp_path / "run").fit(
+        SamplingAgent(), _train(), _train(2)
+    )
+    assert [row["step"] for row in result.history] == [1]
+    assert result.val_before is None
+    assert result.val_after is not None and "val_success" in result.history[-1]
