@@ -9,7 +9,8 @@ untrained model, and the trained tokens; writes a plot of held-out success per m
 and of the mean training success per step.
 
     python benchmarks/credit_assignment.py [--steps 10] [--seeds 0,1,2] [--modes rollout,turn,gigpo]
-        [--task chain] [--val-tasks 96] [--plot docs/img/credit_assignment.png]
+        [--task chain] [--val-tasks 96] [--plot docs/img/credit_assignment.png] [--json runs.json]
+    python benchmarks/credit_assignment.py --report runs.json   # the table and plot again
 
 A full run (3 modes x 3 seeds x 10 steps) takes about an hour on 2 CPU cores. Figures vary
 from run to run: compare modes within one run.
@@ -153,8 +154,23 @@ def main() -> None:
     parser.add_argument("--val-tasks", type=int, default=96)
     parser.add_argument("--plot", type=Path, default=Path("docs/img/credit_assignment.png"))
     parser.add_argument("--json", type=Path, default=None, help="also write every run's figures here")
+    parser.add_argument(
+        "--report",
+        type=Path,
+        default=None,
+        help="print the table and plot of runs saved with --json; train nothing",
+    )
     args = parser.parse_args()
     modes = args.modes.split(",")
+    if args.report:
+        runs = json.loads(args.report.read_text())
+        seeds_done = sorted({r["seed"] for r in runs})
+        print(
+            f"{len(runs)} runs from {args.report}, seeds {seeds_done}, {len(runs[0]['train_success'])} steps each"
+        )
+        report(runs, modes)
+        plot(runs, modes, args.plot)
+        return
     unknown = set(modes) - {"rollout", "turn", "gigpo"}
     if unknown:
         parser.error(f"unknown modes: {', '.join(sorted(unknown))} (choose rollout, turn, gigpo)")

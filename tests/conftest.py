@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 
@@ -33,3 +35,28 @@ def server(tmp_path) -> Iterator[ServerThread]:
 def client(server: ServerThread) -> Iterator[Client]:
     with Client(server.url) as c:
         yield c
+
+
+def smollm2_path() -> str:
+    """The bundled SmolLM2's folder; the test is skipped without it (failed under CI=true)."""
+    from agentbolt.engine import ModelNotFoundError, ensure_model
+
+    try:
+        return str(ensure_model("smollm2"))
+    except ModelNotFoundError as exc:
+        need(False, f"the bundled SmolLM2: {exc}")
+        raise
+
+
+@contextmanager
+def serve_smollm2(**engine_options: Any) -> Iterator[Any]:
+    """The bundled SmolLM2 in the embedded engine on CPU, served over HTTP (an ``EngineServer``:
+    ``.base_url``); the engine's batcher is stopped afterwards."""
+    from agentbolt.engine import EngineServer, ModelEngine
+
+    engine = ModelEngine.from_pretrained(smollm2_path(), device="cpu", name="smollm2", **engine_options)
+    try:
+        with EngineServer(engine) as served:
+            yield served
+    finally:
+        engine.close()

@@ -5,7 +5,6 @@ Skipped when the model is not on this machine, except under CI=true, where that 
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 
@@ -13,19 +12,15 @@ import pytest
 import torch
 from engine_helpers import teacher_forced_logprobs
 
-from agentbolt.engine import ModelEngine, ModelNotFoundError, ensure_model
+from agentbolt.engine import ModelEngine
+from tests.conftest import smollm2_path
 
 pytestmark = pytest.mark.model
 
 
 @pytest.fixture(scope="module")
 def smollm2() -> Iterator[ModelEngine]:
-    try:
-        path = ensure_model("smollm2")
-    except ModelNotFoundError as exc:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"SmolLM2 is required under CI=true: {exc}")
-        pytest.skip(str(exc))
+    path = smollm2_path()
     import transformers.models.llama.modeling_llama  # noqa: F401  (time the load, not first imports)
     from transformers import AutoTokenizer
 

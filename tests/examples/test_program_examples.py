@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 
 from agentbolt.client import Client
-from agentbolt.engine import EngineServer, ModelEngine, ModelNotFoundError, ensure_model
+from agentbolt.engine import EngineServer
 from agentbolt.runner.program import Program
 from agentbolt.runner.worker import Runner
 from agentbolt.schemas import LLM, RolloutCreate, RolloutStatus, Task
 from agentbolt.server import ServerConfig, ServerThread
-from tests.conftest import need
+from tests.conftest import need, serve_smollm2
 
 pytestmark = pytest.mark.model
 
@@ -39,15 +39,8 @@ SOURCE = {"python": "result_file", "node": "program"}
 
 @pytest.fixture(scope="module")
 def smollm2() -> Iterator[EngineServer]:
-    try:
-        path = ensure_model("smollm2")
-    except ModelNotFoundError as exc:
-        need(False, f"the bundled SmolLM2: {exc}")
-        raise
-    engine = ModelEngine.from_pretrained(path, device="cpu", dtype="float32", name="smollm2", max_batch=8)
-    with EngineServer(engine) as served:
+    with serve_smollm2(dtype="float32", max_batch=8) as served:
         yield served
-    engine.close()
 
 
 @pytest.fixture

@@ -14,11 +14,11 @@ import httpx
 import pytest
 
 from agentbolt.client import Client
-from agentbolt.engine import EngineServer, ModelEngine, ModelNotFoundError, ensure_model
+from agentbolt.engine import EngineServer
 from agentbolt.runner.worker import Runner, load_agent
 from agentbolt.schemas import LLM, PromptTemplate, RolloutCreate, RolloutStatus, Task
 from agentbolt.server import ServerConfig, ServerThread
-from tests.conftest import need
+from tests.conftest import serve_smollm2
 
 pytestmark = pytest.mark.model
 
@@ -27,19 +27,10 @@ EXAMPLES = Path(__file__).parents[2] / "examples"
 
 @pytest.fixture(scope="module")
 def smollm2() -> Iterator[EngineServer]:
-    try:
-        path = ensure_model("smollm2")
-    except ModelNotFoundError as exc:
-        need(False, f"the bundled SmolLM2: {exc}")
-        raise
     # replies end at the engine's own limit, kept short for a CPU run: a Response cut at a
     # max_output_tokens the agent set would be incomplete, which the SDK raises on
-    engine = ModelEngine.from_pretrained(
-        path, device="cpu", dtype="float32", name="smollm2", max_batch=4, default_max_tokens=48
-    )
-    with EngineServer(engine) as served:
+    with serve_smollm2(dtype="float32", max_batch=4, default_max_tokens=48) as served:
         yield served
-    engine.close()
 
 
 def test_agents_sdk_example_default_model_against_smollm2(tmp_path, smollm2):
