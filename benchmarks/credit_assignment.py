@@ -13,9 +13,10 @@ and of the mean training success per step.
     python benchmarks/credit_assignment.py --report runs.json   # the table and plot again
 
 One run (a mode and a seed, 6 steps, both validations) takes 6-14 minutes on 2 CPU cores.
-Figures vary from run to run: compare modes within one run. Seen here: the process held 11.7 GB
-after three runs (what one run leaves behind is not all freed), so on a machine of 24 GB run a
-seed per process (``--seeds 1 --json s1.json``) and join the files for ``--report``.
+Figures vary from run to run: compare modes within one run. Memory: the process holds about
+11 GB while a run trains (seen with ``ps``; most likely the update's full-vocabulary logits over
+4,096-token micro-batches and their float copies), so do not run it beside other large jobs on a
+24 GB machine; ``--seeds 1 --json s1.json`` runs one seed, and ``--report`` joins such files.
 """
 
 from __future__ import annotations
