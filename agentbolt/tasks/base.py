@@ -47,10 +47,10 @@ def make_split(
     those that hash into the split. Raises when the problem space runs out."""
     rng = random.Random(seed)
     tasks: list[Task] = []
+    if n == 0:
+        return tasks
     seen: set[str] = set()
     for _ in range(200 * n + 1000):
-        if len(tasks) == n:
-            return tasks
         signature, data = draw(rng)
         if signature in seen or split_of(signature) != split:
             continue
@@ -58,8 +58,8 @@ def make_split(
         tasks.append(
             Task(id=f"{prefix}-{split}-{hashlib.sha256(signature.encode()).hexdigest()[:12]}", data=data)
         )
-    if len(tasks) == n:
-        return tasks
+        if len(tasks) == n:
+            return tasks
     raise ValueError(f"only {len(tasks)} distinct {split} problems could be drawn, {n} asked")
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import random
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from agentbolt.schemas import Task
@@ -88,7 +88,6 @@ class ChainEpisode(Episode):
     """The last value the environment showed the model."""
     answered: int | None = None
     strict: bool = True
-    results: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.value = int(self.data["start"])
