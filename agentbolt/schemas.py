@@ -36,6 +36,14 @@ __all__ = [
     "AgentEvents",
     "AgentReward",
     "AgentTypedEvent",
+    "AwaitedReward",
+    "REWARD_NAME",
+    "RewardCreate",
+    "RewardScale",
+    "RewardScore",
+    "RewardSlot",
+    "RewardSource",
+    "RewardState",
     "WorkerRegister",
     "WorkerRegistration",
     "ErrorBody",
@@ -215,6 +223,154 @@ class Task(BaseModel):
         return cls(id=str(task_id), data=data) if task_id is not None else cls(data=data)
 
 
+# ---------------------------------------------------------------------------- named rewards
+#
+# A rollout's own reward (``Rollout.reward``, what the agent returned or emitted) is one reward;
+# others come after the run, from an evaluator (a model judge, a scoring function) or from a
+# person (a reviewer). Each named reward of a rollout is a *slot* (one per name) holding its
+# current score; every score ever given is kept as a revision. A slot the rollout was enqueued
+# with (``RolloutCreate.await_rewards``) is *pending* until scored: algorithms never read a
+# pending reward as zero.
+
+REWARD_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$"
+"""A reward's name: letters, digits and ``_ . : -``, 1-64 characters; ``agent`` is reserved for
+the rollout's own reward."""
+
+
+class RewardSource(StrEnum):
+    AGENT = "agent"  # the agent's own reward (Rollout.reward); never a slot
+    EVALUATOR = "evaluator"  # a model judge or a scoring function, outside the agent
+    REVIEWER = "reviewer"  # a person
+
+
+class RewardState(StrEnum):
+    PENDING = "pending"  # awaited, not scored yet
+    SCORED = "scored"  # holds a value
+    ERROR = "error"  # the evaluator could not score it (malformed answer, timeout, budget): no value
+
+
+class RewardScale(_Strict):
+    """The range a score is given on (a person's 1-5, a judge's 0-1). The value algorithms read
+    is the score mapped onto 0-1: ``(score - low) / (high - low)``."""
+
+    low: float = Field(default=0.0, allow_inf_nan=False, ge=-1e9, le=1e9)
+    high: float = Field(default=1.0, allow_inf_nan=False, ge=-1e9, le=1e9)
+    step: float | None = Field(
+        default=None, gt=0, allow_inf_nan=False, description="scores are low + k * step (e.g. 1 for stars)"
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> RewardScale:
+        if not self.high > self.low:
+            raise ValueError(f"a scale needs high > low, got low={self.low} high={self.high}")
+        return self
+
+    def check(self, score: float) -> None:
+        """ValueError naming the range when ``score`` is off the scale."""
+        if not (math.isfinite(score) and self.low <= score <= self.high):
+            raise ValueError(f"score {score} is outside the scale {self.low:g} to {self.high:g}")
+        if self.step is not None:
+            k = (score - self.low) / self.step
+            if abs(k - round(k)) > 1e-9:
+                raise ValueError(
+                    f"score {score} is not on the scale's steps ({self.low:g} + k * {self.step:g})"
+                )
+
+    def normalise(self, score: float) -> float:
+        return (score - self.low) / (self.high - self.low)
+
+
+class AwaitedReward(_Strict):
+    """A named reward a rollout waits for after its run (``RolloutCreate.await_rewards``)."""
+
+    name: str = Field(pattern=REWARD_NAME, json_schema_extra={"not": {"const": "agent"}})
+    source: Literal[RewardSource.EVALUATOR, RewardSource.REVIEWER]
+    scale: RewardScale = Field(default_factory=RewardScale)
+
+    @field_validator("name")
+    @classmethod
+    def _not_agent(cls, value: str) -> str:
+        if value == "agent":
+            raise ValueError("'agent' names the rollout's own reward; choose another name")
+        return value
+
+
+class RewardCreate(_Strict):
+    """A score for one named reward of a finished rollout (``POST /api/rollouts/{id}/rewards``).
+
+    ``replaces``: the revision the writer last saw (0 or None: the slot has no score yet). A
+    score given meanwhile by someone else makes it a 409, so two people (or a person scoring
+    twice at once) never overwrite each other silently; with an ``Idempotency-Key`` a repeated
+    request stores nothing new."""
+
+    name: str = Field(pattern=REWARD_NAME)
+    score: float | None = Field(default=None, allow_inf_nan=False, description="None only with state error")
+    state: Literal[RewardState.SCORED, RewardState.ERROR] = RewardState.SCORED
+    error: str | None = Field(default=None, max_length=10_000, description="why it could not be scored")
+    comment: str | None = Field(default=None, max_length=10_000)
+    data: dict[str, Any] = Field(
+        default_factory=dict, description="what the score rests on: a judge's reason, its calls, a cut"
+    )
+    replaces: int | None = Field(default=None, ge=0, le=MAX_INT32)
+    scale: RewardScale | None = Field(
+        default=None, description="for a slot the rollout did not await (ignored when it did): default 0-1"
+    )
+    source: Literal[RewardSource.EVALUATOR, RewardSource.REVIEWER] | None = Field(
+        default=None, description="admin only; a reviewer or evaluator token decides it"
+    )
+    author: str | None = Field(
+        default=None,
+        max_length=200,
+        description="who scored (an evaluator's name); a reviewer's is its token's",
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RewardCreate:
+        if self.name == "agent":
+            raise ValueError("'agent' is the rollout's own reward, written by its runner, not here")
+        if self.state == RewardState.SCORED and self.score is None:
+            raise ValueError("a score is required (state 'scored')")
+        if self.state == RewardState.ERROR and (self.score is not None or not self.error):
+            raise ValueError("state 'error' takes an error message and no score")
+        _check_storable(self.data)
+        return self
+
+
+class RewardScore(BaseModel):
+    """One revision of a named reward (the history of a slot is all of them)."""
+
+    id: int
+    rollout_id: str
+    name: str
+    revision: int
+    source: RewardSource
+    author: str | None = None
+    state: RewardState
+    score: float | None = None
+    value: float | None = Field(default=None, description="the score mapped onto 0-1 by the slot's scale")
+    error: str | None = None
+    comment: str | None = None
+    data: dict[str, Any] = Field(default_factory=dict)
+    created_at: float
+
+
+class RewardSlot(BaseModel):
+    """A named reward of a rollout as it stands (``Rollout.rewards[name]``)."""
+
+    name: str
+    source: RewardSource
+    scale: RewardScale
+    state: RewardState
+    revision: int = Field(description="0 while pending; each score adds one")
+    value: float | None = None
+    score: float | None = None
+    author: str | None = None
+    comment: str | None = None
+    error: str | None = None
+    data: dict[str, Any] = Field(default_factory=dict)
+    updated_at: float
+
+
 class RolloutCreate(_Strict):
     """One rollout to enqueue. Supplying ``id`` makes the enqueue idempotent."""
 
@@ -228,6 +384,19 @@ class RolloutCreate(_Strict):
     max_attempts: int = Field(default=3, ge=1, le=100)
     group_id: str | None = Field(default=None, max_length=200, description="e.g. a GRPO group")
     metadata: dict[str, Any] = Field(default_factory=dict)
+    await_rewards: list[AwaitedReward] = Field(
+        default_factory=list,
+        max_length=16,
+        description="named rewards to come after the run (pending until scored)",
+    )
+
+    @field_validator("await_rewards")
+    @classmethod
+    def _distinct(cls, value: list[AwaitedReward]) -> list[AwaitedReward]:
+        names = [r.name for r in value]
+        if len(set(names)) != len(names):
+            raise ValueError(f"reward names must be distinct, got {names}")
+        return value
 
 
 class Rollout(BaseModel):
@@ -247,6 +416,14 @@ class Rollout(BaseModel):
     updated_at: float
     started_at: float | None = None
     ended_at: float | None = None
+    rewards: dict[str, RewardSlot] = Field(
+        default_factory=dict, description="named rewards after the run (not the agent's own: that is reward)"
+    )
+
+    @property
+    def pending_rewards(self) -> list[str]:
+        """Names of the awaited rewards not scored yet."""
+        return [name for name, slot in self.rewards.items() if slot.state == RewardState.PENDING]
 
 
 class Attempt(BaseModel):
