@@ -14,6 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from agentbolt.algorithms.rewards import AGENT, RewardChoice, RewardPlan, resolve, tally
 from agentbolt.client import Client
 from agentbolt.schemas import LLM, Mode, Rollout, RolloutCreate, RolloutStatus, Task
 
@@ -59,6 +60,8 @@ class BatchResult:
     rollouts: list[Rollout]
     timed_out: int
     """Rollouts still not final when the wait ended (they were cancelled)."""
+    reward: RewardChoice = AGENT
+    """The reward the batch is judged by (:mod:`agentbolt.algorithms.rewards`)."""
 
     @property
     def succeeded(self) -> list[Rollout]:
@@ -69,9 +72,33 @@ class BatchResult:
         return [r for r in self.rollouts if r.status != RolloutStatus.SUCCEEDED]
 
     @property
+    def scored(self) -> list[Rollout]:
+        """Succeeded rollouts whose chosen reward has a value (not pending, not an error)."""
+        return [r for r in self.succeeded if resolve(r, self.reward).ok]
+
+    def value(self, rollout: Rollout) -> float | None:
+        """``rollout``'s chosen reward; None when it has none (yet)."""
+        return resolve(rollout, self.reward).value
+
+    @property
+    def values(self) -> list[float]:
+        """The chosen reward of every scored rollout, in order."""
+        return [v for r in self.succeeded if (v := self.value(r)) is not None]
+
+    @property
     def mean_reward(self) -> float | None:
-        rewards = [r.reward for r in self.succeeded if r.reward is not None]
-        return sum(rewards) / len(rewards) if rewards else None
+        values = self.values
+        return sum(values) / len(values) if values else None
+
+    @property
+    def reward_pending(self) -> int:
+        """Succeeded rollouts whose chosen reward is still pending (left out, never a zero)."""
+        return tally(self.rollouts, self.reward).pending
+
+    @property
+    def reward_errors(self) -> int:
+        """Succeeded rollouts whose evaluator could not give the chosen reward (left out)."""
+        return tally(self.rollouts, self.reward).errors
 
 
 def run_rollouts(
@@ -89,14 +116,18 @@ def run_rollouts(
     label: str = "rollouts",
     metadata: dict[str, Any] | None = None,
     progress: Progress | None = None,
+    rewards: RewardPlan | None = None,
 ) -> BatchResult:
     """Enqueue each task ``repeat`` times and wait until all are final or ``timeout`` passes.
 
     With ``group_prefix`` the copies of one task share ``group_id = f"{prefix}:{task.id}"``
     (a GRPO group). Stragglers still running at the deadline are cancelled, so a step can
     never hang on one slow runner. ``Rollout.attempts`` of the result tells which rollouts were
-    retried.
+    retried. With ``rewards`` the rollouts await its named rewards, its automatic evaluators
+    score them once final, and the result holds them as they stood after its wait.
     """
+    plan = rewards or RewardPlan()
+    awaited = plan.awaited()
     items = [
         RolloutCreate(
             task=task,
@@ -106,11 +137,14 @@ def run_rollouts(
             max_attempts=max_attempts,
             group_id=f"{group_prefix}:{task.id}" if group_prefix else None,
             metadata=metadata or {},
+            await_rewards=awaited,
         )
         for task in tasks
         for _ in range(repeat)
     ]
-    return _run_items(client, items, timeout=timeout, console=console, label=label, progress=progress)[0]
+    return _run_items(
+        client, items, timeout=timeout, console=console, label=label, progress=progress, rewards=plan
+    )[0]
 
 
 def _run_items(
@@ -120,9 +154,10 @@ def _run_items(
     console: Console | None,
     label: str,
     progress: Progress | None,
+    rewards: RewardPlan,
 ) -> list[BatchResult]:
-    """Enqueue every batch at once, wait for all with one bar, cancel the stragglers; one
-    result per batch, in order."""
+    """Enqueue every batch at once, wait for all with one bar, cancel the stragglers, settle
+    their rewards (:meth:`RewardPlan.settle`); one result per batch, in order."""
     items = [item for batch in batches for item in batch]
     ids = [r.id for r in client.enqueue(items)] if items else []
     final = _wait_all(client, ids, timeout, console, label, progress)
@@ -132,13 +167,14 @@ def _run_items(
             final[rid] = client.cancel(rid)
         except Exception:  # finished in the meantime
             final[rid] = client.get_rollout(rid)
+    settled = rewards.settle(client, [final[rid] for rid in ids], console, progress)
+    final = {r.id: r for r in settled}
     out, at = [], 0
     for batch in batches:
         batch_ids = ids[at : at + len(batch)]
         at += len(batch)
-        out.append(
-            BatchResult([final[rid] for rid in batch_ids], sum(1 for rid in batch_ids if rid in pending))
-        )
+        timed_out = sum(1 for rid in batch_ids if rid in pending)
+        out.append(BatchResult([final[rid] for rid in batch_ids], timed_out, rewards.choice))
     return out
 
 
@@ -176,10 +212,14 @@ def run_sampled_and_greedy(
     console: Console | None = None,
     label: str = "rollouts",
     progress: Progress | None = None,
+    rewards: RewardPlan | None = None,
 ) -> tuple[BatchResult, BatchResult | None]:
     """Every task once with ``resources_version`` as published (sampled) and, with ``greedy``,
     once more at temperature 0 (:func:`greedy_version`), both enqueued together. The greedy
-    result is None when not asked for or when there is no LLM resource to make greedy."""
+    result is None when not asked for or when there is no LLM resource to make greedy.
+    ``rewards`` as for :func:`run_rollouts`."""
+    plan = rewards or RewardPlan()
+    awaited = plan.awaited()
     greedy_at = greedy_version(client, resources_version) if greedy and tasks else None
 
     def items(version: int | None, kind: str) -> list[RolloutCreate]:
@@ -191,6 +231,7 @@ def run_sampled_and_greedy(
                 timeout_seconds=rollout_timeout,
                 max_attempts=max_attempts,
                 metadata={"decoding": kind},
+                await_rewards=awaited,
             )
             for task in tasks
         ]
@@ -198,7 +239,9 @@ def run_sampled_and_greedy(
     batches = [items(resources_version, "sampled")]
     if greedy_at is not None:
         batches.append(items(greedy_at, "greedy"))
-    results = _run_items(client, *batches, timeout=timeout, console=console, label=label, progress=progress)
+    results = _run_items(
+        client, *batches, timeout=timeout, console=console, label=label, progress=progress, rewards=plan
+    )
     return results[0], (results[1] if greedy_at is not None else None)
 
 
@@ -220,9 +263,11 @@ def validate(
     label: str = "validation",
     progress: Progress | None = None,
     max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+    rewards: RewardPlan | None = None,
 ) -> Validation | None:
     """Run every validation task once with resources ``version`` and, with ``greedy``, once more at
-    temperature 0 (both at once); None without validation tasks."""
+    temperature 0 (both at once); None without validation tasks. ``rewards``: the reward the
+    runs are judged by, as in training."""
     if not ctx.val_tasks:
         return None
     sampled, greedy_batch = run_sampled_and_greedy(
@@ -237,6 +282,7 @@ def validate(
         console=ctx.console,
         label=label,
         progress=progress,
+        rewards=rewards,
     )
     return Validation(sampled, greedy_batch)
 
