@@ -9,6 +9,7 @@ __all__ = [
     "ConfigError",
     "Conflict",
     "Forbidden",
+    "InvalidInput",
     "InvalidTransition",
     "LeaseLost",
     "MissingExtra",
@@ -70,6 +71,13 @@ class Forbidden(AgentboltError, PermissionError):
     another worker)."""
 
     status_code = 403
+
+
+class InvalidInput(AgentboltError, ValueError):
+    """The request is well formed but its content cannot be accepted (e.g. a score outside the
+    reward's scale): answered 422, like a body that does not match the schema."""
+
+    status_code = 422
 
 
 class ConfigError(AgentboltError, ValueError):

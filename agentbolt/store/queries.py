@@ -14,8 +14,20 @@ from contextlib import contextmanager
 from typing import Any
 
 from agentbolt.errors import NotFound
-from agentbolt.schemas import Attempt, Event, Mode, Page, Resources, Rollout, RolloutStatus, Worker
+from agentbolt.schemas import (
+    Attempt,
+    Event,
+    Mode,
+    Page,
+    Resources,
+    RewardScore,
+    RewardSource,
+    Rollout,
+    RolloutStatus,
+    Worker,
+)
 from agentbolt.store.database import Database, Tx
+from agentbolt.store.rewards import PENDING, SCORE_COLS, attach_rewards, score_from_row
 from agentbolt.store.rows import (
     ATTEMPT_COLS,
     ROLLOUT_COLS,
@@ -181,6 +193,12 @@ class Queries:
             where.append("r.qseq < ?" if newest_first else "r.qseq > ?")
             params.append(int_cursor(cursor))
         limit = page_limit(limit)
+        return self._rollout_page(where, params, limit, newest_first)
+
+    def _rollout_page(
+        self, where: list[str], params: list[Any], limit: int, newest_first: bool
+    ) -> Page[Rollout]:
+        """A page of the rollouts matching ``where`` in queue order, their rewards attached."""
         order = "DESC" if newest_first else "ASC"
         sql = (
             f"SELECT {ROLLOUT_COLS}, r.qseq FROM {ROLLOUT_FROM} WHERE {' AND '.join(where)} "
@@ -188,9 +206,48 @@ class Queries:
         )
         with self._read() as tx:
             rows = tx.all(sql, [*params, limit + 1])
-        items = [rollout_from_row(r[:-1]) for r in rows[:limit]]
+            items = [rollout_from_row(r[:-1]) for r in rows[:limit]]
+            attach_rewards(tx, items)
         nxt = str(rows[limit - 1][-1]) if len(rows) > limit else None
         return Page[Rollout](items=items, next_cursor=nxt)
+
+    # ------------------------------------------------------------------ named rewards
+
+    def reward_history(self, rollout_id: str, name: str | None = None) -> list[RewardScore]:
+        """Every score given to the rollout's named rewards (or to ``name``), oldest first."""
+        by_name, params = (" AND name = ?", [rollout_id, name]) if name is not None else ("", [rollout_id])
+        with self._read() as tx:
+            if not tx.one("SELECT 1 FROM rollouts WHERE id = ?", (rollout_id,)):
+                raise NotFound("rollout", rollout_id)
+            rows = tx.all(
+                f"SELECT {SCORE_COLS} FROM reward_scores WHERE rollout_id = ?{by_name} ORDER BY id", params
+            )
+        return [score_from_row(r) for r in rows]
+
+    def pending_rewards(
+        self,
+        name: str | None = None,
+        source: RewardSource | None = None,
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> Page[Rollout]:
+        """Succeeded rollouts with a reward still pending (``name``, from ``source``), in queue
+        order: the work of evaluators and reviewers. A failed rollout keeps its pending slot but
+        is not listed: there is no answer to judge."""
+        awaited = [f"p.state = {PENDING}"]
+        params: list[Any] = []
+        for column, value in (("name", name), ("source", RewardSource(source).value if source else None)):
+            if value is not None:
+                awaited.append(f"p.{column} = ?")
+                params.append(value)
+        where = [
+            f"r.status = {sql_literal(RolloutStatus.SUCCEEDED)}",
+            f"r.id IN (SELECT p.rollout_id FROM reward_slots p WHERE {' AND '.join(awaited)})",
+        ]
+        if cursor:
+            where.append("r.qseq > ?")
+            params.append(int_cursor(cursor))
+        return self._rollout_page(where, params, page_limit(limit), newest_first=False)
 
     def list_attempts(self, rollout_id: str) -> list[Attempt]:
         with self._read() as tx:

@@ -80,6 +80,26 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             "CREATE UNIQUE INDEX workers_token ON workers (token_sha256)",
         ],
     ),
+    (
+        # Issue 20: named rewards after the run. A slot per (rollout, name) holds a reward as it
+        # stands (pending until scored); each score is a new row of reward_scores (the history),
+        # which keeps the request's idempotency key.
+        4,
+        [
+            """CREATE TABLE reward_slots (
+                rollout_id TEXT NOT NULL, name TEXT NOT NULL, source TEXT NOT NULL,
+                scale TEXT NOT NULL, state TEXT NOT NULL, revision INTEGER NOT NULL DEFAULT 0,
+                current_id BIGINT, updated_at {real}, PRIMARY KEY (rollout_id, name))""",
+            "CREATE INDEX reward_slots_state ON reward_slots (name, state)",
+            """CREATE TABLE reward_scores (
+                id {serial}, rollout_id TEXT NOT NULL, name TEXT NOT NULL, revision INTEGER NOT NULL,
+                source TEXT NOT NULL, author TEXT, state TEXT NOT NULL, score {real}, value {real},
+                error TEXT, comment TEXT, data TEXT NOT NULL, created_at {real} NOT NULL,
+                request_key TEXT)""",
+            "CREATE UNIQUE INDEX reward_scores_key ON reward_scores (request_key)",
+            "CREATE INDEX reward_scores_slot ON reward_scores (rollout_id, name, revision)",
+        ],
+    ),
 ]
 
 _APPLIED = (

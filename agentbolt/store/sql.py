@@ -38,6 +38,9 @@ from agentbolt.schemas import (
     EventCreate,
     Resources,
     ResourcesCreate,
+    RewardCreate,
+    RewardSlot,
+    RewardSource,
     Rollout,
     RolloutCreate,
     RolloutStatus,
@@ -49,6 +52,7 @@ from agentbolt.schemas import (
 from agentbolt.store.calls import CALLS_LOCK, CallRecord, record_call
 from agentbolt.store.database import Database, Tx
 from agentbolt.store.queries import Queries
+from agentbolt.store.rewards import keyed_score, write_reward
 from agentbolt.store.rows import (
     ATTEMPT_COLS,
     RETURNED_ROLLOUT,
@@ -93,6 +97,8 @@ EXPIRE_EVERY = 0.05
 _PUBLISH_LOCK = 1
 # serialize() key of the repeats of one dequeue (with ``on``: the worker and the key)
 _CLAIM_LOCK = 3
+# serialize() key of the writes to one named reward (with ``on``: the rollout and the name)
+_REWARD_LOCK = 4
 # what the credentials the store issues start with, so the server can tell them from the
 # tokens it was configured with
 AGENT_KEY_PREFIX, WORKER_TOKEN_PREFIX = "ak_", "wt_"
@@ -380,6 +386,30 @@ class SqlStore(Queries):
         """One INSERT commits on its own; several (a batch over ``EVENTS_PER_INSERT``) need a
         transaction, so that an attempt ending meanwhile gets all of them or none."""
         return self._tx() if len(rows) > EVENTS_PER_INSERT else self._read()
+
+    # ------------------------------------------------------------------ named rewards
+
+    def add_reward(
+        self,
+        rollout_id: str,
+        create: RewardCreate,
+        *,
+        source: RewardSource,
+        author: str | None,
+        key: str | None = None,
+    ) -> RewardSlot:
+        """Score a named reward of a finished rollout: its slot's next revision. A repeat of
+        ``key`` returns the slot as the first request left it and stores nothing. Otherwise:
+        an unknown rollout is :class:`~agentbolt.errors.NotFound`; a queued, running or
+        cancelled one a ``Conflict``; a slot another source gives ``Forbidden``; ``replaces``
+        other than the slot's revision (someone scored meanwhile) a ``Conflict`` naming who; a
+        score off the slot's scale ``InvalidInput``. Writes to one slot run one after another."""
+        with self._tx() as tx:
+            self.db.serialize(tx, _REWARD_LOCK, f"{rollout_id}\n{create.name}")
+            if key is not None and (first := keyed_score(tx, rollout_id, create.name, key)) is not None:
+                return first
+            rollout = _one_rollout(tx, rollout_id)
+            return write_reward(tx, rollout, create, source, author, key, now())
 
     # ------------------------------------------------------------------ workers
 

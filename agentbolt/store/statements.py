@@ -25,6 +25,7 @@ from agentbolt.schemas import (
     check_transition,
 )
 from agentbolt.store.database import Tx
+from agentbolt.store.rewards import attach_rewards, insert_awaited
 from agentbolt.store.rows import (
     ATTEMPT_COLS,
     RETURNED_ROLLOUT,
@@ -99,13 +100,14 @@ LAPSED = (
 def insert_rollout(
     tx: Tx, rid: str, item: RolloutCreate, ts: float, fixed: bool, tasks: dict[str, Task]
 ) -> None:
-    """Insert a queued rollout and its task. ``fixed``: the id was chosen by the caller (or
-    derived from its idempotency key), so it may be stored already; then nothing changes (the
-    first enqueue wins). ``tasks``: the tasks this enqueue has written or checked."""
+    """Insert a queued rollout, its task and the pending slots of its awaited rewards.
+    ``fixed``: the id was chosen by the caller (or derived from its idempotency key), so it may
+    be stored already; then nothing changes (the first enqueue wins). ``tasks``: the tasks this
+    enqueue has written or checked."""
     if fixed and tx.one("SELECT 1 FROM rollouts WHERE id = ?", (rid,)):
         return
     keep_task(tx, item.task, tasks)
-    tx.run(
+    added = tx.run(
         "INSERT INTO rollouts (id, task_id, mode, status, resources_version, timeout_seconds, "
         "max_attempts, attempts, group_id, metadata, created_at, updated_at) "
         "VALUES (?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
@@ -123,6 +125,8 @@ def insert_rollout(
             ts,
         ),
     )
+    if added and item.await_rewards:
+        insert_awaited(tx, rid, item.await_rewards, ts)
 
 
 def keep_task(tx: Tx, task: Task, seen: dict[str, Task]) -> None:
@@ -150,13 +154,15 @@ def keep_task(tx: Tx, task: Task, seen: dict[str, Task]) -> None:
 
 
 def rollouts_by_id(tx: Tx, ids: Sequence[str]) -> list[Rollout]:
-    """The rollouts among ``ids`` that exist, in that order (read 500 ids per statement)."""
+    """The rollouts among ``ids`` that exist, in that order, with their named rewards (read
+    500 ids per statement)."""
     found: dict[str, Rollout] = {}
     for start in range(0, len(ids), 500):
         chunk = list(ids[start : start + 500])
         marks = ", ".join("?" * len(chunk))
         for row in tx.all(f"SELECT {ROLLOUT_COLS} FROM {ROLLOUT_FROM} WHERE r.id IN ({marks})", chunk):
             found[row[0]] = rollout_from_row(row)
+    attach_rewards(tx, list(found.values()))
     return [found[i] for i in ids if i in found]
 
 
