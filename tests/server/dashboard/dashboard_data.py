@@ -18,10 +18,13 @@ from agentbolt.client import Client
 from agentbolt.schemas import (
     LLM,
     AttemptStatus,
+    AwaitedReward,
     EventCreate,
     Mode,
     ModelWeights,
     PromptTemplate,
+    RewardScale,
+    RewardSource,
     RolloutCreate,
     Task,
 )
@@ -291,3 +294,35 @@ def _bend_clock(store: SqlStore, out: Populated) -> None:
         tx.run(
             "INSERT INTO workers (id, last_seen, claims) VALUES (?, ?, ?)", ("runner-old", now - 3 * 3600, 12)
         )
+
+
+HUMAN_SCALE = RewardScale(low=1, high=5, step=1)
+
+
+def awaiting_review(
+    url: str,
+    token: str,
+    answers: list[str],
+    *,
+    name: str = "human",
+    scale: RewardScale = HUMAN_SCALE,
+    extra: list[AwaitedReward] | None = None,
+) -> list[str]:
+    """Succeeded rollouts (one per answer, in queue order) that await a reviewer's ``name``
+    score on ``scale``: enqueued with ``await_rewards``, run by a runner that records one model
+    call answering the question, finished with no reward of the agent's own."""
+    awaited = [AwaitedReward(name=name, source=RewardSource.REVIEWER, scale=scale), *(extra or [])]
+    ids = []
+    with Client(url, token=token) as client:
+        for i, answer in enumerate(answers):
+            question = f"What is {17 + i} * 23?"
+            [ro] = client.enqueue(
+                [RolloutCreate(task=Task(data={"question": question}), await_rewards=awaited)]
+            )
+            claim = client.dequeue("review-runner")
+            assert claim is not None and claim.rollout.id == ro.id
+            call = llm_call(question, answer, tool=False, version=1, latency_ms=120.0)
+            client.add_events(claim.attempt.id, [EventCreate(sequence=0, type="llm_call", data=call)])
+            client.finish(claim.attempt.id, AttemptStatus.SUCCEEDED, worker_id=claim.attempt.worker_id)
+            ids.append(ro.id)
+    return ids
