@@ -33,6 +33,7 @@ from agentbolt.errors import (
     AttemptEnded,
     ConfigError,
     Conflict,
+    InvalidInput,
     InvalidTransition,
     LeaseLost,
     NotFound,
@@ -49,6 +50,10 @@ from agentbolt.schemas import (
     Page,
     Resource,
     Resources,
+    RewardCreate,
+    RewardScore,
+    RewardSlot,
+    RewardSource,
     Rollout,
     RolloutCreate,
     RolloutStatus,
@@ -113,7 +118,8 @@ def _write(
 
 # The errors a server body may name (``{"error": {"type": ...}}``), rebuilt from its message.
 _ERRORS_BY_TYPE: dict[str, type[AgentboltError]] = {
-    cls.__name__: cls for cls in (NotFound, LeaseLost, AttemptEnded, InvalidTransition, Conflict, ConfigError)
+    cls.__name__: cls
+    for cls in (NotFound, LeaseLost, AttemptEnded, InvalidTransition, Conflict, ConfigError, InvalidInput)
 }
 
 
@@ -163,6 +169,8 @@ _page_events = _adapter(Page[Event])
 _page_resources = _adapter(Page[Resources])
 _workers = _adapter(list[Worker])
 _wait = _adapter(WaitResult)
+_reward_slot = _adapter(RewardSlot)
+_reward_scores = _adapter(list[RewardScore])
 
 
 def _identity(x: Any) -> Any:
@@ -251,6 +259,25 @@ class _Api:
             "cursor": cursor,
         }
         return _Request("POST", "/api/events/query", _page_events, json=body)
+
+    @staticmethod
+    def add_reward(rollout_id: str, create: RewardCreate) -> _Request[RewardSlot]:
+        body = create.model_dump(mode="json", exclude_none=True)
+        return _write(f"/api/rollouts/{rollout_id}/rewards", _reward_slot, json=body)
+
+    @staticmethod
+    def reward_history(rollout_id: str, name: str | None) -> _Request[list[RewardScore]]:
+        params = {"name": name} if name is not None else {}
+        return _Request("GET", f"/api/rollouts/{rollout_id}/rewards", _reward_scores, params=params)
+
+    @staticmethod
+    def pending_rewards(
+        name: str | None, source: RewardSource | str | None, limit: int, cursor: str | None
+    ) -> _Request[Page[Rollout]]:
+        source = RewardSource(source).value if source else None
+        params = {"name": name, "source": source, "limit": limit, "cursor": cursor}
+        given = {k: v for k, v in params.items() if v is not None}
+        return _Request("GET", "/api/rewards/pending", _page_rollouts, params=given)
 
     @staticmethod
     def publish(
@@ -479,6 +506,29 @@ class Client(_Base):
         params = {"limit": limit, **({"cursor": cursor} if cursor else {})}
         return self._send(_Request("GET", "/api/resources", _page_resources, params=params))
 
+    def add_reward(self, rollout_id: str, create: RewardCreate) -> RewardSlot:
+        """Score a named reward of a finished rollout; the reward as it now stands. Retries
+        send the same idempotency key: a score is stored once. ``Conflict`` (409) when
+        someone scored meanwhile (``create.replaces`` is not the revision stored), or the
+        rollout is not finished; ``InvalidInput`` (422) for a score off the reward's scale;
+        ``RequestError`` 403 when this token may not give it."""
+        return self._send(_Api.add_reward(rollout_id, create))
+
+    def reward_history(self, rollout_id: str, name: str | None = None) -> list[RewardScore]:
+        """Every score given to the rollout's named rewards (or to ``name``), oldest first."""
+        return self._send(_Api.reward_history(rollout_id, name))
+
+    def pending_rewards(
+        self,
+        name: str | None = None,
+        source: RewardSource | str | None = None,
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> Page[Rollout]:
+        """Succeeded rollouts with a reward still pending (``name``, given by ``source``), in
+        queue order: what a reviewer or an evaluator worker has left to score."""
+        return self._send(_Api.pending_rewards(name, source, limit, cursor))
+
     def list_workers(self) -> list[Worker]:
         return self._send(_Request("GET", "/api/workers", _workers))
 
@@ -615,3 +665,21 @@ class AsyncClient(_Base):
 
     async def get_resources(self, version: int) -> Resources:
         return await self._send(_Request("GET", f"/api/resources/{version}", _resources))
+
+    async def add_reward(self, rollout_id: str, create: RewardCreate) -> RewardSlot:
+        """See :meth:`Client.add_reward`."""
+        return await self._send(_Api.add_reward(rollout_id, create))
+
+    async def reward_history(self, rollout_id: str, name: str | None = None) -> list[RewardScore]:
+        """See :meth:`Client.reward_history`."""
+        return await self._send(_Api.reward_history(rollout_id, name))
+
+    async def pending_rewards(
+        self,
+        name: str | None = None,
+        source: RewardSource | str | None = None,
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> Page[Rollout]:
+        """See :meth:`Client.pending_rewards`."""
+        return await self._send(_Api.pending_rewards(name, source, limit, cursor))

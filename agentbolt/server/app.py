@@ -23,7 +23,17 @@ from agentbolt.server.gateway import Gateway
 from agentbolt.server.middleware import AuthMiddleware, BodyLimitMiddleware
 from agentbolt.server.openapi import document
 from agentbolt.server.otlp import OtlpIngest
-from agentbolt.server.routes import agent, attempts, dashboard, events, queue, resources, status, workers
+from agentbolt.server.routes import (
+    agent,
+    attempts,
+    dashboard,
+    events,
+    queue,
+    resources,
+    rewards,
+    status,
+    workers,
+)
 from agentbolt.server.routes import gateway as gateway_routes
 from agentbolt.server.routes import otlp as otlp_routes
 from agentbolt.server.store_caller import StoreCaller, WakeUp
@@ -84,6 +94,7 @@ def _include_routes(
         agent.router(call),
         workers.router(call),
         resources.router(call),
+        rewards.router(call),
         gateway_routes.router(gateway),
         otlp_routes.router(OtlpIngest(call, config), config.max_body_bytes),
     ]
@@ -100,7 +111,7 @@ def _add_middleware(app: FastAPI, gateway: Gateway, config: ServerConfig) -> Non
     """Innermost first: a request passes CORS, the body limit, auth, then the gateway's fast
     path, so gateway calls are limited and authenticated like every route."""
     app.add_middleware(gateway_routes.GatewayFastPath, gateway=gateway)
-    app.add_middleware(AuthMiddleware, tokens=config.tokens, call=gateway.call)
+    app.add_middleware(AuthMiddleware, tokens=config.tokens, call=gateway.call, names=config.token_names)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     if config.cors_origins:
         app.add_middleware(

@@ -10,15 +10,16 @@ __all__ = ["Role", "ServerConfig"]
 
 
 class Role(StrEnum):
-    """What a bearer token may do. Configured tokens are admin, runner or reader; the server
-    issues the others: a worker token (a runner bound to one worker id) and an attempt's agent
-    key. Room is left for the reviewer and evaluator roles of human and model judges (the
-    evaluators issue): a new member here and its row in ``middleware.role_allows``."""
+    """What a bearer token may do. Configured tokens are admin, runner, reader, reviewer or
+    evaluator; the server issues the others: a worker token (a runner bound to one worker id)
+    and an attempt's agent key. Each role's rights are its row in ``middleware.role_allows``."""
 
     ADMIN = "admin"  # everything
     RUNNER = "runner"  # read, and work on the attempts it holds (dequeue, events, finish, gateway)
     READER = "reader"  # read only (the dashboard)
     AGENT = "agent"  # one attempt's agent key: its gateway routes and events URL, nothing else
+    REVIEWER = "reviewer"  # a person: read, and score the rewards reviewers give
+    EVALUATOR = "evaluator"  # a judge or scoring worker: read, score, call judge models through the server
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ class ServerConfig:
     port: int = 8765
     tokens: dict[str, Role] = field(default_factory=dict)
     """Bearer token -> role. Empty: no authentication (only sensible on loopback)."""
+    token_names: dict[str, str] = field(default_factory=dict)
+    """Bearer token -> who holds it (a reviewer's name: the author of the scores it gives)."""
     lease_seconds: float = 30.0
     """How long a dequeued attempt is held without a heartbeat."""
     max_body_bytes: int = 16 * 1024 * 1024

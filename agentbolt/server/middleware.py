@@ -40,6 +40,8 @@ RUNNER_WRITES = (
 )
 # POSTs that only read (their bodies are too big for a query string): any role may send them.
 READ_POSTS = ("/api/events/query", "/api/rollouts/wait")
+# The judge proxy: an evaluator's model calls, with the upstream key the server holds.
+JUDGE_PATH = "/judge/v1/chat/completions"
 
 
 async def _send_json(
@@ -96,10 +98,11 @@ class _TooLarge(BaseException):  # not Exception: request parsing must not swall
 
 @dataclass(frozen=True)
 class Caller:
-    """Who sent a request (``scope["agentbolt.caller"]``): its role, and what an issued
-    credential binds it to: a worker id, or one attempt."""
+    """Who sent a request (``scope["agentbolt.caller"]``): its role, the name its configured
+    token was given, and what an issued credential binds it to: a worker id, or one attempt."""
 
     role: Role
+    name: str | None = None  # who holds a configured token (ServerConfig.token_names)
     worker_id: str | None = None
     rollout_id: str | None = None
     attempt_id: str | None = None
@@ -119,7 +122,18 @@ def role_allows(role: Role, method: str, path: str) -> bool:
         return False
     if method in ("GET", "HEAD", "OPTIONS") or (method == "POST" and path in READ_POSTS):
         return True
-    return role == Role.RUNNER and path.startswith(RUNNER_WRITES)
+    if role == Role.RUNNER:
+        return path.startswith(RUNNER_WRITES)
+    scores = method == "POST" and _rewards_path(path)
+    if role == Role.REVIEWER:
+        return scores
+    return role == Role.EVALUATOR and (scores or (method == "POST" and path == JUDGE_PATH))
+
+
+def _rewards_path(path: str) -> bool:
+    """``/api/rollouts/{rollout_id}/rewards``: where reviewers and evaluators score."""
+    parts = path.split("/")  # "", "api", "rollouts", id, "rewards"
+    return len(parts) == 5 and parts[1:3] == ["api", "rollouts"] and bool(parts[3]) and parts[4] == "rewards"
 
 
 def _own_attempt_path(path: str, rollout_id: str | None, attempt_id: str | None) -> bool:
@@ -147,19 +161,22 @@ class AuthMiddleware:
     the module docstring) looked up in the store. Sets ``scope["agentbolt.role"]`` and
     ``scope["agentbolt.caller"]``."""
 
-    def __init__(self, app: Any, tokens: dict[str, Role], call: StoreCaller) -> None:
+    def __init__(
+        self, app: Any, tokens: dict[str, Role], call: StoreCaller, names: dict[str, str] | None = None
+    ) -> None:
         self.app, self.call = app, call
-        self.tokens = [(t.encode(), r) for t, r in tokens.items()]
+        names = names or {}
+        self.tokens = [(t.encode(), Caller(r, name=names.get(t))) for t, r in tokens.items()]
         self._issued: dict[bytes, Caller] = {}
 
     def _configured(self, given: bytes) -> Caller | None:
         if not given:
             return None
         found = None
-        for token, role in self.tokens:  # no early exit: the time taken does not tell which matched
+        for token, caller in self.tokens:  # no early exit: the time taken does not tell which matched
             if hmac.compare_digest(token, given):
-                found = role
-        return Caller(found) if found is not None else None
+                found = caller
+        return found
 
     async def _issued_caller(self, given: bytes) -> Caller | None:
         """The caller an issued credential names; None when the store issued no such one."""

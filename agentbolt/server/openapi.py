@@ -27,11 +27,11 @@ _REF = {"$ref": "#/components/schemas/ErrorBody"}
 _WHY = {
     400: "A value the server cannot use (see the message)",
     401: "Missing or invalid bearer token (when the server has tokens)",
-    403: "The token's role may not do this",
+    403: "The token's role may not do this (or a reward that another source gives)",
     404: "Not found",
-    409: "Conflict: the attempt is no longer held, the status change is not allowed, or the request contradicts what is stored",
+    409: "Conflict: the attempt is no longer held, the status change is not allowed, or the request contradicts what is stored (a reward scored meanwhile)",
     413: "Request body larger than the server's limit",
-    422: "The request does not match the schema",
+    422: "The request does not match the schema (or a score is off its reward's scale)",
     502: "The model server failed or could not be reached",
     504: "The model server timed out",
 }
@@ -82,7 +82,7 @@ def _statuses(path: str, method: str, op: dict[str, Any]) -> set[int]:
         out.add(413)
         if (
             path.startswith(("/api/attempts/", "/gateway/", "/agent/"))
-            or path.endswith("/cancel")
+            or path.endswith(("/cancel", "/rewards"))
             or path == "/api/rollouts"
         ):
             out.add(409)

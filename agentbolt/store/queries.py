@@ -215,13 +215,13 @@ class Queries:
 
     def reward_history(self, rollout_id: str, name: str | None = None) -> list[RewardScore]:
         """Every score given to the rollout's named rewards (or to ``name``), oldest first."""
-        by_name, params = (" AND name = ?", [rollout_id, name]) if name is not None else ("", [rollout_id])
+        where, params = (
+            ("rollout_id = ? AND name = ?", [rollout_id, name]) if name else ("rollout_id = ?", [rollout_id])
+        )
         with self._read() as tx:
             if not tx.one("SELECT 1 FROM rollouts WHERE id = ?", (rollout_id,)):
                 raise NotFound("rollout", rollout_id)
-            rows = tx.all(
-                f"SELECT {SCORE_COLS} FROM reward_scores WHERE rollout_id = ?{by_name} ORDER BY id", params
-            )
+            rows = tx.all(f"SELECT {SCORE_COLS} FROM reward_scores WHERE {where} ORDER BY id", params)
         return [score_from_row(r) for r in rows]
 
     def pending_rewards(
@@ -234,20 +234,20 @@ class Queries:
         """Succeeded rollouts with a reward still pending (``name``, from ``source``), in queue
         order: the work of evaluators and reviewers. A failed rollout keeps its pending slot but
         is not listed: there is no answer to judge."""
-        awaited = [f"p.state = {PENDING}"]
+        where = [f"p.state = {PENDING}"]  # the slots: the subquery's conditions
         params: list[Any] = []
         for column, value in (("name", name), ("source", RewardSource(source).value if source else None)):
             if value is not None:
-                awaited.append(f"p.{column} = ?")
+                where.append(f"p.{column} = ?")
                 params.append(value)
-        where = [
+        of_rollouts = [
             f"r.status = {sql_literal(RolloutStatus.SUCCEEDED)}",
-            f"r.id IN (SELECT p.rollout_id FROM reward_slots p WHERE {' AND '.join(awaited)})",
+            f"r.id IN (SELECT p.rollout_id FROM reward_slots p WHERE {' AND '.join(where)})",
         ]
         if cursor:
-            where.append("r.qseq > ?")
+            of_rollouts.append("r.qseq > ?")
             params.append(int_cursor(cursor))
-        return self._rollout_page(where, params, page_limit(limit), newest_first=False)
+        return self._rollout_page(of_rollouts, params, page_limit(limit), newest_first=False)
 
     def list_attempts(self, rollout_id: str) -> list[Attempt]:
         with self._read() as tx:

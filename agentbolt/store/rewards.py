@@ -31,6 +31,8 @@ from agentbolt.store.rows import from_json, to_json
 __all__ = [
     "PENDING",
     "SCORE_COLS",
+    "SLOT_COLS",
+    "SLOT_FROM",
     "attach_rewards",
     "insert_awaited",
     "keyed_score",
@@ -44,11 +46,11 @@ SCORE_COLS = (
     "id, rollout_id, name, revision, source, author, state, score, value, error, comment, data, created_at"
 )
 # a slot and its current revision (all NULL while pending)
-_SLOT_COLS = (
+SLOT_COLS = (
     "s.rollout_id, s.name, s.source, s.scale, s.state, s.revision, s.updated_at, "
     "c.score, c.value, c.author, c.comment, c.error, c.data"
 )
-_SLOT_FROM = "reward_slots s LEFT JOIN reward_scores c ON c.id = s.current_id"
+SLOT_FROM = "reward_slots s LEFT JOIN reward_scores c ON c.id = s.current_id"
 # a rollout may be scored once it ended; not while it may still run, nor once cancelled
 _UNSCORABLE = {
     RolloutStatus.QUEUED: "is queued",
@@ -123,7 +125,7 @@ def attach_rewards(tx: Tx, rollouts: Sequence[Rollout]) -> None:
     for start in range(0, len(ids), 500):
         chunk = ids[start : start + 500]
         marks = ", ".join("?" * len(chunk))
-        rows = tx.all(f"SELECT {_SLOT_COLS} FROM {_SLOT_FROM} WHERE s.rollout_id IN ({marks})", chunk)
+        rows = tx.all(f"SELECT {SLOT_COLS} FROM {SLOT_FROM} WHERE s.rollout_id IN ({marks})", chunk)
         for row in sorted(rows, key=lambda r: r[1]):
             by_id[row[0]].rewards[row[1]] = _slot_from_row(row)
 

@@ -227,6 +227,9 @@ SQL_FRAGMENTS = {
     "NEXT_QUEUED",
     "LATEST_VERSION",
     "CLAIMED_WITH",
+    "SCORE_COLS",
+    "SLOT_COLS",
+    "SLOT_FROM",
     # placeholders only
     "marks",
     "', '.join('?' * len(types))",
@@ -241,6 +244,7 @@ SQL_FRAGMENTS = {
     # lower-case words by sql_literal
     "QUEUED",
     "RUNNING",
+    "PENDING",  # a reward state, the same way
     "statuses",
     "sql_literal(Mode(mode))",
 }

@@ -7,7 +7,8 @@ inside the wheel.
 
 Two small read-only routes exist only for the page:
 
-- ``GET /api/dashboard/info``: server version, store backend, lease length and the caller's role;
+- ``GET /api/dashboard/info``: server version, store backend, lease length, the caller's role
+  and name (a reviewer's, the author of the scores it gives);
 - ``GET /api/dashboard/throughput``: rollouts finished per time bucket over a recent window.
 """
 
@@ -69,12 +70,14 @@ def router(call: StoreCaller, config: ServerConfig, version: str) -> APIRouter:
     async def info(request: Request) -> dict[str, Any]:
         """What the page needs to know about this server and the caller's token."""
         role = request.scope.get("agentbolt.role")
+        caller = request.scope.get("agentbolt.caller")
         return {
             "version": version,
             "backend": store.backend,
             "lease_seconds": store.lease_seconds,
             "auth": bool(config.tokens),
             "role": role.value if role is not None else None,
+            "name": caller.name if caller is not None else None,
             "server_time": time.time(),
         }
 
