@@ -27,7 +27,7 @@ from typing import Any
 from agentbolt.adapters import latest_attempt, to_chat_rows
 from agentbolt.schemas import Event, EventType, Rollout
 
-__all__ = ["CallRecord", "RolloutRecord", "record_of", "transcript"]
+__all__ = ["CallRecord", "RolloutRecord", "record_of", "transcript", "usage_tokens"]
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,20 @@ def _output(messages: list[dict[str, Any]], events: Sequence[Event]) -> str | No
         if e.type == EventType.MESSAGE and e.data.get("role") == "stdout"
     ]
     return _text(stdout[-1]) if stdout else None
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def usage_tokens(usage: dict[str, Any]) -> int | None:
+    """Tokens a call used as its model reported them: ``total_tokens``, or prompt + completion;
+    None when it reported neither."""
+    total = _count(usage.get("total_tokens"))
+    prompt, completion = _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
+    if total is None and prompt is not None and completion is not None:
+        total = prompt + completion
+    return total
 
 
 def _text(value: Any) -> str:

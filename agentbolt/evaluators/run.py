@@ -29,7 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from agentbolt.errors import AgentboltError
 from agentbolt.evaluators.base import Evaluator, Judgement
-from agentbolt.evaluators.record import RolloutRecord, record_of
+from agentbolt.evaluators.record import RolloutRecord, record_of, usage_tokens
 from agentbolt.schemas import Event, RewardCreate, RewardSlot, RewardState, Rollout, RolloutStatus
 
 __all__ = ["EvaluationReport", "RewardWriter", "evaluate_rollouts", "run_sync"]
@@ -226,11 +226,7 @@ def _count_calls(judgement: Judgement, report: EvaluationReport, lock: threading
                 report.cached += 1
                 continue
             report.calls += 1
-            usage = call.get("usage") or {}
-            total = usage.get("total_tokens")
-            if not isinstance(total, int):
-                total = int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0)
-            report.tokens += total
+            report.tokens += usage_tokens(call.get("usage") or {}) or 0
 
 
 def reward_of(evaluator: Evaluator, rollout: Rollout, judgement: Judgement) -> RewardCreate:

@@ -3,10 +3,23 @@ conversation of any length."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+from agentbolt.errors import Conflict
 from agentbolt.evaluators import RolloutRecord, record_of
-from agentbolt.schemas import Event, Mode, RewardSlot, Rollout, RolloutStatus, Task
+from agentbolt.schemas import (
+    Event,
+    Mode,
+    RewardCreate,
+    RewardScale,
+    RewardSlot,
+    RewardSource,
+    RewardState,
+    Rollout,
+    RolloutStatus,
+    Task,
+)
 
 
 def make_rollout(
@@ -68,3 +81,36 @@ def conversation_record(
         role = "assistant" if i % 2 == 0 else "user"
         messages.append({"role": role, "content": f"turn{i:03d} " + "x" * (turn_chars - 8)})
     return record_of(make_rollout(rid), [llm_event(rid, messages, answer)])
+
+
+class MemoryWriter:
+    """Rewards kept in a dict, with the store's revision check."""
+
+    def __init__(self, events: dict[str, list[Event]] | None = None) -> None:
+        self.events = events or {}
+        self.writes: list[tuple[str, RewardCreate]] = []
+        self.revisions: dict[tuple[str, str], int] = {}
+
+    def events_of(
+        self, rollout_ids: Sequence[str], type: Sequence[str] | None = None
+    ) -> dict[str, list[Event]]:
+        return {rid: self.events.get(rid, []) for rid in rollout_ids}
+
+    def add_reward(self, rollout_id: str, create: RewardCreate) -> RewardSlot:
+        revision = self.revisions.get((rollout_id, create.name), 0)
+        if (create.replaces or 0) != revision:
+            raise Conflict(f"reward {create.name!r} of rollout {rollout_id} was scored meanwhile")
+        self.revisions[(rollout_id, create.name)] = revision + 1
+        self.writes.append((rollout_id, create))
+        return slot(create.name, RewardState(create.state), revision + 1)
+
+
+def slot(name: str, state: RewardState, revision: int) -> RewardSlot:
+    return RewardSlot(
+        name=name,
+        source=RewardSource.EVALUATOR,
+        scale=RewardScale(),
+        state=state,
+        revision=revision,
+        updated_at=0.0,
+    )
