@@ -16,7 +16,7 @@ import os
 import secrets
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -24,9 +24,11 @@ from typing import Any
 from rich.console import Console
 
 from agentbolt.algorithms.base import Algorithm, TrainContext
+from agentbolt.algorithms.rewards import RewardChoice, RewardOptions
 from agentbolt.client import Client
 from agentbolt.console import make_console
 from agentbolt.errors import ConfigError
+from agentbolt.evaluators.base import Evaluator
 from agentbolt.runner.agent import LitAgent, as_agent
 from agentbolt.schemas import Resource, Task
 from agentbolt.server.config import ServerConfig
@@ -44,6 +46,22 @@ def _runner_main(agent: LitAgent, url: str, token: str | None, concurrency: int,
     Runner(agent, url, token=token, concurrency=concurrency, lease_seconds=lease).run_sync()
 
 
+def _with_rewards(
+    algorithm: Algorithm,
+    reward: RewardChoice | None,
+    evaluators: Sequence[Evaluator] | None,
+    reward_wait: float | None,
+) -> Algorithm:
+    """``algorithm`` with the reward settings given to the Trainer (a copy; checked)."""
+    values: dict[str, Any] = {"reward": reward, "evaluators": evaluators, "reward_wait": reward_wait}
+    given = {k: v for k, v in values.items() if v is not None}
+    if not given:
+        return algorithm
+    if not isinstance(algorithm, RewardOptions):
+        raise ConfigError(f"{type(algorithm).__name__} takes no reward settings ({', '.join(given)})")
+    return replace(algorithm, **given)
+
+
 class Trainer:
     def __init__(
         self,
@@ -57,9 +75,16 @@ class Trainer:
         run_dir: str | Path | None = None,
         lease_seconds: float | None = 30.0,
         console: Console | None = None,
+        reward: RewardChoice | None = None,
+        evaluators: Sequence[Evaluator] | None = None,
+        reward_wait: float | None = None,
     ) -> None:
+        """``reward``, ``evaluators`` and ``reward_wait``, when given, set the algorithm's own
+        (:class:`~agentbolt.algorithms.rewards.RewardOptions`): which reward it trains on, what
+        gives the named rewards, how long a batch waits for them."""
         if n_runners < 0:
             raise ConfigError("n_runners must be >= 0")
+        algorithm = _with_rewards(algorithm, reward, evaluators, reward_wait)
         if token == "auto" and server_url is not None:
             raise ConfigError(
                 'token="auto" makes a token for the embedded server; with server_url, pass that server\'s token'

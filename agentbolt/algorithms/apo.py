@@ -60,6 +60,7 @@ from rich.table import Table
 
 from agentbolt.algorithms.apo_optimizer import APOStats, Optimizer, pick_examples, run_record, score_of
 from agentbolt.algorithms.base import DEFAULT_MAX_ATTEMPTS, Algorithm, TrainContext, run_rollouts
+from agentbolt.algorithms.rewards import RewardChoice, RewardOptions
 from agentbolt.console import print_line
 from agentbolt.errors import ConfigError
 from agentbolt.schemas import LLM, Mode, PromptTemplate, Resources, Rollout, Task
@@ -104,8 +105,14 @@ class APOResult:
     stats: APOStats
 
 
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values) if values else 0.0
+def _mean(values: Sequence[float]) -> float | None:
+    """None when nothing was scored (every run left out)."""
+    return sum(values) / len(values) if values else None
+
+
+def _scores(rollouts: Sequence[Rollout], reward: RewardChoice) -> list[float]:
+    """The scores of the runs not left out (stragglers, pending or failed rewards)."""
+    return [s for r in rollouts if (s := score_of(r, reward)) is not None]
 
 
 def select_beam(pool: Sequence[Candidate], width: int) -> list[Candidate]:
@@ -113,18 +120,20 @@ def select_beam(pool: Sequence[Candidate], width: int) -> list[Candidate]:
 
 
 def _task_wins(pool: Sequence[Candidate]) -> dict[int, int]:
-    """candidate order -> number of validation tasks on which it scores best (ties all win)."""
+    """candidate order -> number of validation tasks on which it scores best (ties all win).
+    A task a candidate has no score on (its run left out) is one it neither wins nor loses."""
     wins = {c.order: 0 for c in pool}
     for task in {t for c in pool for t in c.val_by_task}:
-        top = max(c.val_by_task.get(task, 0.0) for c in pool)
+        top = max(c.val_by_task[task] for c in pool if task in c.val_by_task)
         for c in pool:
-            wins[c.order] += c.val_by_task.get(task, 0.0) == top
+            wins[c.order] += c.val_by_task.get(task) == top
     return wins
 
 
 def _dominates(a: Candidate, b: Candidate) -> bool:
-    tasks = a.val_by_task.keys() | b.val_by_task.keys()
-    pairs = [(a.val_by_task.get(t, 0.0), b.val_by_task.get(t, 0.0)) for t in tasks]
+    """Better or equal on every task both were scored on, better on one."""
+    tasks = a.val_by_task.keys() & b.val_by_task.keys()
+    pairs = [(a.val_by_task[t], b.val_by_task[t]) for t in tasks]
     return all(x >= y for x, y in pairs) and any(x > y for x, y in pairs)
 
 
@@ -148,7 +157,7 @@ def _sample_front(front: Sequence[Candidate], k: int, rng: random.Random) -> lis
 
 
 @dataclass
-class APO(Algorithm):
+class APO(RewardOptions, Algorithm):
     """Optimize one prompt resource with an optimizer model; see the module docstring."""
 
     prompt_resource: str = "system_prompt"
@@ -190,7 +199,8 @@ class APO(Algorithm):
     max_example_chars: int = 2000
     """Each run is clipped to this many characters in the critique request."""
     batch_timeout: float = 600.0
-    """Seconds to wait for one batch of rollouts; stragglers are cancelled (and score 0)."""
+    """Seconds to wait for one batch of rollouts; stragglers are cancelled, left out of the
+    scores and counted (``APOStats.stragglers``)."""
     rollout_timeout: float | None = None
     """Seconds one attempt may take before the server ends it."""
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
@@ -285,7 +295,7 @@ class _Search:
     def start(self, prompt: str, version: int) -> None:
         seed = Candidate(prompt, version, round=0, parent=None, order=0, note="seed")
         self.pool.append(seed)
-        seed.train = _mean([score_of(r) for r in self._train(seed, self._batch(1), force=True) or []])
+        seed.train = _mean(_scores(self._train(seed, self._batch(1), force=True) or [], self.apo.reward))
         self._validate(seed)
         self._record(seed)
 
@@ -303,12 +313,12 @@ class _Search:
         runs = self._train(parent, batch)
         if runs is None:
             return False
-        parent_train = _mean([score_of(x) for x in runs])
+        parent_train = _mean(_scores(runs, self.apo.reward))
         for _ in range(self.apo.branch_factor):
             if not self._afford(len(batch)):
                 return False
-            picked = pick_examples(runs, self.apo.max_examples, self.rng)
-            records = [run_record(self.client, rollout) for rollout in picked]
+            picked = pick_examples(runs, self.apo.max_examples, self.rng, self.apo.reward)
+            records = [run_record(self.client, rollout, self.apo.reward) for rollout in picked]
             seen = {c.prompt for c in self.pool}
             prompt = self.optimizer.propose(parent.prompt, records, seen, self.apo.max_example_chars)
             if prompt is None:
@@ -318,12 +328,16 @@ class _Search:
                 return False
         return True
 
-    def _child(self, prompt: str, parent: Candidate, batch: list[Task], parent_train: float, r: int) -> bool:
+    def _child(
+        self, prompt: str, parent: Candidate, batch: list[Task], parent_train: float | None, r: int
+    ) -> bool:
         version = self._publish(prompt, {"stage": "trial", "round": r, "parent": parent.version})
         child = Candidate(prompt, version, round=r, parent=parent.version, order=len(self.pool))
         self.pool.append(child)
-        child.train = _mean([score_of(x) for x in self._train(child, batch, force=True) or []])
-        if self.apo.strategy == "pareto" and child.train <= parent_train:
+        child.train = _mean(_scores(self._train(child, batch, force=True) or [], self.apo.reward))
+        # gated only when both were scored: a batch whose runs were all left out proves nothing
+        no_better = child.train is not None and parent_train is not None and child.train <= parent_train
+        if self.apo.strategy == "pareto" and no_better:
             child.note = "gated: no better than its parent on the batch"
         elif self._afford(len(self.val_tasks)):
             self._validate(child)
@@ -357,7 +371,11 @@ class _Search:
             console=console,
             label=f"v{cand.version} {mode.value}",
             metadata={"algorithm": "apo", "run": self.run_id, "round": cand.round},
+            rewards=self.apo.reward_plan(),
         )
+        self.stats.stragglers += batch.timed_out
+        self.stats.reward_pending += batch.reward_pending
+        self.stats.reward_errors += batch.reward_errors
         return batch.rollouts
 
     def _train(self, cand: Candidate, batch: list[Task], force: bool = False) -> list[Rollout] | None:
@@ -371,8 +389,11 @@ class _Search:
 
     def _validate(self, cand: Candidate) -> None:
         rollouts = self._rollouts(cand, self.val_tasks, Mode.VAL)
-        cand.val_by_task = {r.task.id: score_of(r) for r in rollouts}
-        cand.val = _mean([score_of(r) for r in rollouts])
+        scores = {r.task.id: score_of(r, self.apo.reward) for r in rollouts}
+        cand.val_by_task = {task: s for task, s in scores.items() if s is not None}
+        cand.val = _mean(list(cand.val_by_task.values()))
+        if cand.val is None:
+            cand.note = "; ".join(filter(None, [cand.note, "no validation run scored"]))
 
     def _publish(self, prompt: str, metadata: dict[str, Any], trial: bool = True) -> int:
         """A version of the base resources with ``prompt``; a trial unless it is the final best."""

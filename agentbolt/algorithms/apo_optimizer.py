@@ -24,6 +24,7 @@ from typing import Any
 import openai
 
 from agentbolt.adapters import latest_attempt, to_chat_rows
+from agentbolt.algorithms.rewards import AGENT, RewardChoice, resolve
 from agentbolt.client import Client
 from agentbolt.errors import ConfigError
 from agentbolt.schemas import EventType, Rollout, RolloutStatus
@@ -91,6 +92,12 @@ class APOStats:
     """Children given up on after every try failed."""
     rollouts: int = 0
     budget_exhausted: bool = False
+    stragglers: int = 0
+    """Rollouts cancelled at a batch's deadline: left out of the scores (not scored 0)."""
+    reward_pending: int = 0
+    """Succeeded rollouts whose chosen reward was still pending when scored: left out."""
+    reward_errors: int = 0
+    """Succeeded rollouts whose chosen reward could not be given: left out."""
 
     def as_dict(self) -> dict[str, int | bool]:
         return asdict(self)
@@ -115,8 +122,9 @@ class RunRecord:
     final_response: Any = None
 
 
-def run_record(client: Client, rollout: Rollout) -> RunRecord:
-    """The rollout's conversation (from ``llm_call`` events), final response and error."""
+def run_record(client: Client, rollout: Rollout, reward: RewardChoice = AGENT) -> RunRecord:
+    """The rollout's conversation (from ``llm_call`` events), final response, error and the
+    chosen ``reward``."""
     events = latest_attempt(client.all_events(rollout.id, type=["llm_call", "exception", "trajectory"]))
     rows = to_chat_rows(events)
     finals = [e.data.get("final_response") for e in events if e.type == "trajectory"]
@@ -127,7 +135,7 @@ def run_record(client: Client, rollout: Rollout) -> RunRecord:
     return RunRecord(
         task_id=rollout.task.id,
         task_input=rollout.task.data,
-        reward=score_of(rollout),
+        reward=score_of(rollout, reward) or 0.0,
         failed=failed,
         error=(errors[-1] if errors else rollout.error) if failed else None,
         messages=rows[-1]["messages"] if rows else [],
@@ -135,17 +143,28 @@ def run_record(client: Client, rollout: Rollout) -> RunRecord:
     )
 
 
-def score_of(rollout: Rollout) -> float:
-    """A rollout's score: its reward, 0 when it failed or reported none."""
-    ok = rollout.status == RolloutStatus.SUCCEEDED and rollout.reward is not None
-    return float(rollout.reward) if ok and rollout.reward is not None else 0.0
+def score_of(rollout: Rollout, reward: RewardChoice = AGENT) -> float | None:
+    """A rollout's score: its chosen ``reward``, 0 when it failed or the run reported none; None
+    (left out) when it was cancelled (a straggler) or its reward is pending or in error."""
+    if rollout.status == RolloutStatus.CANCELLED:
+        return None
+    if rollout.status != RolloutStatus.SUCCEEDED:
+        return 0.0
+    resolved = resolve(rollout, reward)
+    if resolved.state in ("pending", "error"):
+        return None
+    return resolved.value if resolved.value is not None else 0.0
 
 
-def pick_examples(rollouts: Sequence[Rollout], k: int, rng: random.Random) -> list[Rollout]:
-    """Up to ``k`` runs, mostly the worst: a critique learns from failures, with a success or
-    two to show what works. Below the batch's best reward counts as a failure."""
-    top = max((score_of(r) for r in rollouts), default=0.0)
-    failures = [r for r in rollouts if r.status != RolloutStatus.SUCCEEDED or score_of(r) < top]
+def pick_examples(
+    rollouts: Sequence[Rollout], k: int, rng: random.Random, reward: RewardChoice = AGENT
+) -> list[Rollout]:
+    """Up to ``k`` scored runs, mostly the worst: a critique learns from failures, with a success
+    or two to show what works. Below the batch's best reward counts as a failure."""
+    scored = [(r, s) for r in rollouts if (s := score_of(r, reward)) is not None]
+    top = max((s for _, s in scored), default=0.0)
+    rollouts = [r for r, _ in scored]
+    failures = [r for r, s in scored if r.status != RolloutStatus.SUCCEEDED or s < top]
     successes = [r for r in rollouts if r not in failures]
     n_ok = min(len(successes), max(1, k // 3), k) if failures else min(len(successes), k)
     n_bad = min(len(failures), k - n_ok)

@@ -13,6 +13,7 @@ from agentbolt.algorithms.base import (
     TrainContext,
     run_sampled_and_greedy,
 )
+from agentbolt.algorithms.rewards import RewardOptions
 from agentbolt.schemas import Mode
 
 __all__ = ["EvalSummary", "Evaluate", "summary_table"]
@@ -29,6 +30,10 @@ class EvalSummary:
     greedy: EvalSummary | None = None
     """The same tasks at temperature 0 (``Evaluate(greedy=True)``); its ``resources_version`` is
     the trial version that made the LLM greedy."""
+    reward_pending: int = 0
+    """Succeeded rollouts whose chosen reward was still pending (left out of ``mean_reward``)."""
+    reward_errors: int = 0
+    """Succeeded rollouts whose chosen reward could not be given (left out too)."""
 
     @staticmethod
     def of(batch: BatchResult) -> EvalSummary:
@@ -40,25 +45,32 @@ class EvalSummary:
             mean_reward=batch.mean_reward,
             timed_out=batch.timed_out,
             resources_version=max(versions) if versions else None,
+            reward_pending=batch.reward_pending,
+            reward_errors=batch.reward_errors,
         )
 
 
 def summary_table(rows: dict[str, EvalSummary], title: str = "evaluation") -> Table:
-    table = Table(title=title)
-    for column in ("set", "count", "succeeded", "failed", "mean reward", "resources"):
-        table.add_column(column, justify="left" if column == "set" else "right")
+    """One row per set (and its greedy twin); pending and error counts when any reward was
+    left out."""
     shown: list[tuple[str, EvalSummary]] = []
     for name, s in rows.items():
         shown += [(name, s), *([(f"{name} (greedy)", s.greedy)] if s.greedy else [])]
+    unscored = any(s.reward_pending or s.reward_errors for _, s in shown)
+    counts = ("pending", "errors") if unscored else ()
+    table = Table(title=title)
+    for column in ("set", "count", "succeeded", "failed", "mean reward", *counts, "resources"):
+        table.add_column(column, justify="left" if column == "set" else "right")
     for name, s in shown:
         reward = f"{s.mean_reward:.3f}" if s.mean_reward is not None else "-"
         version = str(s.resources_version) if s.resources_version is not None else "-"
-        table.add_row(name, str(s.count), str(s.succeeded), str(s.failed), reward, version)
+        left_out = (str(s.reward_pending), str(s.reward_errors)) if unscored else ()
+        table.add_row(name, str(s.count), str(s.succeeded), str(s.failed), reward, *left_out, version)
     return table
 
 
 @dataclass
-class Evaluate(Algorithm):
+class Evaluate(RewardOptions, Algorithm):
     """Run every validation task (or, without any, every training task) once and report."""
 
     timeout: float = 600.0
@@ -85,6 +97,7 @@ class Evaluate(Algorithm):
             max_attempts=self.max_attempts,
             console=ctx.console,
             label="evaluating",
+            rewards=self.reward_plan(),
         )
         summary = EvalSummary.of(batch)
         if greedy is not None:

@@ -57,6 +57,7 @@ from agentbolt.algorithms.losses import (
 )
 from agentbolt.algorithms.metrics import MetricsLog, plot_history
 from agentbolt.algorithms.policy import PolicyServer, publish, serve_policy
+from agentbolt.algorithms.rewards import RewardOptions, tally
 from agentbolt.algorithms.train_state import (
     TrainConfig,
     TrainState,
@@ -66,7 +67,7 @@ from agentbolt.algorithms.train_state import (
     save_checkpoint,
 )
 from agentbolt.console import print_line
-from agentbolt.schemas import Mode, ModelWeights, Rollout, RolloutStatus, Task
+from agentbolt.schemas import Mode, ModelWeights, Rollout, Task
 
 __all__ = ["GRPO", "GRPOResult", "success_rate"]
 
@@ -85,15 +86,18 @@ class GRPOResult:
 
 
 def success_rate(batch: BatchResult, threshold: float) -> float:
-    """Share of rollouts (failed ones included) whose reward reached ``threshold``."""
-    if not batch.rollouts:
+    """Share of rollouts (failed ones included) whose chosen reward reached ``threshold``; those
+    whose reward is pending or could not be given are left out (no outcome yet, not a failure)."""
+    counts = tally(batch.rollouts, batch.reward)
+    judged = len(batch.rollouts) - counts.pending - counts.errors
+    if not judged:
         return 0.0
-    ok = sum(1 for r in batch.succeeded if r.reward is not None and r.reward >= threshold)
-    return ok / len(batch.rollouts)
+    ok = sum(1 for v in batch.values if v >= threshold)
+    return ok / judged
 
 
 @dataclass
-class GRPO(Algorithm):
+class GRPO(RewardOptions, Algorithm):
     model: str = "smollm2"
     """The policy: ``"smollm2"`` (the bundled model) or a local Hugging Face model directory."""
     steps: int = 10
@@ -167,6 +171,7 @@ class GRPO(Algorithm):
     steps (0: never)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.advantage not in ADVANTAGE_MODES:
             choices = ", ".join(ADVANTAGE_MODES)
             raise ValueError(f"advantage must be one of {choices}; got {self.advantage!r}")
@@ -330,6 +335,7 @@ class GRPO(Algorithm):
             greedy=self.val_greedy,
             progress=progress,
             max_attempts=self.max_attempts,
+            rewards=self.reward_plan(),
         )
         out: dict[str, float | None] = {
             "val_success": success_rate(val.sampled, self.success_threshold) if val else None
@@ -394,14 +400,16 @@ class GRPO(Algorithm):
             max_attempts=self.max_attempts,
             progress=progress,
             label=f"step {step} rollouts",
+            rewards=self.reward_plan(),
         )
         return tasks, batch
 
     def _groups(self, batch: BatchResult) -> dict[str, list[Rollout]]:
-        """The succeeded, rewarded rollouts of each group that has at least ``min_group_size``."""
+        """The succeeded rollouts with a chosen reward (none pending or in error) of each group
+        that has at least ``min_group_size`` of them."""
         finished: dict[str, list[Rollout]] = defaultdict(list)
-        for r in batch.rollouts:
-            if r.status == RolloutStatus.SUCCEEDED and r.reward is not None and r.group_id:
+        for r in batch.scored:
+            if r.group_id:
                 finished[r.group_id].append(r)
         return {g: rs for g, rs in finished.items() if len(rs) >= self.min_group_size}
 
@@ -419,7 +427,10 @@ class GRPO(Algorithm):
                 # Only the attempt that finished: a retried rollout's lost attempt may have made
                 # model calls too, and its reward is not theirs.
                 rows, stats = to_trajectories(
-                    latest_attempt(events[r.id]), reward=r.reward, group_id=r.group_id, task_id=r.task.id
+                    latest_attempt(events[r.id]),
+                    reward=batch.value(r),
+                    group_id=r.group_id,
+                    task_id=r.task.id,
                 )
                 traj_rows += rows
                 mismatches += stats.prefix_mismatches
@@ -454,7 +465,7 @@ class GRPO(Algorithm):
 
 
 def _reward_stats(batch: BatchResult, threshold: float) -> dict[str, Any]:
-    rewards = [r.reward for r in batch.succeeded if r.reward is not None]
+    rewards = batch.values
     mean = sum(rewards) / len(rewards) if rewards else 0.0
     std = (sum((x - mean) ** 2 for x in rewards) / len(rewards)) ** 0.5 if rewards else 0.0
     return {
@@ -465,6 +476,7 @@ def _reward_stats(batch: BatchResult, threshold: float) -> dict[str, Any]:
         "failed": len(batch.failed),
         "timed_out": batch.timed_out,
         "retried": sum(1 for r in batch.rollouts if r.attempts > 1),
+        **tally(batch.rollouts, batch.reward).metrics(),
     }
 
 
@@ -490,6 +502,8 @@ _COLUMNS = (
     ("turns_mean", "{:.1f}"),
     ("step_reward_mean", "{:+.3f}"),
     ("retried", "{}"),
+    ("reward_pending", "{}"),
+    ("reward_errors", "{}"),
     ("t_rollouts", "{:.1f}s"),
     ("t_update", "{:.1f}s"),
     ("t_sync", "{:.1f}s"),

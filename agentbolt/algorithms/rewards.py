@@ -30,6 +30,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from agentbolt.errors import ConfigError
+from agentbolt.evaluators.base import Evaluator
 from agentbolt.schemas import (
     REWARD_NAME,
     AwaitedReward,
@@ -41,12 +42,12 @@ from agentbolt.schemas import (
 
 if TYPE_CHECKING:
     from agentbolt.client import Client
-    from agentbolt.evaluators import Evaluator
 
 __all__ = [
     "AGENT",
     "ResolvedReward",
     "RewardChoice",
+    "RewardOptions",
     "RewardPlan",
     "RewardTally",
     "awaited_for",
@@ -293,3 +294,29 @@ class RewardPlan:
             evaluate_rollouts(client, list(rollouts), automatic, console=console)
         names = reward_names(self.choice)
         return wait_for_rewards(client, rollouts, names, self.wait, console, progress=progress)
+
+
+@dataclass
+class RewardOptions:
+    """The reward settings every algorithm shares (its dataclass inherits them)."""
+
+    reward: RewardChoice = AGENT
+    """Which reward to train on: ``agent`` (the rollout's own), a named reward (``judge``,
+    ``human``) or weights (``agent=0.5,judge=0.5``: the weighted sum, every part scored). A
+    rollout whose reward is pending or could not be given is left out and counted, never read
+    as zero."""
+    evaluators: Sequence[Evaluator] = ()
+    """What gives the named rewards: automatic evaluators (judges, scoring functions) run here
+    after each batch; a ``HumanReview`` is awaited from reviewers."""
+    reward_wait: float = 0.0
+    """Seconds a batch waits for chosen rewards still pending once the evaluators here ran
+    (a person's score); 0: use what arrived."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.reward, str):  # a file or a flag may give weights as agent=0.5,judge=0.5
+            self.reward = parse_choice(self.reward)
+        self.evaluators = tuple(self.evaluators)
+        self.reward_plan()  # checked when the algorithm is made, not after its first batch
+
+    def reward_plan(self) -> RewardPlan:
+        return RewardPlan(self.reward, self.evaluators, self.reward_wait)

@@ -53,6 +53,7 @@ from agentbolt.algorithms.base import (
 from agentbolt.algorithms.evaluate import EvalSummary
 from agentbolt.algorithms.losses import TrainRow
 from agentbolt.algorithms.policy import PolicyServer, publish, serve_policy
+from agentbolt.algorithms.rewards import RewardOptions, resolve, reward_names, wait_for_rewards
 from agentbolt.algorithms.sft_train import TrainStats, eval_loss, select_rollouts, sft_rows, train_rows
 from agentbolt.algorithms.train_state import TrainConfig, TrainState, export_weights, make_train_state
 from agentbolt.console import print_line
@@ -90,6 +91,13 @@ class RoundResult:
     weights_path: Path | None
     resources_version: int | None
     val: EvalSummary | None
+    reward_pending: int = 0
+    """This round's succeeded rollouts whose chosen reward was still pending at selection: they
+    join a later round's selection if it arrives by then."""
+    reward_errors: int = 0
+    """This round's succeeded rollouts whose chosen reward could not be given (left out)."""
+    arrived: int = 0
+    """Rollouts of earlier rounds whose reward arrived since and joined this round's selection."""
 
 
 @dataclass(frozen=True)
@@ -109,7 +117,7 @@ class SFTResult:
 
 
 @dataclass
-class SFT(Algorithm):
+class SFT(RewardOptions, Algorithm):
     """Rejection-sampling fine-tuning (see the module docstring)."""
 
     model: str = "smollm2"
@@ -173,10 +181,12 @@ class SFT(Algorithm):
             state = make_train_state(copy.deepcopy(base) if self.reset_each_round else base, self.train)
             val_before = self._validate(ctx, version, "validation (before)") if self.validate_before else None
             results: list[RoundResult] = []
+            late: list[Rollout] = []  # rollouts whose chosen reward had not arrived at selection
             for r in range(1, self.rounds + 1):
                 if self.reset_each_round and r > 1:
                     state = make_train_state(copy.deepcopy(base), self.train)
-                results.append(self._round(ctx, policy, state, r, version))
+                result, late = self._round(ctx, policy, state, r, version, late)
+                results.append(result)
                 version = results[-1].resources_version or version
                 _log_round(ctx, results[-1], val_before)
         weights = next((x.weights_path for x in reversed(results) if x.weights_path), None)
@@ -210,10 +220,21 @@ class SFT(Algorithm):
     # ------------------------------------------------------------------ one round
 
     def _round(
-        self, ctx: TrainContext, policy: PolicyServer, state: TrainState, r: int, version: int
-    ) -> RoundResult:
+        self,
+        ctx: TrainContext,
+        policy: PolicyServer,
+        state: TrainState,
+        r: int,
+        version: int,
+        late: list[Rollout],
+    ) -> tuple[RoundResult, list[Rollout]]:
+        """One round; also returns the rollouts (this round's and earlier ones) whose chosen
+        reward is still pending, for the next round's selection."""
         batch = self._sample(ctx, r, version)
-        kept = select_rollouts(batch.rollouts, self.min_reward, self.top_fraction)
+        arrived, late = self._arrived(ctx, late)
+        pool = [*batch.rollouts, *arrived]
+        kept = select_rollouts(pool, self.min_reward, self.top_fraction, self.reward)
+        late += [x for x in batch.succeeded if resolve(x, self.reward).state == "pending"]
         rows, duplicates, adapter = self._rows(ctx, kept)
         result = RoundResult(
             round=r,
@@ -228,14 +249,26 @@ class SFT(Algorithm):
             weights_path=None,
             resources_version=version,
             val=None,
+            reward_pending=batch.reward_pending,
+            reward_errors=batch.reward_errors,
+            arrived=len(arrived),
         )
         if not rows:
             ctx.console.print(f"[yellow]round {r}: no run passed the filter; nothing to train on[/]")
-            return result
+            return result, late
         stats = self._train(ctx, state, rows, r)
         path, version = self._ship(ctx, policy, state, r, stats)
         val = self._validate(ctx, version, f"round {r} validation")
-        return replace(result, train=stats, weights_path=path, resources_version=version, val=val)
+        return replace(result, train=stats, weights_path=path, resources_version=version, val=val), late
+
+    def _arrived(self, ctx: TrainContext, late: list[Rollout]) -> tuple[list[Rollout], list[Rollout]]:
+        """Of ``late`` (reread), those whose chosen reward has a value now, and those still pending
+        (an error is final: dropped)."""
+        if not late:
+            return [], []
+        reread = wait_for_rewards(ctx.client, late, reward_names(self.reward), 0.0)
+        states = [(x, resolve(x, self.reward).state) for x in reread]
+        return [x for x, s in states if s == "ok"], [x for x, s in states if s == "pending"]
 
     def _sample(self, ctx: TrainContext, r: int, version: int) -> BatchResult:
         """Every training task, ``rollouts_per_task`` times, with the policy at ``version``."""
@@ -251,6 +284,7 @@ class SFT(Algorithm):
             max_attempts=self.max_attempts,
             console=ctx.console,
             label=f"round {r} rollouts",
+            rewards=self.reward_plan(),
         )
 
     def _rows(self, ctx: TrainContext, kept: Sequence[Rollout]) -> tuple[list[TrainRow], int, AdapterStats]:
@@ -259,7 +293,8 @@ class SFT(Algorithm):
         by_rollout = ctx.client.events_of([r.id for r in kept], type=[EventType.LLM_CALL.value])
         for r in kept:
             events = latest_attempt(by_rollout[r.id])
-            found, stats = to_trajectories(events, reward=r.reward, group_id=r.group_id, task_id=r.task.id)
+            reward = resolve(r, self.reward).value
+            found, stats = to_trajectories(events, reward=reward, group_id=r.group_id, task_id=r.task.id)
             trajectories += found
             adapter += stats
         rows, duplicates = sft_rows(trajectories)
@@ -304,6 +339,7 @@ class SFT(Algorithm):
             greedy=self.val_greedy,
             label=label,
             max_attempts=self.max_attempts,
+            rewards=self.reward_plan(),
         )
         if val is None:
             return None
@@ -367,6 +403,7 @@ def _fmt(value: float | None, spec: str = ".3f") -> str:
 _ROUND_COLUMNS = (
     "rollouts",
     "train reward",
+    "pending",
     "kept",
     "rows",
     "dupes",
@@ -403,6 +440,7 @@ def _round_cells(r: RoundResult, val_before: EvalSummary | None) -> list[str]:
     return [
         f"{r.succeeded}/{r.rollouts}",
         _fmt(r.train_reward),
+        f"{r.reward_pending} (+{r.arrived} in)" if r.arrived else str(r.reward_pending),
         str(r.kept),
         str(r.rows),
         str(r.duplicates),

@@ -18,6 +18,7 @@ from torch import nn
 
 from agentbolt.adapters import TrajectoryRow
 from agentbolt.algorithms.losses import TrainRow, micro_batches, pad_batch, sft_loss
+from agentbolt.algorithms.rewards import AGENT, RewardChoice, resolve
 from agentbolt.algorithms.train_state import TrainState, optimizer_step
 from agentbolt.schemas import Rollout, RolloutStatus
 
@@ -28,18 +29,26 @@ __all__ = ["TrainStats", "eval_loss", "select_rollouts", "sft_rows", "train_rows
 
 
 def select_rollouts(
-    rollouts: Sequence[Rollout], min_reward: float | None, top_fraction: float = 1.0
+    rollouts: Sequence[Rollout],
+    min_reward: float | None,
+    top_fraction: float = 1.0,
+    reward: RewardChoice = AGENT,
 ) -> list[Rollout]:
-    """Succeeded, rewarded rollouts with reward >= ``min_reward`` that rank within the best
-    ``ceil(top_fraction * runs)`` of their task (all runs of the task counted, ties by order)."""
+    """Succeeded rollouts whose chosen ``reward`` has a value >= ``min_reward`` and ranks within
+    the best ``ceil(top_fraction * runs)`` of their task (all runs of the task counted, ties by
+    order). A pending reward is no value: such a run is not kept (nor counted as a bad one)."""
     by_task: dict[str, list[Rollout]] = {}
     for r in rollouts:
         by_task.setdefault(r.task.id, []).append(r)
     kept: list[Rollout] = []
     for runs in by_task.values():
-        ok = [r for r in runs if r.status == RolloutStatus.SUCCEEDED and r.reward is not None]
-        best = sorted(ok, key=lambda r: -(r.reward or 0.0))[: math.ceil(top_fraction * len(runs))]
-        kept += [r for r in best if min_reward is None or (r.reward or 0.0) >= min_reward]
+        valued = [
+            (r, v)
+            for r in runs
+            if r.status == RolloutStatus.SUCCEEDED and (v := resolve(r, reward).value) is not None
+        ]
+        best = sorted(valued, key=lambda rv: -rv[1])[: math.ceil(top_fraction * len(runs))]
+        kept += [r for r, v in best if min_reward is None or v >= min_reward]
     return kept
 
 

@@ -75,6 +75,7 @@ _METAVARS = {
     tuple: "JSON",
 }
 PROGRAM_PANEL = "Program options (with --command)"
+REWARD_PANEL = "Reward options"
 # Given by hand below: the command is its own flag, the scorer is named as module:fn, and
 # --program.env repeats NAME=TEMPLATE like ``agentbolt runner --env``.
 PROGRAM_BY_HAND = ("command", "scorer")
@@ -108,7 +109,9 @@ def algorithm_class(name: str) -> type:
 def trainer_schema() -> Schema:
     from agentbolt.trainer import Trainer
 
-    return parameters_schema(Trainer.__init__, skip=("algorithm",), docs=TRAINER_HELP)
+    # the reward settings are the algorithm's own flags (--reward, --reward-wait, the judges')
+    skip = ("algorithm", "reward", "evaluators", "reward_wait")
+    return parameters_schema(Trainer.__init__, skip=skip, docs=TRAINER_HELP)
 
 
 def program_schema() -> Schema:
@@ -163,7 +166,12 @@ def _algorithm_command(name: str) -> Any:
     def command(**params: Any) -> None:
         _train(name, cls, sections, params)
 
-    params = [*_common_parameters(), *(p for s in sections for p in _parameters(s)), *_program_parameters()]
+    params = [
+        *_common_parameters(),
+        *(p for s in sections for p in _parameters(s)),
+        *_program_parameters(),
+        *_reward_parameters(),
+    ]
     command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     command.__doc__ = _command_help(cls, sections[0].schema)
     app = typer.Typer(add_completion=False)
@@ -226,6 +234,53 @@ def _program_parameters() -> list[inspect.Parameter]:
     ]
 
 
+def _reward_parameters() -> list[inspect.Parameter]:
+    """The evaluators a command line can give (the algorithm's ``evaluators``, Python-only as
+    a field): a model judge with a rubric and a person's review."""
+    return [
+        _option(
+            "judge_rubric",
+            str | None,
+            "--judge-rubric",
+            help="A model judge scores each run by this rubric: reward 'judge' on 0-1"
+            " ('group_judge' with --group-judge); train on it with --reward judge.",
+            panel=REWARD_PANEL,
+        ),
+        _option(
+            "judge_rubric_file",
+            Path | None,
+            "--judge-rubric-file",
+            help="The judge's rubric, from a file.",
+            panel=REWARD_PANEL,
+        ),
+        _option(
+            "judge_url",
+            str | None,
+            "--judge-url",
+            help="The judge's OpenAI-compatible endpoint (its key from $AGENTBOLT_JUDGE_API_KEY).",
+            panel=REWARD_PANEL,
+        ),
+        _option(
+            "judge_model", str | None, "--judge-model", help="The judge's model name.", panel=REWARD_PANEL
+        ),
+        _option(
+            "group_judge",
+            bool | None,
+            "--group-judge",
+            help="The judge sees each group's runs together and scores them against each other.",
+            panel=REWARD_PANEL,
+        ),
+        _option(
+            "review",
+            list[str] | None,
+            "--review",
+            help="NAME[:LOW-HIGH]: rollouts await a person's score (default 1-5, integer bounds:"
+            " whole steps), given in the dashboard or with agentbolt review (repeatable).",
+            panel=REWARD_PANEL,
+        ),
+    ]
+
+
 def _parameters(section: _Section) -> list[inspect.Parameter]:
     return [_parameter(section, s) for s in section.schema.settings.values() if s.key != "env"]
 
@@ -263,6 +318,8 @@ def _metavar(setting: Setting) -> str | None:
     """What a flag takes, in words: the type without ``None`` (``none`` is always accepted)."""
     if setting.is_bool:
         return None
+    if setting.key == "reward":
+        return "NAME|NAME=W,..."
     members = [m for m in union_members(setting.kind) if m is not type(None)]
     if typing.get_origin(setting.kind) is typing.Literal:
         return "|".join(map(str, typing.get_args(setting.kind)))
@@ -272,7 +329,10 @@ def _metavar(setting: Setting) -> str | None:
 def _train(name: str, cls: type, sections: list[_Section], params: dict[str, Any]) -> None:
     try:
         values = _settings(sections, params)
-        algorithm = cls(**sections[0].schema.kwargs(values[None]))
+        evaluators = _evaluators(params)
+        algorithm = cls(
+            **sections[0].schema.kwargs(values[None]), **({"evaluators": evaluators} if evaluators else {})
+        )
         agent = _agent(params, values.get("program", {}))
     except ConfigError as exc:
         raise fail(str(exc)) from None
@@ -356,3 +416,60 @@ def _agent(params: dict[str, Any], program: dict[str, Any]) -> Any:
     from agentbolt.runner.program import Program
 
     return Program(command, **program)
+
+
+def _evaluators(params: dict[str, Any]) -> list[Any]:
+    """The evaluators the reward flags ask for: a judge (with a rubric), reviews."""
+    found: list[Any] = [_review(spec) for spec in params.get("review") or []]
+    judge = _judge(params)
+    return [judge, *found] if judge is not None else found
+
+
+def _judge(params: dict[str, Any]) -> Any:
+    rubric, path = params.get("judge_rubric"), params.get("judge_rubric_file")
+    if rubric is not None and path is not None:
+        raise ConfigError("give the judge's rubric once: --judge-rubric TEXT or --judge-rubric-file PATH")
+    if path is not None:
+        if not Path(path).is_file():
+            raise ConfigError(f"--judge-rubric-file: {path} does not exist")
+        rubric = Path(path).read_text()
+    if rubric is None:
+        if params.get("judge_url") or params.get("judge_model") or params.get("group_judge"):
+            raise ConfigError("--judge-url, --judge-model and --group-judge need a rubric (--judge-rubric)")
+        return None
+    if not rubric.strip():
+        raise ConfigError("the judge's rubric is empty")
+    if not params.get("judge_url") or not params.get("judge_model"):
+        raise ConfigError("a judge needs --judge-url (OpenAI-compatible endpoint) and --judge-model")
+    from agentbolt.evaluators.judge import GroupJudge, JudgeModel, PointwiseJudge
+
+    key = os.environ.get("AGENTBOLT_JUDGE_API_KEY")
+    model = JudgeModel(params["judge_url"], params["judge_model"], api_key=key)
+    return GroupJudge(rubric, model) if params.get("group_judge") else PointwiseJudge(rubric, model)
+
+
+_REVIEW = re.compile(r"^([^:]+)(?::(-?\d+(?:\.\d+)?)-(-?\d+(?:\.\d+)?))?$")
+
+
+def _review(spec: str) -> Any:
+    """``--review human`` (1-5 stars) or ``--review NAME:LOW-HIGH`` (whole steps when both
+    bounds are integers, any number between them otherwise)."""
+    from pydantic import ValidationError
+
+    from agentbolt.evaluators import HumanReview
+    from agentbolt.schemas import RewardScale
+
+    match = _REVIEW.match(spec.strip())
+    if match is None:
+        raise ConfigError(f"--review {spec!r}: expected NAME or NAME:LOW-HIGH, e.g. human:1-5")
+    name, low, high = match.groups()
+    if low is None:
+        return HumanReview(name)
+    whole = "." not in low + high
+    try:
+        scale = RewardScale(low=float(low), high=float(high), step=1.0 if whole else None)
+    except ValidationError as exc:
+        raise ConfigError(
+            f"--review {spec!r}: {exc.errors()[0]['msg'].removeprefix('Value error, ')}"
+        ) from None
+    return HumanReview(name, scale=scale)

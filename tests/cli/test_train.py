@@ -56,7 +56,8 @@ def test_the_generated_options_are_the_dataclass_fields(name: str) -> None:
     cls = algorithm_class(name)
     schema = dataclass_schema(cls)
     assert set(schema.settings) | set(schema.python_only) == _expected_keys(cls)
-    assert schema.python_only == (("policy",) if name == "sft" else ())
+    # the evaluators come from the reward flags (--judge-rubric, --review), not a generated one
+    assert schema.python_only == (("evaluators", "policy") if name == "sft" else ("evaluators",))
     defaults = cls()
     for key, setting in schema.settings.items():
         parent, _, inner = key.rpartition(".")
@@ -71,7 +72,9 @@ def test_the_generated_options_are_the_dataclass_fields(name: str) -> None:
 
 def test_the_trainer_options_are_its_parameters() -> None:
     schema = trainer_schema()
-    params = set(inspect.signature(Trainer.__init__).parameters) - {"self", "algorithm"}
+    # the reward settings are given as the algorithm's flags, not twice
+    rewards = {"reward", "evaluators", "reward_wait"}
+    params = set(inspect.signature(Trainer.__init__).parameters) - {"self", "algorithm", *rewards}
     assert set(schema.settings) | set(schema.python_only) == params
     assert schema.python_only == ("console",)
     for key, setting in schema.settings.items():
@@ -337,3 +340,58 @@ def test_train_help_lists_the_algorithms_without_loading_torch() -> None:
     modules = loaded(done.stderr)
     assert "typer" in modules  # the import log was parsed
     assert not modules & set(HEAVY), modules & set(HEAVY)
+
+
+# ---------------------------------------------------------------------------- reward flags
+
+
+def test_reward_flags_give_the_choice_the_wait_and_reviews(tmp_path: Path) -> None:
+    from agentbolt.cli.train import _evaluators
+
+    values = _resolved("grpo", "--reward", "agent=0.5,judge=0.5", "--reward-wait", "30")
+    grpo = algorithm_class("grpo")(**dataclass_schema(algorithm_class("grpo")).kwargs(values[None]))
+    assert grpo.reward == {"agent": 0.5, "judge": 0.5} and grpo.reward_wait == 30.0
+    config = tmp_path / "c.toml"
+    config.write_text('reward = "human"\n')
+    assert _resolved("sft", "--config", str(config))[None] == {"reward": "human"}
+    args = ["--review", "human", "--review", "thumbs:0-1", "--review", "quality:0.0-10"]
+    params = _algorithm_command("sft").make_context("sft", args).params
+    scales = [(e.name, e.automatic, e.scale.low, e.scale.high, e.scale.step) for e in _evaluators(params)]
+    assert scales == [
+        ("human", False, 1.0, 5.0, 1.0),
+        ("thumbs", False, 0.0, 1.0, 1.0),
+        ("quality", False, 0.0, 10.0, None),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--reward", "agent=half"], "--reward: 'agent=half' must look like NAME=WEIGHT"),
+        (["--reward", "my reward"], "reward: 'my reward' is not a reward name"),
+        (["--reward-wait", "-1"], "reward_wait must be >= 0 seconds"),
+        (["--review", "human:5-1"], "--review 'human:5-1': a scale needs high > low"),
+        (["--review", "human:1-"], "expected NAME or NAME:LOW-HIGH"),
+        (["--review", "agent"], "'agent' names the rollout's own reward"),
+        (["--review", "h", "--review", "h"], "two evaluators give the same reward name"),
+        (["--judge-url", "http://127.0.0.1:9/v1"], "need a rubric (--judge-rubric)"),
+        (["--judge-rubric", "Is it right?"], "a judge needs --judge-url"),
+        (["--judge-rubric-file", "/nonexistent/rubric.txt"], "does not exist"),
+    ],
+)
+def test_bad_reward_flags_are_one_line(tmp_path: Path, args: list[str], words: str) -> None:
+    assert words in _bad(tmp_path, "sft", *args)
+
+
+def test_an_evaluation_awaiting_a_review_shows_it_pending_not_zero(tmp_path: Path) -> None:
+    """Rollouts await a person's score that nobody gives: the mean is '-' and both are counted
+    pending (the agent's own rewards, 0.5 and 1.0, are not what is read)."""
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"id": "a", "q": "x", "reward": 0.5}\n{"id": "b", "q": "y", "reward": 1.0}\n')
+    run_dir = tmp_path / "run"
+    args = ["--agent", f"{AGENTS}:echo", "--val", str(tasks), "--run-dir", str(run_dir), "--runners", "1"]
+    done = cli("train", "evaluate", *args, "--review", "human", "--reward", "human", timeout=180)
+    assert done.returncode == 0, done.stderr
+    [row] = [line for line in done.stdout.splitlines() if "│ val" in line]
+    cells = [cell.strip() for cell in row.split("│")]
+    assert cells[1:8] == ["val", "2", "2", "0", "-", "2", "0"], done.stdout
