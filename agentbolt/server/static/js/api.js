@@ -1,4 +1,5 @@
-// The server's HTTP API, read-only, with the bearer token kept in localStorage.
+// The server's HTTP API with the bearer token kept in localStorage: reads, and the one write
+// the dashboard makes (a reviewer's score, sent with an Idempotency-Key).
 
 const TOKEN_KEY = "agentbolt.token";
 const TIMEOUT_MS = 15000;
@@ -55,10 +56,31 @@ export function query(params) {
 }
 
 /** GET ``/api{path}`` and return its JSON. ``token`` overrides the stored one (to test it). */
-export async function get(path, params, { signal, token } = {}) {
+export function get(path, params, { signal, token } = {}) {
+  return request("GET", path, params, undefined, { signal, token });
+}
+
+/**
+ * POST ``body`` as JSON to ``/api{path}`` and return the answer's JSON. ``idempotencyKey`` is
+ * sent as the Idempotency-Key header: the server answers a repeat of the key with the first
+ * result, so a retried or double-clicked write is stored once.
+ */
+export function post(path, body, { signal, idempotencyKey } = {}) {
+  return request("POST", path, null, body, { signal, idempotencyKey });
+}
+
+/** A random key for one logical write (crypto.randomUUID needs a secure context; this does not). */
+export function newKey() {
+  const bytes = crypto.getRandomValues(new Uint8Array(16));
+  return Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("");
+}
+
+async function request(method, path, params, body, { signal, token, idempotencyKey } = {}) {
   const sent = token ?? getToken();
   const headers = { accept: "application/json" };
   if (sent) headers.authorization = `Bearer ${sent}`;
+  if (body !== undefined) headers["content-type"] = "application/json";
+  if (idempotencyKey) headers["idempotency-key"] = idempotencyKey;
   // One signal for "navigated away" and "took too long" (AbortSignal.any is too recent to rely on).
   const controller = new AbortController();
   let timedOut = false;
@@ -72,7 +94,9 @@ export async function get(path, params, { signal, token } = {}) {
   let response;
   let text;
   try {
-    response = await fetch(`/api${path}${query(params)}`, { headers, signal: controller.signal, cache: "no-store" });
+    const init = { method, headers, signal: controller.signal, cache: "no-store" };
+    if (body !== undefined) init.body = JSON.stringify(body);
+    response = await fetch(`/api${path}${query(params)}`, init);
     text = await response.text();
   } catch (err) {
     if (signal?.aborted) throw err; // navigation cancelled it: not a connection problem
@@ -81,17 +105,26 @@ export async function get(path, params, { signal, token } = {}) {
     clearTimeout(timer);
     signal?.removeEventListener("abort", cancel);
   }
-  let body = null;
+  let parsed = null;
   try {
-    body = text ? JSON.parse(text) : null;
+    parsed = text ? JSON.parse(text) : null;
   } catch {
-    body = null;
+    parsed = null;
   }
-  if (response.ok) return body;
-  const message = body?.error?.message || body?.detail || response.statusText || `HTTP ${response.status}`;
+  if (response.ok) return parsed;
+  const message = errorMessage(parsed) || response.statusText || `HTTP ${response.status}`;
   if (response.status === 401) throw new AuthError(message, Boolean(sent));
   if (response.status >= 502 && response.status <= 504) throw new NetworkError(`The server is unavailable (HTTP ${response.status}).`);
-  throw new ApiError(response.status, message, body?.error?.type);
+  throw new ApiError(response.status, message, parsed?.error?.type);
+}
+
+/** The message of an error body: ours ({"error": {"message"}}) or FastAPI's ({"detail": ...}). */
+function errorMessage(parsed) {
+  if (parsed?.error?.message) return parsed.error.message;
+  const detail = parsed?.detail;
+  if (typeof detail === "string") return detail;
+  if (Array.isArray(detail)) return detail.map((d) => d?.msg || String(d)).join("; ");
+  return "";
 }
 
 /** Every page of a cursor-paginated list, up to ``maxItems``. */

@@ -3,7 +3,8 @@
 // A page module exports {title, load(ctx), view(data, ctx), live?(data), crumbs?(ctx, data),
 // actions?}. load() fetches, view() builds DOM (no listeners), and every 2 s — while the tab
 // is visible, updates are not paused and live() says so — the page is loaded again and the
-// new view is morphed into the old one.
+// new view is morphed into the old one. Actions run on click and change of an element with
+// data-action, and on submit of a form with data-action; ctx.reload() loads the page again now.
 
 import { AuthError, NetworkError, ApiError, get, getToken, setToken } from "./api.js";
 import { installChartInteractions, restoreTooltip } from "./charts.js";
@@ -14,6 +15,7 @@ import rollouts from "./pages/rollouts.js";
 import rolloutDetail from "./pages/rollout.js";
 import training from "./pages/training.js";
 import resources from "./pages/resources.js";
+import review from "./pages/review.js";
 
 const POLL_MS = 2000;
 
@@ -23,6 +25,7 @@ const ROUTES = [
   { re: /^\/rollouts\/([^/?]+)\/?$/, page: rolloutDetail, nav: "rollouts" },
   { re: /^\/training\/?$/, page: training, nav: "training" },
   { re: /^\/resources(?:\/(\d+))?\/?$/, page: resources, nav: "resources" },
+  { re: /^\/review\/?$/, page: review, nav: "review" },
 ];
 
 const $ = (id) => document.getElementById(id);
@@ -63,6 +66,14 @@ function makeCtx(route, match, path, query, previous) {
     state: samePage ? previous.state : {}, // survives query changes (filters, cursors)
     now: () => Date.now() / 1000 + app.skew,
     info: () => app.info,
+    /** Load and show the page again now (after a write), or as soon as the load under way ends. */
+    reload() {
+      if (ctx.loading) ctx.again = true;
+      else if (ctx === app.ctx) {
+        clearTimeout(app.timer);
+        refresh();
+      }
+    },
     /** Change query parameters (null removes one) and navigate. */
     setQuery(updates, { keep = true } = {}) {
       const q = new URLSearchParams(keep ? query : "");
@@ -139,7 +150,10 @@ async function refresh() {
     handleError(ctx, err);
   } finally {
     ctx.loading = false;
-    if (ctx === app.ctx) schedule();
+    if (ctx === app.ctx && ctx.again) {
+      ctx.again = false;
+      refresh();
+    } else if (ctx === app.ctx) schedule();
   }
 }
 
@@ -254,7 +268,8 @@ function renderInfo() {
     ["Server", `v${info.version}`],
     ["Store", info.backend],
     ["Access", info.auth ? (info.role === "reader" ? "read-only token" : `${info.role} token`) : "no auth"],
-  ] : [["Server", "—"]];
+    info.name ? ["Signed in as", info.name] : null,
+  ].filter(Boolean) : [["Server", "—"]];
   replace($("server-info"), h("div", {}, rows.map(([k, v]) => h("div", { class: "info-row" }, h("dt", {}, k), h("dd", {}, v)))));
   $("token-button").hidden = Boolean(info && !info.auth);
 }
@@ -349,14 +364,20 @@ function installHandlers() {
       return;
     }
     const action = e.target.closest("[data-action]");
-    if (action && app.ctx?.page.actions?.[action.dataset.action] && action.tagName !== "SELECT" && action.tagName !== "INPUT") {
+    if (action && app.ctx?.page.actions?.[action.dataset.action] && !["SELECT", "INPUT", "TEXTAREA", "FORM"].includes(action.tagName)) {
       e.preventDefault();
       app.ctx.page.actions[action.dataset.action](action, app.ctx);
     }
   });
   document.addEventListener("change", (e) => {
     const el = e.target.closest("[data-action]");
-    if (el && app.ctx?.page.actions?.[el.dataset.action]) app.ctx.page.actions[el.dataset.action](el, app.ctx);
+    if (el && el.tagName !== "FORM" && app.ctx?.page.actions?.[el.dataset.action]) app.ctx.page.actions[el.dataset.action](el, app.ctx);
+  });
+  document.addEventListener("submit", (e) => {
+    const form = e.target.closest("form[data-action]");
+    if (!form) return;
+    e.preventDefault(); // never a page load: the page's action sends it
+    app.ctx?.page.actions?.[form.dataset.action]?.(form, app.ctx);
   });
   document.querySelector(".skip-link").addEventListener("click", (e) => {
     e.preventDefault();

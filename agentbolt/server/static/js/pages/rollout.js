@@ -1,12 +1,14 @@
 // One rollout: its attempts, a timeline of its events, its turns (one per LLM call, with the
 // step rewards and states the agent gave each), and every event in full — LLM calls with their
-// messages, token counts and latency, rewards, tool calls, exceptions.
+// messages, token counts and latency, rewards, tool calls, exceptions — and its named rewards
+// (the agent's own, a judge's, a person's) with their history.
 
-import { get, getAll } from "../api.js";
+import { ApiError, get, getAll } from "../api.js";
 import { FINAL } from "../data.js";
 import { ago, fmtDuration, fmtFull, fmtInt, fmtMs, fmtNum, fmtTime, h, hrefFor, json, shortId, truncate } from "../dom.js";
 import { badge, card, codeBlock, empty, facts, modeTag, mono, segmented, table } from "../ui.js";
 import { eventBody, eventSummary, eventTiming, llmTokens, signed, turnsOf, TYPE_LABEL, typeOf } from "./events.js";
+import { pendingNames, rewardsCard } from "./rewards.js";
 import { timeline } from "./timeline.js";
 
 const MAX_EVENTS = 5000;
@@ -15,12 +17,30 @@ async function load(ctx) {
   const id = ctx.params[0];
   const path = `/rollouts/${encodeURIComponent(id)}`;
   const opts = { signal: ctx.signal };
-  const [rollout, attempts, events] = await Promise.all([
+  const [rollout, attempts, events, history] = await Promise.all([
     get(path, null, opts),
     get(`${path}/attempts`, null, opts),
     getAll(`${path}/events`, {}, { signal: ctx.signal, maxItems: MAX_EVENTS }),
+    rewardHistory(id, ctx.signal),
   ]);
-  return { rollout, attempts, events: events.items, turns: turnsOf(events.items), truncated: events.truncated, now: ctx.now() };
+  return { rollout, attempts, events: events.items, turns: turnsOf(events.items), truncated: events.truncated, history, now: ctx.now() };
+}
+
+/** Every revision of the rollout's named rewards, oldest first; null if the server has none to give. */
+export async function rewardHistory(id, signal) {
+  try {
+    return await get(`/rollouts/${encodeURIComponent(id)}/rewards`, null, { signal });
+  } catch (err) {
+    if (err instanceof ApiError && err.status !== 401) return null; // the page still shows the rest
+    throw err;
+  }
+}
+
+/** A reviewer's slot links to the review page, where it can be scored or rescored. */
+function reviewLink(rollout) {
+  return (slot) => (slot.source === "reviewer"
+    ? h("p", {}, h("a", { class: "btn btn-sm", href: hrefFor("/review", { rollout: rollout.id, name: slot.name }) }, slot.state === "pending" ? "Score in the review page" : "Rescore in the review page"))
+    : null);
 }
 
 function header(d) {
@@ -37,11 +57,13 @@ function summary(d) {
   const r = d.rollout;
   const end = r.ended_at || (FINAL.has(r.status) ? r.updated_at : d.now);
   const rewardEvents = d.events.filter((e) => e.type === "reward");
+  const named = Object.keys(r.rewards || {}).length;
+  const sub = rewardEvents.length ? `${rewardEvents.length} reward event${rewardEvents.length === 1 ? "" : "s"}` : "no reward events";
   return h("div", { class: "summary" },
     h("div", { class: "summary-reward" },
-      h("div", { class: "stat-label" }, "Reward"),
+      h("div", { class: "stat-label" }, named ? "Agent's reward" : "Reward"),
       h("div", { class: "summary-reward-value", "data-testid": "rollout-reward" }, r.reward === null ? "—" : fmtNum(r.reward, 4)),
-      h("div", { class: "stat-sub" }, rewardEvents.length ? `${rewardEvents.length} reward event${rewardEvents.length === 1 ? "" : "s"}` : "no reward events")),
+      h("div", { class: "stat-sub" }, named ? `${sub} · ${named} named below` : sub)),
     facts([
       ["Created", h("span", { title: fmtFull(r.created_at) }, fmtTime(r.created_at))],
       ["Started", r.started_at ? h("span", { title: fmtFull(r.started_at) }, fmtTime(r.started_at)) : "not yet"],
@@ -118,8 +140,21 @@ function eventsCard(d, ctx) {
   const sel = selectedTypes(ctx);
   const attempt = ctx.query.get("attempt");
   const shown = d.events.filter((e) => (!sel.length || sel.includes(typeOf(e))) && (!attempt || e.attempt_id === attempt));
+  return card("Events", h("div", {},
+    eventFilters(d, ctx, counts),
+    d.truncated ? h("p", { class: "callout" }, `Showing the first ${fmtInt(MAX_EVENTS)} events.`) : null,
+    shown.length ? eventList(d, shown) : empty("No events of this kind", null, h("a", { class: "btn", href: hrefFor(ctx.path) }, "Show all events"), { icon: "search" })), {
+    id: "events", subtitle: `${fmtInt(d.events.length)} events, in time order`,
+  });
+}
+
+/**
+ * The trace: ``shown`` events of the rollout ``d`` ({rollout, attempts, events, turns}) in
+ * order, each with its summary and body (messages, calls, rewards). The review page shows it too.
+ */
+export function eventList(d, shown = d.events) {
   const numbers = new Map(d.attempts.map((a) => [a.id, a.number]));
-  const origin = d.rollout.started_at || d.events[0].timestamp;
+  const origin = d.rollout.started_at || d.events[0]?.timestamp || 0;
   const byId = new Map(d.events.map((e) => [e.id, e]));
   const rewardsFor = new Map();
   for (const e of d.events) {
@@ -130,7 +165,7 @@ function eventsCard(d, ctx) {
     }
   }
   const env = { byId, rewardsFor, turns: d.turns, multiAttempt: d.attempts.length > 1, numbers };
-  const list = h("ol", { class: "events" }, shown.map((e) => h("li", { class: `event ev-${typeOf(e)}`, id: `ev-${e.id}`, "data-key": `ev-${e.id}`, tabindex: "-1" },
+  return h("ol", { class: "events" }, shown.map((e) => h("li", { class: `event ev-${typeOf(e)}`, id: `ev-${e.id}`, "data-key": `ev-${e.id}`, tabindex: "-1" },
     h("div", { class: "event-head" },
       h("span", { class: `ev-type et-${typeOf(e)}` }, TYPE_LABEL[typeOf(e)] || e.type),
       h("span", { class: "event-summary" }, eventSummary(e, env)),
@@ -139,12 +174,6 @@ function eventsCard(d, ctx) {
         eventTiming(e),
         h("time", { class: "mono muted", datetime: new Date(e.timestamp * 1000).toISOString(), title: fmtFull(e.timestamp) }, `+${fmtDuration(Math.max(0, e.timestamp - origin))}`))),
     eventBody(e, env))));
-  return card("Events", h("div", {},
-    eventFilters(d, ctx, counts),
-    d.truncated ? h("p", { class: "callout" }, `Showing the first ${fmtInt(MAX_EVENTS)} events.`) : null,
-    shown.length ? list : empty("No events of this kind", null, h("a", { class: "btn", href: hrefFor(ctx.path) }, "Show all events"), { icon: "search" })), {
-    id: "events", subtitle: `${fmtInt(d.events.length)} events, in time order`,
-  });
 }
 
 function timelineCard(d) {
@@ -221,17 +250,30 @@ function llmStrip(d) {
     h("div", {}, h("span", { class: "strip-label" }, "Model time"), h("span", { class: "strip-value" }, fmtMs(t.latency))));
 }
 
+/** Scroll to the event a button names (data-target) and flash it. */
+export function jump(el) {
+  const target = document.getElementById(el.dataset.target);
+  if (!target) return;
+  if (target.tagName === "DETAILS") target.open = true;
+  target.scrollIntoView({ block: "start", behavior: window.matchMedia("(prefers-reduced-motion: reduce)").matches ? "auto" : "smooth" });
+  target.focus({ preventScroll: true });
+  target.classList.add("flash");
+  setTimeout(() => target.classList.remove("flash"), 1200);
+}
+
 export default {
   title: (ctx, d) => (d ? `Rollout ${shortId(d.rollout.id)}` : "Rollout"),
   crumbs: () => [{ href: "#/rollouts", label: "Rollouts" }],
   load,
-  live: (d) => !d || !FINAL.has(d.rollout.status),
+  // A finished rollout still changes while a named reward is pending (a judge, a person).
+  live: (d) => !d || !FINAL.has(d.rollout.status) || pendingNames(d.rollout).length > 0,
   notFound: (ctx) => empty("Rollout not found", `No rollout has the id “${ctx.params[0]}”.`, h("a", { class: "btn", href: "#/rollouts" }, "Back to rollouts"), { icon: "search" }),
   view(d, ctx) {
     return h("div", { class: "page page-rollout" },
       header(d),
       card(null, h("div", {}, summary(d), llmStrip(d)), { cls: "summary-card" }),
       errorBox(d.rollout),
+      rewardsCard(d.rollout, d.history, { actionFor: reviewLink(d.rollout) }),
       taskCard(d.rollout),
       attemptsCard(d),
       timelineCard(d),
@@ -239,6 +281,7 @@ export default {
       eventsCard(d, ctx));
   },
   actions: {
+    jump,
     type(el, ctx) {
       const value = el.dataset.value;
       const cur = selectedTypes(ctx);
@@ -246,14 +289,5 @@ export default {
       ctx.setQuery({ type: next });
     },
     attempt: (el, ctx) => ctx.setQuery({ attempt: el.value || null }),
-    jump(el) {
-      const target = document.getElementById(el.dataset.target);
-      if (!target) return;
-      if (target.tagName === "DETAILS") target.open = true;
-      target.scrollIntoView({ block: "start", behavior: window.matchMedia("(prefers-reduced-motion: reduce)").matches ? "auto" : "smooth" });
-      target.focus({ preventScroll: true });
-      target.classList.add("flash");
-      setTimeout(() => target.classList.remove("flash"), 1200);
-    },
   },
 };
