@@ -19,7 +19,7 @@ from dashboard_data import awaiting_review
 
 from agentbolt.algorithms.rewards import resolve, wait_for_rewards
 from agentbolt.client import Client
-from agentbolt.schemas import AwaitedReward, RewardCreate, RewardSource, RewardState, Rollout
+from agentbolt.schemas import AwaitedReward, RewardCreate, RewardScale, RewardSource, RewardState, Rollout
 from agentbolt.server import Role, ServerConfig, ServerThread
 
 TOKENS = {"admintok": Role.ADMIN, "readtok": Role.READER, "alicetok": Role.REVIEWER}
@@ -248,3 +248,22 @@ def test_a_reader_sees_no_form_and_a_refused_score_says_why(
     expect(flash).to_contain_text("not a reviewer token, so it cannot score")
     with Client(review_server.url, token="readtok") as client:
         assert client.get_rollout(rid).rewards["human"].state == RewardState.PENDING
+
+
+def test_a_scale_without_steps_takes_a_number_checked_before_it_is_sent(
+    open_page: Any, review_server: ServerThread
+) -> None:
+    [rid] = awaiting_review(review_server.url, "admintok", ANSWERS[:1], name="quality", scale=RewardScale())
+    page = open_page(token="alicetok")
+    page.goto(f"{review_server.url}/#/review?name=quality")
+    _selected(page, rid)
+    field = page.get_by_test_id("score-form-quality").get_by_label("Score", exact=True)
+    field.fill("1.5")
+    field.press("Enter")
+    expect(page.get_by_test_id("review-flash")).to_contain_text("Score 1.5 is outside the scale 0 to 1.")
+    field.fill("0.7")
+    field.press("Enter")
+    expect(page.get_by_test_id("review-flash")).to_contain_text("Scored 0.7 for “quality”")
+    with Client(review_server.url, token="readtok") as reader:
+        slot = reader.get_rollout(rid).rewards["quality"]
+    assert (slot.score, slot.value, slot.author, slot.revision) == (0.7, 0.7, "alice", 1)

@@ -43,13 +43,13 @@ async function loadRollout(id, ctx) {
 // ------------------------------------------------------------------ form state
 
 /** Per form (rollout and reward name): the key, the score picked, the comment, in flight or not. */
-function formState(ctx, rolloutId, name, revision) {
+function formState(ctx, rolloutId, name, revision, scale) {
   ctx.state.forms ||= new Map();
   const id = `${rolloutId}|${name}`;
   let st = ctx.state.forms.get(id);
   if (!st || st.revision !== revision) {
     // A new revision (ours or someone else's): a new form, with a key of its own.
-    st = { id, rolloutId, name, revision, key: newKey(), picked: null, comment: st?.comment ?? "", busy: false };
+    st = { id, rolloutId, name, revision, scale, key: newKey(), picked: null, comment: st?.comment ?? "", busy: false };
     ctx.state.forms.set(id, st);
   }
   return st;
@@ -73,7 +73,7 @@ function steps(scale) {
 }
 
 /** Why ``score`` is not on ``scale`` (the same rule the server applies), or null. */
-export function offScale(score, scale) {
+function offScale(score, scale) {
   if (!Number.isFinite(score)) return "Enter a number.";
   if (score < scale.low || score > scale.high) return `Score ${fmtNum(score, 6)} is outside the scale ${scaleText(scale)}.`;
   if (scale.step) {
@@ -119,7 +119,7 @@ function flashBox(ctx) {
 }
 
 function scoreForm(slot, rollout, ctx) {
-  const st = formState(ctx, rollout.id, slot.name, slot.revision);
+  const st = formState(ctx, rollout.id, slot.name, slot.revision, slot.scale);
   const choices = steps(slot.scale);
   const fid = `score-${slot.name}`;
   const rescore = slot.revision > 0;
@@ -197,19 +197,13 @@ function setBusy(form, busy) {
   for (const el of form.querySelectorAll("button, input, textarea")) el.disabled = busy;
 }
 
-function slotOf(ctx, st) {
-  const r = ctx.data?.selected?.rollout;
-  return r && r.id === st.rolloutId ? r.rewards?.[st.name] || null : null;
-}
-
 async function submit(form, ctx) {
   const st = findForm(ctx, form.dataset.form);
   if (!st || st.busy) return; // a second click while the first is on its way sends nothing new
-  const slot = slotOf(ctx, st);
   const raw = form.elements.score ? form.elements.score.value : st.picked;
   if (raw === null || raw === "") return flash(ctx, { kind: "error", title: "No score", text: "Pick a score first." });
   const score = Number(raw);
-  const problem = slot ? offScale(score, slot.scale) : null;
+  const problem = offScale(score, st.scale);
   if (problem) return flash(ctx, { kind: "error", title: "Not on the scale", text: problem });
   const comment = form.elements.comment?.value.trim() || null;
   st.busy = true;
