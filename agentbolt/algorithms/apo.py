@@ -97,8 +97,9 @@ class APOResult:
     """The version published at the end with the best prompt (the latest when the run ended)."""
     seed_prompt: str
     seed_version: int
-    seed_val: float
-    best_val: float
+    seed_val: float | None
+    """None when no validation run of the seed was scored (every reward pending or in error)."""
+    best_val: float | None
     history: list[Candidate]
     front: list[int]
     """Versions of the final beam, or of the final Pareto front."""
@@ -448,8 +449,8 @@ class _Search:
             published_version=published,
             seed_prompt=seed.prompt,
             seed_version=seed.version,
-            seed_val=seed.val or 0.0,
-            best_val=best.val or 0.0,
+            seed_val=seed.val,
+            best_val=best.val,
             history=list(self.pool),
             front=[c.version for c in front],
             stats=self.stats,
@@ -470,9 +471,7 @@ def _table(strategy: str) -> Table:
 def _report(console: Console, result: APOResult, table: Table | None) -> None:
     if table is not None:
         console.print(table)
-    title = (
-        f"best prompt: version {result.best_version}, val {result.best_val:.3f} (seed {result.seed_val:.3f})"
-    )
+    title = f"best prompt: version {result.best_version}, val {_fmt(result.best_val)} (seed {_fmt(result.seed_val)})"
     console.print(Panel(result.best_prompt, title=title))
     seed, best = result.seed_prompt.splitlines(), result.best_prompt.splitlines()
     diff = "\n".join(difflib.unified_diff(seed, best, "seed", "best", lineterm=""))
