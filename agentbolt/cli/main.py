@@ -16,6 +16,7 @@ from rich.table import Table
 from agentbolt.cli.common import DEFAULT_SERVER, ServerOpt, TokenOpt, console, err_console, load_tasks
 from agentbolt.cli.demo import demo_command
 from agentbolt.cli.export import export_app
+from agentbolt.cli.judge import judge_command
 from agentbolt.cli.review import review_command
 from agentbolt.cli.train import train_app
 from agentbolt.engine.cli import model_app
@@ -30,6 +31,7 @@ app.add_typer(model_app, name="model")
 app.add_typer(export_app, name="export")
 app.command("demo")(demo_command)
 app.command("review")(review_command)
+app.command("judge")(judge_command)
 app.add_typer(train_app, name="train")
 
 

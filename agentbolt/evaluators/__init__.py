@@ -2,6 +2,7 @@
 model judge (pointwise or group-relative), or a person. See ``docs/evaluators.md``."""
 
 from agentbolt.evaluators.base import Evaluator, FunctionEvaluator, HumanReview, Judgement
+from agentbolt.evaluators.judge import GroupJudge, JudgeBudget, JudgeModel, PointwiseJudge
 from agentbolt.evaluators.record import CallRecord, RolloutRecord, record_of, transcript
 from agentbolt.evaluators.run import EvaluationReport, evaluate_rollouts
 
@@ -10,8 +11,12 @@ __all__ = [
     "EvaluationReport",
     "Evaluator",
     "FunctionEvaluator",
+    "GroupJudge",
     "HumanReview",
+    "JudgeBudget",
+    "JudgeModel",
     "Judgement",
+    "PointwiseJudge",
     "RolloutRecord",
     "evaluate_rollouts",
     "record_of",

@@ -174,6 +174,8 @@ class JudgeBudget:
         self.max_calls, self.max_tokens = max_calls, max_tokens
         self.calls = 0
         self.tokens = 0
+        self.refused = 0
+        """Calls not made because they would have exceeded the budget."""
         self._reserved = 0
         self._lock = threading.Lock()
 
@@ -186,6 +188,7 @@ class JudgeBudget:
             over_calls = self.max_calls is not None and self.calls + 1 > self.max_calls
             planned = self.tokens + self._reserved + estimate
             if over_calls or (self.max_tokens is not None and planned > self.max_tokens):
+                self.refused += 1
                 raise BudgetExhausted(self.exhausted())
             self.calls += 1
             self._reserved += estimate

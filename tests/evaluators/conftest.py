@@ -1,15 +1,26 @@
-"""What the evaluator tests share: rollouts and events made by hand, and a record of a
-conversation of any length."""
+"""What the evaluator tests share: rollouts and events made by hand, a record of a conversation
+of any length, an in-memory reward writer, and the recorded hosted-judge double over HTTP."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import http.server
+import json
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
+import pytest
+
+from agentbolt.client import Client
 from agentbolt.errors import Conflict
 from agentbolt.evaluators import RolloutRecord, record_of
 from agentbolt.schemas import (
+    AttemptStatus,
+    AwaitedReward,
     Event,
+    EventCreate,
     Mode,
     RewardCreate,
     RewardScale,
@@ -17,9 +28,11 @@ from agentbolt.schemas import (
     RewardSource,
     RewardState,
     Rollout,
+    RolloutCreate,
     RolloutStatus,
     Task,
 )
+from agentbolt.server import Role, ServerConfig, ServerThread
 
 
 def make_rollout(
@@ -114,3 +127,92 @@ def slot(name: str, state: RewardState, revision: int) -> RewardSlot:
         revision=revision,
         updated_at=0.0,
     )
+
+
+RECORDED: dict[str, Any] = json.loads((Path(__file__).parent / "recorded" / "openai_chat.json").read_text())
+
+
+class _ReplayHandler(http.server.BaseHTTPRequestHandler):
+    server: _ReplayServer
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)))
+        self.server.requests.append(
+            {"path": self.path, "headers": {k.lower(): v for k, v in self.headers.items()}, "body": body}
+        )
+        answers = self.server.answers
+        answer = answers[min(len(self.server.requests), len(answers)) - 1]
+        payload = json.dumps(answer["body"]).encode()
+        self.send_response(answer["status"])
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+class _ReplayServer(http.server.ThreadingHTTPServer):
+    answers: list[dict[str, Any]]
+    requests: list[dict[str, Any]]
+    base_url: str
+
+
+@contextmanager
+def recorded_judge_server(*names: str) -> Iterator[_ReplayServer]:
+    """The recorded hosted-judge double over real HTTP on 127.0.0.1: answers the recorded
+    OpenAI-style answers ``names`` in order (the last again when they run out) and keeps the
+    requests; ``.base_url`` ends with ``/v1``."""
+    server = _ReplayServer(("127.0.0.1", 0), _ReplayHandler)
+    server.answers, server.requests = [RECORDED[n] for n in names], []
+    server.base_url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+# ---------------------------------------------------------------------------- the real server
+
+ADMIN, EVALUATOR = "admin-token", "evaluator-token"
+
+
+@pytest.fixture
+def served(tmp_path) -> Iterator[ServerThread]:
+    config = ServerConfig(
+        db=str(tmp_path / "store.db"), tokens={ADMIN: Role.ADMIN, EVALUATOR: Role.EVALUATOR}
+    )
+    with ServerThread(config) as server:
+        yield server
+
+
+def run_rollouts(
+    client: Client, answers: Sequence[str | None], awaited: list[AwaitedReward], group_id: str | None = None
+) -> list[Rollout]:
+    """One rollout per answer, run by hand: a model call answering it, then succeeded (None:
+    the attempt fails)."""
+    items = [
+        RolloutCreate(
+            task=Task(data={"question": "2+2?"}), await_rewards=awaited, group_id=group_id, max_attempts=1
+        )
+        for _ in answers
+    ]
+    rollouts = client.enqueue(items)
+    for answer in answers:
+        claim = client.dequeue("worker-1")
+        assert claim is not None
+        if answer is None:
+            client.finish(claim.attempt.id, AttemptStatus.FAILED, error="crashed")
+            continue
+        call = {
+            "endpoint": "chat.completions",
+            "request": {"messages": [{"role": "user", "content": "2+2?"}]},
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": answer}}],
+        }
+        client.add_events(claim.attempt.id, [EventCreate(sequence=0, type="llm_call", data=call)])
+        client.finish(claim.attempt.id, AttemptStatus.SUCCEEDED)
+    return client.wait([r.id for r in rollouts], timeout=10).rollouts

@@ -15,7 +15,6 @@ import json
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -34,9 +33,8 @@ from agentbolt.evaluators.judge import (
     parse_pointwise,
 )
 from agentbolt.schemas import RewardState
-from tests.evaluators.conftest import MemoryWriter, conversation_record, llm_event, make_rollout
+from tests.evaluators.conftest import RECORDED, MemoryWriter, conversation_record, llm_event, make_rollout
 
-RECORDED = json.loads((Path(__file__).parent / "recorded" / "openai_chat.json").read_text())
 URL = "https://api.openai.com/v1"
 KEY = "sk-test-secret-key"
 RUBRIC = "The run answers the arithmetic question correctly, using the calculator when it helps."
