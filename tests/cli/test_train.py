@@ -4,12 +4,15 @@ config files (TOML, YAML) under flags, one clear message for each bad config, an
 from __future__ import annotations
 
 import dataclasses
+import http.server
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -395,3 +398,117 @@ def test_an_evaluation_awaiting_a_review_shows_it_pending_not_zero(tmp_path: Pat
     [row] = [line for line in done.stdout.splitlines() if "│ val" in line]
     cells = [cell.strip() for cell in row.split("│")]
     assert cells[1:8] == ["val", "2", "2", "0", "-", "2", "0"], done.stdout
+
+
+def test_judge_flags_make_a_pointwise_or_group_judge(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from agentbolt.cli.train import _evaluators
+    from agentbolt.evaluators.judge import GroupJudge, PointwiseJudge
+
+    monkeypatch.setenv("AGENTBOLT_JUDGE_API_KEY", "sk-judge")
+    rubric = tmp_path / "rubric.txt"
+    rubric.write_text("A good answer is short.")
+    base = ["--judge-url", "http://127.0.0.1:9/v1", "--judge-model", "m"]
+    params = (
+        _algorithm_command("grpo").make_context("grpo", [*base, "--judge-rubric-file", str(rubric)]).params
+    )
+    [judge] = _evaluators(params)
+    assert (
+        isinstance(judge, PointwiseJudge)
+        and judge.name == "judge"
+        and judge.rubric == "A good answer is short."
+    )
+    assert (judge.model.base_url, judge.model.model, judge.model.api_key) == (
+        "http://127.0.0.1:9/v1",
+        "m",
+        "sk-judge",
+    )
+    args = [*base, "--judge-rubric", "Rank them.", "--group-judge", "--review", "human"]
+    group, human = _evaluators(_algorithm_command("grpo").make_context("grpo", args).params)
+    assert isinstance(group, GroupJudge) and group.name == "group_judge" and human.name == "human"
+
+
+def _share_of_a(text: str) -> float:
+    letters = [c for c in text.lower() if c.isalpha()]
+    return letters.count("a") / len(letters) if letters else 0.0
+
+
+class _GroupJudgeDouble(http.server.BaseHTTPRequestHandler):
+    """TEST DOUBLE for a hosted group judge (not a model): answers each chat request with one
+    line per numbered run, the share of 'a' among that run's transcript letters."""
+
+    requests: list[int] = []
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        runs = re.split(r"=== RUN \d+ ===\n", body["messages"][1]["content"])[1:]
+        type(self).requests.append(len(runs))
+        shares = [_share_of_a(run) for run in runs]
+        text = "\n".join(f"{i}: {s:.3f}" for i, s in enumerate(shares, 1)) + "\nREASON: more a's is better"
+        answer = {
+            "id": "j",
+            "object": "chat.completion",
+            "created": 0,
+            "model": body["model"],
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+            ],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
+        }
+        data = json.dumps(answer).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+SILENT_AGENT = """
+import openai
+from agentbolt import LitAgent
+
+
+class Silent(LitAgent):
+    async def execute_rollout(self, task):
+        llm = self.get_resource("llm")
+        async with openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key or "x", max_retries=0) as c:
+            await c.chat.completions.create(
+                model=llm.model, messages=[{"role": "user", "content": task.data["q"]}], max_tokens=8
+            )
+
+
+agent = Silent()
+"""
+
+
+def test_grpo_trains_on_a_group_judge_from_the_command_line(tmp_path: Path) -> None:
+    """An agent with no reward, a group judge (a recorded-style double on 127.0.0.1) ranking each
+    group's runs, GRPO trained on its reward: every sample is used, none pending."""
+    from agentbolt.engine import tiny_model_dir
+    from agentbolt.server.run import free_port
+
+    tiny = str(tiny_model_dir(tmp_path / "tiny"))
+    (tmp_path / "silent.py").write_text(SILENT_AGENT)
+    tasks = tmp_path / "tasks.json"
+    tasks.write_text(json.dumps([{"id": f"t{i}", "q": f"say {i}"} for i in range(2)]))
+    _GroupJudgeDouble.requests = []
+    port = free_port()
+    judge = http.server.ThreadingHTTPServer(("127.0.0.1", port), _GroupJudgeDouble)
+    threading.Thread(target=judge.serve_forever, daemon=True).start()
+    run_dir = tmp_path / "run"
+    args = ["--agent", "silent.py:agent", "--train", str(tasks), "--model", tiny, "--steps", "1"]
+    args += ["--tasks-per-step", "2", "--group-size", "3", "--engine-dtype", "float32", "--no-bf16"]
+    args += ["--no-plot", "--no-validate-before", "--runner-concurrency", "4", "--run-dir", str(run_dir)]
+    args += ["--judge-rubric", "More a's is better.", "--group-judge", "--judge-model", "double"]
+    args += ["--judge-url", f"http://127.0.0.1:{port}/v1", "--reward", "group_judge"]
+    try:
+        done = cli("train", "grpo", *args, cwd=tmp_path, timeout=400)
+    finally:
+        judge.shutdown()
+    assert done.returncode == 0, done.stdout + done.stderr
+    [step] = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert (step["samples"], step["reward_pending"], step["reward_errors"]) == (6, 0, 0)
+    assert step["train_tokens"] > 0
+    assert _GroupJudgeDouble.requests == [3, 3]  # one call per group, its 3 runs together
