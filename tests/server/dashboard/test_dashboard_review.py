@@ -1,12 +1,14 @@
 """Human scoring in the dashboard, end to end in headless Chromium against a real server: a
 person holding a reviewer token scores three rollouts in the review page while an algorithm
 waits for those scores (``wait_for_rewards``, then ``resolve``, from agentbolt.algorithms.rewards)
-and gets them; a rescore keeps the history; a score given meanwhile is refused with who gave it;
+and gets them; SFT (reward="human", reward_wait) waits for a person's scores of its batch, given
+in the page, and keeps the runs the person passed; a rescore keeps the history; a score given meanwhile is refused with who gave it;
 a read-only token gets no form, and a refused score says why. The rollout page shows every
 named reward with its source, state, scale, a judge's reason, calls and cut, and its history."""
 
 from __future__ import annotations
 
+import io
 import re
 import threading
 from collections.abc import Iterator
@@ -16,11 +18,25 @@ from typing import Any
 import pytest
 from dashboard_browser import assert_contrast, expect, shoot
 from dashboard_data import awaiting_review
+from rich.console import Console
 
+from agentbolt import Trainer
 from agentbolt.algorithms.rewards import resolve, wait_for_rewards
 from agentbolt.client import Client
-from agentbolt.schemas import AwaitedReward, RewardCreate, RewardScale, RewardSource, RewardState, Rollout
+from agentbolt.evaluators import HumanReview
+from agentbolt.runner.worker import Runner
+from agentbolt.schemas import (
+    AwaitedReward,
+    Mode,
+    RewardCreate,
+    RewardScale,
+    RewardSource,
+    RewardState,
+    Rollout,
+)
 from agentbolt.server import Role, ServerConfig, ServerThread
+from tests.algorithms.test_reward_training import BINARY, _sft, _sft_tasks
+from tests.algorithms.test_sft import scripted
 
 TOKENS = {"admintok": Role.ADMIN, "readtok": Role.READER, "alicetok": Role.REVIEWER}
 NAMES = {"alicetok": "alice"}
@@ -267,3 +283,64 @@ def test_a_scale_without_steps_takes_a_number_checked_before_it_is_sent(
     with Client(review_server.url, token="readtok") as reader:
         slot = reader.get_rollout(rid).rewards["quality"]
     assert (slot.score, slot.value, slot.author, slot.revision) == (0.7, 0.7, "alice", 1)
+
+
+def test_sft_trains_on_the_scores_a_reviewer_gives_in_the_review_page(
+    open_page: Any, review_server: ServerThread, tmp_path: Path
+) -> None:
+    """SFT (reward="human", reward_wait) runs a batch of 8 rollouts of a scripted agent and waits;
+    a person scores each in the review page, the opposite of the agent's own reward; SFT then
+    keeps the runs the person passed, not those the agent rewarded."""
+    algo = _sft(rounds=1, reward="human", evaluators=[HumanReview("human", BINARY)], reward_wait=120)
+    trainer = Trainer(
+        algo,
+        n_runners=0,
+        server_url=review_server.url,
+        token="admintok",
+        run_dir=tmp_path / "run",
+        console=Console(file=io.StringIO()),
+    )
+    runner = Runner(scripted, review_server.url, token="admintok", concurrency=4)
+    running = threading.Thread(target=runner.run_sync, kwargs={"install_signals": False}, daemon=True)
+    results: list[Any] = []
+    training = threading.Thread(
+        target=lambda: results.append(trainer.fit(scripted, _sft_tasks())), daemon=True
+    )
+    running.start()
+    training.start()
+    try:
+        page = open_page(token="alicetok")
+        page.goto(f"{review_server.url}/#/review")
+        selected = page.get_by_test_id("review-selected")
+        done: list[str] = []
+        with Client(review_server.url, token="readtok") as reader:
+            for _ in range(8):
+                expect(selected).to_be_visible(timeout=60_000)
+                for rid in done[-1:]:
+                    expect(selected).not_to_have_attribute("data-rollout", rid, timeout=15_000)
+                rid = selected.get_attribute("data-rollout")
+                assert rid is not None and rid not in done
+                score = 1 - reader.get_rollout(rid).task.data["reward"]  # the agent's reward, inverted
+                _score(page, score, "")
+                expect(page.get_by_test_id("review-flash")).to_contain_text(
+                    f"Scored {score} for “human” of {rid}"
+                )
+                done.append(rid)
+        expect(page.get_by_text("Nothing to review")).to_be_visible()
+        training.join(120)
+        assert not training.is_alive() and results
+    finally:
+        runner.stop()
+        running.join(20)
+
+    [first] = results[0].rounds
+    assert (first.rollouts, first.reward_pending, first.kept, first.train_reward) == (8, 0, 4, 0.5)
+    assert first.rows == 2 and first.train is not None  # trained on the runs the person passed
+    with Client(review_server.url, token="readtok") as reader:
+        train = reader.list_rollouts(mode=Mode.TRAIN, limit=100).items
+    assert {(r.task.id, r.rewards["human"].value, r.rewards["human"].author) for r in train} == {
+        ("t0", 1.0, "alice"),
+        ("t1", 0.0, "alice"),
+        ("t2", 1.0, "alice"),
+        ("t3", 0.0, "alice"),
+    }
