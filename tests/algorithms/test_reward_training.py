@@ -16,12 +16,14 @@ from rich.console import Console
 
 from agentbolt import LitAgent, Task, Trainer
 from agentbolt.algorithms.apo_optimizer import score_of
+from agentbolt.algorithms.base import Algorithm, TrainContext
 from agentbolt.algorithms.grpo import GRPO
 from agentbolt.algorithms.policy import EnginePolicy
 from agentbolt.algorithms.sft import SFT
 from agentbolt.algorithms.train_state import TrainConfig
 from agentbolt.client import Client
 from agentbolt.engine import tiny_model_dir
+from agentbolt.errors import ConfigError
 from agentbolt.evaluators import FunctionEvaluator, HumanReview, RolloutRecord
 from agentbolt.schemas import LLM, Mode, RewardCreate, RewardScale, Rollout, RolloutStatus
 from agentbolt.server import ServerThread
@@ -287,3 +289,39 @@ def test_a_straggler_or_a_pending_reward_is_no_score_a_failure_is_zero() -> None
     assert score_of(rollout("p", 1.0, slot("human")), "human") is None
     assert score_of(rollout("e", 1.0, slot("human", error=True)), "human") is None
     assert score_of(rollout("ok", 0.0, slot("judge", 0.25)), "judge") == 0.25
+
+
+# ---------------------------------------------------------------------------- Evaluate and Trainer
+
+
+def test_the_trainer_gives_evaluate_a_weighted_reward_and_its_evaluators(tmp_path: Path) -> None:
+    """Trainer(reward=..., evaluators=...) sets the algorithm's own; the mean is the weighted
+    sum of the agent's reward and the function's, a failing function an error left out."""
+    from agentbolt.algorithms.evaluate import Evaluate
+    from tests.sample_agents import echo
+
+    def half_or_raise(record: RolloutRecord) -> float:
+        if record.task.get("bad"):
+            raise ValueError("cannot score this one")
+        return 0.5
+
+    trainer = Trainer(
+        Evaluate(timeout=60),
+        n_runners=1,
+        run_dir=tmp_path,
+        console=Console(file=io.StringIO()),
+        reward={"agent": 0.5, "half": 0.5},
+        evaluators=[FunctionEvaluator(half_or_raise, name="half")],
+    )
+    tasks = [{"id": "a", "reward": 1.0}, {"id": "b", "reward": 0.0}, {"id": "c", "reward": 1.0, "bad": True}]
+    summary = trainer.fit(echo, tasks)
+    # a: 0.5 * 1 + 0.5 * 0.5 = 0.75, b: 0.25, c: its function raised (an error, left out)
+    assert (summary.count, summary.reward_errors, summary.reward_pending) == (3, 1, 0)
+    assert summary.mean_reward == pytest.approx(0.5)
+    with pytest.raises(ConfigError, match="takes no reward settings"):
+        Trainer(_NoRewards(), reward="judge")
+
+
+class _NoRewards(Algorithm):
+    def run(self, ctx: TrainContext) -> None:
+        return None
