@@ -22,14 +22,12 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from agentbolt.adapters import latest_attempt
 from agentbolt.cli.common import DEFAULT_SERVER, ServerOpt, TokenOpt, console, err_console, fail
 from agentbolt.cli.render import render_rollout
 from agentbolt.client import Client, RequestError
 from agentbolt.errors import Conflict, Forbidden, InvalidInput, NotFound
+from agentbolt.evaluators.record import record_of
 from agentbolt.schemas import (
-    Event,
-    EventType,
     RewardCreate,
     RewardScale,
     RewardScore,
@@ -135,22 +133,9 @@ def _show(client: Client, rollout: Rollout) -> None:
     task = json.dumps(rollout.task.data, indent=2, ensure_ascii=False, default=str)
     console.print(Panel(Text(task), title="task", title_align="left"))
     console.print(render_rollout(rollout, attempts, events))
-    answer = final_answer(events)
+    answer = record_of(rollout, events).output
     body = Text(answer) if answer is not None else Text("no model answer recorded", style="dim")
     console.print(Panel(body, title="final answer", title_align="left", border_style="green"))
-
-
-def final_answer(events: list[Event]) -> str | None:
-    """The text of the last model answer of the rollout's latest attempt, if any."""
-    calls = [e for e in latest_attempt(events) if e.type == EventType.LLM_CALL]
-    if not calls:
-        return None
-    choices = calls[-1].data.get("choices") or [{}]
-    message = choices[0].get("message") or {}
-    content = message.get("content") if message else choices[0].get("text")
-    if isinstance(content, str):
-        return content
-    return None if content is None else json.dumps(content, ensure_ascii=False)
 
 
 def _history(revisions: list[RewardScore], name: str) -> Table:

@@ -68,6 +68,7 @@ def test_walks_the_queue_checks_scores_skips_and_stores_each_score_once(
     for answer in ANSWERS:
         assert answer in done.stdout
     assert "What is 17 * 23?" in done.stdout and "final answer" in done.stdout
+    assert "no model answer recorded" not in done.stdout
     # each bad score got one line naming the problem, and was asked again
     assert "score 7.0 is outside the scale 1 to 5" in done.stderr
     assert "'four' is not a number" in done.stderr
