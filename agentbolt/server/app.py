@@ -28,6 +28,7 @@ from agentbolt.server.routes import (
     attempts,
     dashboard,
     events,
+    judge,
     queue,
     resources,
     rewards,
@@ -96,6 +97,7 @@ def _include_routes(
         resources.router(call),
         rewards.router(call),
         gateway_routes.router(gateway),
+        judge.router(gateway),
         otlp_routes.router(OtlpIngest(call, config), config.max_body_bytes),
     ]
     if config.dashboard:

@@ -94,7 +94,7 @@ from agentbolt.server.responses import (
 )
 from agentbolt.server.store_caller import StoreCaller
 
-__all__ = ["Gateway"]
+__all__ = ["Gateway", "upstream_error_body"]
 
 log = logging.getLogger("agentbolt.gateway")
 
@@ -278,16 +278,20 @@ class Gateway:
         url = self._urls.get(key)
         if url is None:
             url = self._urls[key] = httpx.URL(f"{call.llm.base_url.rstrip('/')}/{_PATHS[call.endpoint]}")
+        return self._post_request(url, orjson.dumps(payload), call.key)
+
+    def _post_request(self, url: httpx.URL | str, content: bytes, key: str | None) -> httpx.Request:
         headers = [(b"content-type", b"application/json"), (b"accept", b"application/json")]
-        if call.key:
-            headers.append((b"authorization", f"Bearer {call.key}".encode()))
+        if key:
+            headers.append((b"authorization", f"Bearer {key}".encode()))
         return httpx.Request(
-            "POST",
-            url,
-            content=orjson.dumps(payload),
-            headers=headers,
-            extensions={"timeout": self._timeout.as_dict()},
+            "POST", url, content=content, headers=headers, extensions={"timeout": self._timeout.as_dict()}
         )
+
+    async def post(self, url: str, content: bytes, key: str | None) -> httpx.Response:
+        """POST a JSON body to a model server, unrecorded (the judge proxy's calls), with the
+        gateway's connections, timeouts and retries; the response is streamed: read or close it."""
+        return await self._send(functools.partial(self._post_request, url, content, key))
 
     async def _send_with_fallback(self, call: ForwardedCall, payload: dict[str, Any]) -> httpx.Response:
         """Send; where the upstream's 400 names extras the gateway added, send again without
@@ -528,14 +532,7 @@ class Gateway:
             raw = call.scrub((await upstream.aread()).decode(errors="replace"))
         finally:
             await upstream.aclose()
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            body = None
-        if not (isinstance(body, dict) and isinstance(body.get("error"), dict)):
-            message = (body.get("message") or body.get("detail")) if isinstance(body, dict) else None
-            message = message or raw[:2000]
-            body = openai_error(f"model server error: {message}", "upstream_error", upstream.status_code)
+        body = upstream_error_body(raw, upstream.status_code)
         log.warning("model server answered %d for attempt %s", upstream.status_code, call.target.attempt_id)
         call_id = await self._record(call, self._error_data(call, upstream.status_code, body))
         return json_answer(body, upstream.status_code, call_id)
@@ -579,6 +576,19 @@ class Gateway:
             for m in dict.fromkeys(x.model for x in target.llms.values())
         ]
         return json_answer({"object": "list", "data": data})
+
+
+def upstream_error_body(raw: str, status: int) -> dict[str, Any]:
+    """A model server's error answer as an OpenAI-style error body: its own when it is one,
+    else one carrying its message (or the start of its text)."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        return body
+    message = (body.get("message") or body.get("detail")) if isinstance(body, dict) else None
+    return openai_error(f"model server error: {message or raw[:2000]}", "upstream_error", status)
 
 
 def _sse_chunk(chunk: dict[str, Any]) -> bytes:

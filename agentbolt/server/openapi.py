@@ -88,6 +88,8 @@ def _statuses(path: str, method: str, op: dict[str, Any]) -> set[int]:
             out.add(409)
     if path.startswith("/gateway/"):
         out |= {400, 404, 409, 502, 504}
+    if path.startswith("/judge/"):
+        out |= {400, 502, 504}
     return out
 
 

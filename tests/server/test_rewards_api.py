@@ -241,3 +241,67 @@ def test_pending_queue_and_history_through_the_clients(site: Site) -> None:
     waited = site.admin.wait([r.id for r in rollouts], timeout=1)
     assert [r.rewards["judge"].value for r in waited.rollouts] == [0.5, 0.5, 0.5]
     assert [r.pending_rewards for r in waited.rollouts] == [[], ["human"], ["human"]]
+
+
+# ---------------------------------------------------------------------------- the judge proxy
+
+JUDGE_KEY = "sk-judge-kept-on-the-server"
+CHAT = {"model": "double", "messages": [{"role": "user", "content": "Score this answer."}]}
+
+
+@pytest.fixture
+def judge_site(tmp_path, upstream) -> Iterator[Site]:
+    config = ServerConfig(
+        db=str(tmp_path / "judge.db"),
+        tokens=TOKENS,
+        token_names=NAMES,
+        upstream_api_keys={upstream.base_url: JUDGE_KEY},
+        upstream_timeout=1.0,
+    )
+    with ServerThread(config) as server, Client(server.url, ADMIN) as admin:
+        yield Site(server, admin)
+
+
+def _judge(site: Site, token: str | None, upstream: str, body: object = CHAT) -> httpx.Response:
+    headers = {**_h(token), "x-agentbolt-upstream": upstream}
+    return httpx.post(f"{site.url}/judge/v1/chat/completions", json=body, headers=headers, timeout=30)
+
+
+def test_judge_proxy_injects_the_key_the_server_holds(judge_site: Site, upstream) -> None:
+    for token in (EVALUATOR, ADMIN):
+        r = _judge(judge_site, token, upstream.base_url)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"]
+        assert JUDGE_KEY not in r.text
+    assert [c.headers["authorization"] for c in upstream.calls] == [f"Bearer {JUDGE_KEY}"] * 2
+    assert upstream.calls[0].body == CHAT and upstream.calls[0].path == "/v1/chat/completions"
+    # not a rollout's call: nothing is recorded in the store
+    assert judge_site.admin.stats()["events"] == 0
+
+
+def test_judge_proxy_refuses_what_it_should(judge_site: Site, upstream) -> None:
+    r = _judge(judge_site, EVALUATOR, "http://127.0.0.1:9/v1")
+    assert r.status_code == 403
+    assert "holds no key for 'http://127.0.0.1:9/v1'" in r.json()["error"]["message"]
+    for token, role in ((ALICE, "reviewer"), (READER, "reader"), (RUNNER, "runner")):
+        r = _judge(judge_site, token, upstream.base_url)
+        assert r.status_code == 403 and f"role {role!r} may not POST /judge/" in r.json()["error"]["message"]
+    r = _judge(judge_site, EVALUATOR, "file:///etc/passwd")
+    assert r.status_code == 422 and "X-Agentbolt-Upstream" in r.json()["error"]["message"]
+    r = _judge(judge_site, EVALUATOR, upstream.base_url, {"model": "double", "messages": []})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(f"{judge_site.url}/judge/v1/chat/completions", json=CHAT, headers=_h(EVALUATOR))
+    assert r.status_code == 422 and "X-Agentbolt-Upstream" in r.json()["error"]["message"]
+    assert upstream.calls == []  # none of these reached the model server
+
+
+def test_judge_proxy_passes_upstream_errors_and_timeouts(judge_site: Site, upstream) -> None:
+    upstream.fail_next.append(400)
+    r = _judge(judge_site, EVALUATOR, upstream.base_url)
+    assert r.status_code == 400 and r.json()["error"]["message"] == "injected 400"
+    r = _judge(judge_site, EVALUATOR, upstream.base_url, {**CHAT, "model": "error-500"})
+    assert r.status_code == 500 and "backend failed for Bearer ***" in r.json()["error"]["message"]
+    assert JUDGE_KEY not in r.text  # the model server echoed the key: scrubbed
+    upstream.delay_next.append(3.0)
+    r = _judge(judge_site, EVALUATOR, upstream.base_url)
+    assert r.status_code == 504 and "the judge model timed out" in r.json()["error"]["message"]
