@@ -115,6 +115,8 @@ def test_a_reviewer_scores_three_rollouts_and_the_algorithm_picks_the_rewards_up
         expect(page.get_by_test_id("review-flash")).to_contain_text(
             f"Scored {score} for “human” of {rid} (revision 1)"
         )
+        if i == 0:
+            assert_contrast(page)  # the note that it was stored
     expect(page.get_by_text("Nothing to review")).to_be_visible()
     expect(page.get_by_test_id("review-count")).to_have_text("0 awaiting a score")
 
@@ -247,11 +249,12 @@ def test_a_reader_sees_no_form_and_a_refused_score_says_why(
     open_page: Any, review_server: ServerThread
 ) -> None:
     [rid] = awaiting_review(review_server.url, "admintok", ANSWERS[:1])
-    reader = open_page(token="readtok")
+    reader = open_page(token="readtok", color_scheme="light")
     reader.goto(f"{review_server.url}/#/review")
     _selected(reader, rid)
     expect(reader.get_by_test_id("review-readonly")).to_contain_text("reader token")
     assert reader.locator("form.score-form").count() == 0
+    assert_contrast(reader)
 
     # A page opened with a reviewer token whose token is swapped for a reader's: the server refuses.
     page = open_page(token="alicetok")
@@ -262,6 +265,7 @@ def test_a_reader_sees_no_form_and_a_refused_score_says_why(
     flash = page.get_by_test_id("review-flash")
     expect(flash).to_contain_text("Not a reviewer token")
     expect(flash).to_contain_text("not a reviewer token, so it cannot score")
+    assert_contrast(page)
     with Client(review_server.url, token="readtok") as client:
         assert client.get_rollout(rid).rewards["human"].state == RewardState.PENDING
 
