@@ -4,12 +4,17 @@
 from __future__ import annotations
 
 from agentbolt.client import Client
-from agentbolt.evaluators import FunctionEvaluator, HumanReview, RolloutRecord, evaluate_rollouts
-from agentbolt.schemas import (
-    RewardSource,
-    RewardState,
+from agentbolt.evaluators import (
+    FunctionEvaluator,
+    HumanReview,
+    JudgeModel,
+    PointwiseJudge,
+    RolloutRecord,
+    evaluate_rollouts,
 )
-from tests.evaluators.conftest import ADMIN, EVALUATOR, run_rollouts
+from agentbolt.schemas import RewardSource, RewardState
+from agentbolt.server import Role, ServerConfig, ServerThread
+from tests.evaluators.conftest import ADMIN, EVALUATOR, recorded_judge_server, run_rollouts
 
 
 def answer_is_four(record: RolloutRecord) -> float:
@@ -62,3 +67,32 @@ def test_an_error_reward_is_stored_as_an_error_and_scored_by_a_later_run(served)
         history = client.reward_history(done.id, "correct")
         assert [h.state for h in history] == [RewardState.ERROR, RewardState.SCORED]
         assert client.get_rollout(done.id).rewards["correct"].value == 1.0
+
+
+def test_a_judge_via_the_server_never_holds_the_key_and_an_unlisted_model_is_refused(tmp_path) -> None:
+    rubric = "The run answers 2+2 correctly."
+    with recorded_judge_server("pointwise_good") as upstream:
+        config = ServerConfig(
+            db=str(tmp_path / "store.db"),
+            tokens={ADMIN: Role.ADMIN, EVALUATOR: Role.EVALUATOR},
+            upstream_api_keys={upstream.base_url: "sk-held-by-the-server"},
+        )
+        with ServerThread(config) as server, Client(server.url, ADMIN) as admin:
+            judge = PointwiseJudge(rubric, JudgeModel(upstream.base_url, "gpt-4o-mini", via_server=True))
+            elsewhere = JudgeModel("http://127.0.0.1:9/v1", "other", via_server=True)
+            unlisted = PointwiseJudge(rubric, elsewhere, name="other_judge")
+            [done] = run_rollouts(admin, ["4"], [judge.awaited(), unlisted.awaited()])
+            with Client(server.url, EVALUATOR) as client:  # the judge reaches the server the run writes to
+                report = evaluate_rollouts(client, [done], [judge, unlisted])
+            stored = admin.get_rollout(done.id)
+    assert (report.scored, report.errors) == (1, 1)
+    [request] = upstream.requests
+    assert request["path"] == "/v1/chat/completions"
+    assert request["headers"]["authorization"] == "Bearer sk-held-by-the-server"
+    slot = stored.rewards["judge"]
+    assert slot.score == 0.8 and slot.data["judge"]["via_server"] is True
+    assert "sk-held-by-the-server" not in str(stored.model_dump())
+    refused = stored.rewards["other_judge"]
+    assert refused.state == RewardState.ERROR and refused.error is not None
+    assert "via the agentbolt server answered HTTP 403" in refused.error
+    assert "holds no key for 'http://127.0.0.1:9/v1'" in refused.error
