@@ -13,7 +13,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from agentbolt.cli.common import DEFAULT_SERVER, ServerOpt, TokenOpt, console, err_console, load_tasks
+from agentbolt.cli.common import DEFAULT_SERVER, ServerOpt, TokenOpt, console, err_console, fail, load_tasks
 from agentbolt.cli.demo import demo_command
 from agentbolt.cli.export import export_app
 from agentbolt.cli.judge import judge_command
@@ -54,23 +54,66 @@ def server(
     reader_token: Annotated[
         str | None, typer.Option(envvar="AGENTBOLT_READER_TOKEN", help="Read-only token.")
     ] = None,
+    reviewer_token: Annotated[
+        list[str] | None,
+        typer.Option(
+            envvar="AGENTBOLT_REVIEWER_TOKENS",
+            help="A person who scores rollouts: NAME=TOKEN (repeatable; env: alice=tok1,bob=tok2).",
+        ),
+    ] = None,
+    evaluator_token: Annotated[
+        str | None, typer.Option(envvar="AGENTBOLT_EVALUATOR_TOKEN", help="Token of LLM judges and scorers.")
+    ] = None,
+    upstream_key: Annotated[
+        list[str] | None,
+        typer.Option(
+            envvar="AGENTBOLT_UPSTREAM_KEYS",
+            help="API key the server holds for a model server: BASE_URL=KEY (repeatable; '*' for any URL).",
+        ),
+    ] = None,
     lease_seconds: Annotated[float, typer.Option(help="Attempt lease without heartbeat.")] = 30.0,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
 ) -> None:
     """Run the server: store API, gateway, OTLP ingest and dashboard."""
     from agentbolt.server import Role, ServerConfig, serve
 
-    tokens = {
-        t: r for t, r in ((token, Role.ADMIN), (runner_token, Role.RUNNER), (reader_token, Role.READER)) if t
-    }
+    named = _pairs(reviewer_token, "--reviewer-token", "NAME=TOKEN")  # name -> token
+    configured = [(token, Role.ADMIN), (runner_token, Role.RUNNER), (reader_token, Role.READER)]
+    configured += [(evaluator_token, Role.EVALUATOR), *((t, Role.REVIEWER) for t in named.values())]
+    tokens = {t: r for t, r in configured if t}
+    if len(tokens) < sum(1 for t, _ in configured if t):
+        raise fail("the same token is given twice (to two roles or two reviewers): each needs its own")
     if host not in ("127.0.0.1", "localhost", "::1") and not tokens:
         err_console.print(
             "[yellow]warning:[/] binding a non-loopback address without --token: anyone can write"
         )
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    config = ServerConfig(db=db, host=host, port=port, tokens=tokens, lease_seconds=lease_seconds)
+    config = ServerConfig(
+        db=db,
+        host=host,
+        port=port,
+        tokens=tokens,
+        token_names={t: name for name, t in named.items()},
+        upstream_api_keys=_pairs(upstream_key, "--upstream-key", "BASE_URL=KEY", last=True),
+        lease_seconds=lease_seconds,
+    )
     banner = f"agentbolt server on http://{host}:{port}  (store: {_without_password(db)})"
     serve(config, log_level, on_ready=lambda: console.print(banner))
+
+
+def _pairs(values: list[str] | None, option: str, form: str, last: bool = False) -> dict[str, str]:
+    """``A=B`` values (each may hold several, comma-separated, as an environment variable
+    does) as a dict; split at the last ``=`` with ``last`` (a URL may hold one, a key not)."""
+    out: dict[str, str] = {}
+    items = [part.strip() for value in values or () for part in value.split(",") if part.strip()]
+    for i, item in enumerate(items, 1):
+        left, sep, right = item.rpartition("=") if last else item.partition("=")
+        if not (sep and left.strip() and right.strip()):  # the item holds a secret: not echoed
+            raise fail(f"{option} takes {form}: item {i} is not of that form")
+        if left.strip() in out:
+            raise fail(f"{option}: {escape(left.strip())!r} is given twice")
+        out[left.strip()] = right.strip()
+    return out
 
 
 def _program(

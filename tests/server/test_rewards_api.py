@@ -6,6 +6,9 @@ retries, and the sync and async clients."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -26,6 +29,7 @@ from agentbolt.schemas import (
     Task,
 )
 from agentbolt.server import Role, ServerConfig, ServerThread
+from agentbolt.server.run import free_port, wait_healthy
 
 ADMIN, RUNNER, READER = "adm-7f1c", "run-2b9e", "read-4d0a"
 ALICE, BOB, EVALUATOR = "rev-alice-81a3", "rev-bob-3c5e", "eval-66d2"
@@ -305,3 +309,69 @@ def test_judge_proxy_passes_upstream_errors_and_timeouts(judge_site: Site, upstr
     upstream.delay_next.append(3.0)
     r = _judge(judge_site, EVALUATOR, upstream.base_url)
     assert r.status_code == 504 and "the judge model timed out" in r.json()["error"]["message"]
+
+
+# ---------------------------------------------------------------------------- the server command
+
+
+def _cli_server(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    command = [sys.executable, "-m", "agentbolt", "server", "--log-level", "warning", *args]
+    environ = {**os.environ, "COLUMNS": "200", **(env or {})}
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ)
+
+
+@pytest.mark.parametrize("from_env", [True, False])
+def test_server_command_takes_reviewer_and_evaluator_tokens(tmp_path, upstream, from_env: bool) -> None:
+    """The reviewer tokens and upstream keys from the environment (comma-separated) or from
+    repeated options (an option given replaces the environment variable)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = [
+        "--db",
+        str(tmp_path / "cli.db"),
+        "--port",
+        str(port),
+        "--token",
+        "adm",
+        "--evaluator-token",
+        "ev",
+    ]
+    if from_env:
+        env = {
+            "AGENTBOLT_REVIEWER_TOKENS": "alice=tok-a1, bob=tok-b2",
+            "AGENTBOLT_UPSTREAM_KEYS": f"{upstream.base_url}=sk-j",
+        }
+    else:
+        env = {}
+        args += ["--reviewer-token", "alice=tok-a1", "--reviewer-token", "bob=tok-b2"]
+        args += ["--upstream-key", f"{upstream.base_url}=sk-j"]
+    server = _cli_server(*args, env=env)
+    try:
+        wait_healthy(url, 60, "adm")
+        for token, name in (("tok-a1", "alice"), ("tok-b2", "bob")):
+            info = httpx.get(f"{url}/api/dashboard/info", headers=_h(token)).json()
+            assert (info["role"], info["name"]) == ("reviewer", name), info
+        assert httpx.get(f"{url}/api/dashboard/info", headers=_h("ev")).json()["role"] == "evaluator"
+        headers = {**_h("ev"), "x-agentbolt-upstream": upstream.base_url}
+        r = httpx.post(f"{url}/judge/v1/chat/completions", json=CHAT, headers=headers)
+        assert r.status_code == 200 and upstream.calls[-1].headers["authorization"] == "Bearer sk-j"
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--reviewer-token", "alice"), "--reviewer-token takes NAME=TOKEN: item 1 is not of that form"),
+        (("--reviewer-token", "alice=t1,bob="), "item 2 is not of that form"),
+        (("--reviewer-token", "alice=t1", "--reviewer-token", "alice=t2"), "'alice' is given twice"),
+        (("--token", "same", "--reviewer-token", "alice=same"), "the same token is given twice"),
+        (("--upstream-key", "http://x/v1"), "--upstream-key takes BASE_URL=KEY"),
+    ],
+)
+def test_server_command_refuses_bad_token_options(tmp_path, args: tuple[str, ...], message: str) -> None:
+    server = _cli_server("--db", str(tmp_path / "bad.db"), "--port", str(free_port()), *args)
+    out, err = server.communicate(timeout=60)
+    assert server.returncode == 2 and message in err and "Traceback" not in err, err
+    assert "t1" not in err and "same'" not in err  # secrets are not echoed
