@@ -154,8 +154,9 @@ def _render_message(message: dict[str, Any]) -> str:
 
 @dataclass
 class _Parts:
-    """The transcript as parts: a head kept whole, the first user message, the middle turns,
-    the final answer. ``cut`` is the marker standing for dropped middle turns."""
+    """The transcript as parts: a head kept whole (the task, messages before the first user
+    message), the first user message, the middle turns (dropped oldest first), the final
+    answer; and what was dropped, which a marker stands for."""
 
     head: list[str]
     first_user: str | None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 import time
 from collections.abc import Coroutine, Sequence
@@ -125,11 +126,13 @@ def evaluate_rollouts(
     *,
     console: Console | None = None,
     concurrency: int = 4,
+    progress: Progress | None = None,
 ) -> EvaluationReport:
     """Judge ``rollouts`` with the automatic ``evaluators`` and write their rewards (see the
     module's rules). ``rollouts`` should be read with their rewards (``client.wait``,
     ``get_rollout``, ``list_rollouts``, ``pending_rewards`` attach them). A progress bar shows
-    on ``console`` (none when it is None)."""
+    on ``progress`` (a display the caller runs, e.g. inside its live table: rich before 14
+    allows one live display at a time), else on ``console`` (none when it is None)."""
     started = time.monotonic()
     unique = list({r.id: r for r in rollouts}.values())
     report = EvaluationReport()
@@ -144,9 +147,14 @@ def evaluate_rollouts(
         ids = list({r.id: None for job in jobs for r in job.members})
         events = client.events_of(ids, type=_RECORD_EVENTS)
         records = {r.id: record_of(r, events.get(r.id, [])) for job in jobs for r in job.members}
-        with _progress(console) as progress:
-            bar = progress.add_task("judging", total=sum(len(job.write) for job in jobs), info="")
-            run_sync(_run_jobs(client, jobs, records, max(1, concurrency), report, progress, bar))
+        shown = progress or _progress(console)
+        with contextlib.nullcontext() if progress else shown:
+            bar = shown.add_task("judging", total=sum(len(job.write) for job in jobs), info="")
+            try:
+                run_sync(_run_jobs(client, jobs, records, max(1, concurrency), report, shown, bar))
+            finally:
+                if progress:
+                    progress.remove_task(bar)
     report.seconds = time.monotonic() - started
     return report
 
@@ -239,6 +247,7 @@ def reward_of(evaluator: Evaluator, rollout: Rollout, judgement: Judgement) -> R
         "scale": evaluator.scale,
     }
     data = {"reason": judgement.reason, **judgement.data} if judgement.reason else dict(judgement.data)
+    data.setdefault("fingerprint", evaluator.fingerprint())  # which configuration gave it
     error = judgement.error
     if error is None and judgement.score is None:
         error = f"evaluator {evaluator.name!r} gave no score"

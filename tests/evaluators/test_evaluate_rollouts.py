@@ -100,7 +100,7 @@ def test_a_group_evaluator_sees_each_group_together_and_writes_only_unscored_mem
     assert sorted(evaluator.seen) == [["g1a", "g1b"], ["g2a", "g2b"], ["solo"]]
     written = {rid: c.score for rid, c in writer.writes}
     assert written == {"g1a": 0.0, "g2a": 0.0, "g2b": 1.0, "solo": 1.0}
-    assert writer.writes[0][1].data == {"reason": "longest"}
+    assert writer.writes[0][1].data == {"reason": "longest", "fingerprint": evaluator.fingerprint()}
     assert (report.scored, report.skipped) == (4, 2)
 
 
@@ -129,3 +129,22 @@ async def test_it_also_runs_from_code_that_is_inside_an_event_loop() -> None:
         writer, [make_rollout("a")], [FunctionEvaluator(answer_is_four, name="correct")]
     )
     assert report.scored == 1 and writer.writes[0][1].score == 1.0
+
+
+def test_progress_shows_on_the_console_or_on_a_display_the_caller_runs() -> None:
+    import io
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    evaluator = FunctionEvaluator(answer_is_four, name="correct")
+    out = io.StringIO()
+    writer = MemoryWriter({"a": _events("a", "4"), "b": _events("b", "4")})
+    console = Console(file=out, force_terminal=True, width=100)
+    assert evaluate_rollouts(writer, [make_rollout("a")], [evaluator], console=console).scored == 1
+    assert "judging" in out.getvalue() and "1 scored" in out.getvalue()
+    shared = Progress(console=Console(file=io.StringIO()))
+    with shared:
+        report = evaluate_rollouts(writer, [make_rollout("b")], [evaluator], progress=shared)
+        assert shared.tasks == []  # its bar is removed when done
+    assert report.scored == 1
