@@ -405,6 +405,8 @@ class SqlStore(Queries):
         other than the slot's revision (someone scored meanwhile) a ``Conflict`` naming who; a
         score off the slot's scale ``InvalidInput``. Writes to one slot run one after another."""
         with self._tx() as tx:
+            if key is not None:  # the key first, the slot second: every write takes them in this order
+                self.db.serialize(tx, _REWARD_LOCK, f"key\n{key}")
             self.db.serialize(tx, _REWARD_LOCK, f"{rollout_id}\n{create.name}")
             if key is not None and (first := keyed_score(tx, rollout_id, create.name, key)) is not None:
                 return first

@@ -208,6 +208,28 @@ def test_two_scores_at_once_one_wins(store_factory) -> None:
     assert stores[1].get_rollout(rollout.id).rewards["human"].revision == 3
 
 
+def test_a_double_click_stores_once(store_factory) -> None:
+    """The same request (one key) sent twice at once, to two replicas: one revision, both
+    answers the same; the key reused at once for another rollout is refused, not a crash."""
+    stores = [store_factory.open(), store_factory.open()]
+    first, other = finished(stores[0], 2)
+    results = run_threads(
+        2, lambda i: stores[i].add_reward(first.id, star(4), source=REVIEWER, author="a", key="dbl")
+    )
+    assert results[0] == results[1] and len(stores[0].reward_history(first.id)) == 1
+
+    def reuse(i: int) -> Any:
+        target = (other, first)[i]  # each with the revision it holds
+        try:
+            return stores[i].add_reward(target.id, star(2, replaces=i), source=REVIEWER, author="a", key="k2")
+        except Conflict as exc:
+            return exc
+
+    results = run_threads(2, reuse)
+    assert sum(isinstance(r, Conflict) for r in results) == 1, results
+    assert len(stores[0].reward_history(first.id)) + len(stores[0].reward_history(other.id)) == 2
+
+
 def test_rewards_attached_on_get_list_and_by_id(store: SqlStore) -> None:
     rollouts = finished(store, 3)
     store.add_reward(rollouts[1].id, star(5), source=REVIEWER, author="alice")
