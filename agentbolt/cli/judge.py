@@ -59,6 +59,22 @@ def _judge(
     )
 
 
+def _stop_on_signals(worker: EvaluatorWorker) -> None:
+    """Ctrl-C or SIGTERM: finish the batch in hand, then stop; a second Ctrl-C stops at once."""
+    stopping = False
+
+    def handle(signum: int, frame: object) -> None:
+        nonlocal stopping
+        if stopping and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        stopping = True
+        console.print("stopping after the batch in hand (Ctrl-C again to stop now)")
+        worker.stop()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handle)
+
+
 def judge_command(
     judge_url: Annotated[
         str,
@@ -133,9 +149,8 @@ def judge_command(
         # the server and the token, checked before any work: a refusal is one line
         client.pending_rewards(name=evaluator.name, source="evaluator", limit=1)
         worker = EvaluatorWorker(client, [evaluator], console=console, concurrency=concurrency, budget=budget)
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: worker.stop())
         if not once:
+            _stop_on_signals(worker)
             console.print(f"judging pending {evaluator.name!r} rewards on {server} (Ctrl-C stops)")
         total = worker.run(poll=poll, once=once)
     console.print(

@@ -185,3 +185,27 @@ def test_agentbolt_judge_stops_at_its_budget_and_the_unjudged_rewards_say_why(se
             re.fullmatch(r"judge budget exhausted \(1 calls, \d+ tokens\)", s.error or "") for s in errors
         )
         assert all(s.data["group"]["size"] == 3 for s in slots)
+
+
+def test_agentbolt_judge_stops_cleanly_on_ctrl_c(served) -> None:
+    import signal
+
+    args = ["--server", served.url, "--token", EVALUATOR, "--rubric", RUBRIC, "--poll", "0.2"]
+    args += ["--judge-url", "http://127.0.0.1:9/v1", "--judge-model", "m"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agentbolt", "judge", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    try:
+        assert proc.stdout is not None
+        assert "judging pending 'judge' rewards" in proc.stdout.readline()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "stopping after the batch in hand" in out and "judge: 0 scored" in out
+    assert "Traceback" not in err
