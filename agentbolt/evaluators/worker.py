@@ -23,7 +23,7 @@ from agentbolt.client import Client
 from agentbolt.console import print_line
 from agentbolt.errors import AgentboltError
 from agentbolt.evaluators.base import Evaluator
-from agentbolt.evaluators.judge import JudgeBudget
+from agentbolt.evaluators.model import JudgeBudget
 from agentbolt.evaluators.run import EvaluationReport, evaluate_rollouts
 from agentbolt.schemas import RewardSource, Rollout
 
