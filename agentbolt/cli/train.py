@@ -197,8 +197,12 @@ def _command_help(cls: type, schema: Schema) -> str:
         f"{_summary(cls, doc)}\n\nSettings come from the --config file (TOML or YAML: the"
         " algorithm's at the top, \\[trainer] and \\[program] tables), then from flags."
     )
-    if schema.python_only:
-        text += f"\n\nSettable from Python only: {', '.join(schema.python_only)}."
+    # the evaluators are given by the reward flags (a judge, reviews)
+    python_only = [name for name in schema.python_only if name != "evaluators"]
+    if python_only:
+        text += f"\n\nSettable from Python only: {', '.join(python_only)}."
+    if "evaluators" in schema.python_only:
+        text += f"\n\nEvaluators (a judge, a person's review): see {REWARD_PANEL}."
     return text
 
 
