@@ -268,6 +268,14 @@ def _reward_parameters() -> list[inspect.Parameter]:
             "judge_model", str | None, "--judge-model", help="The judge's model name.", panel=REWARD_PANEL
         ),
         _option(
+            "judge_via_server",
+            bool | None,
+            "--judge-via-server",
+            help="Call the judge through the agentbolt server's judge proxy: the key stays with the"
+            " server (listed in its upstream keys for --judge-url).",
+            panel=REWARD_PANEL,
+        ),
+        _option(
             "group_judge",
             bool | None,
             "--group-judge",
@@ -438,7 +446,7 @@ def _judge(params: dict[str, Any]) -> Any:
             raise ConfigError(f"--judge-rubric-file: {path} does not exist")
         rubric = Path(path).read_text()
     if rubric is None:
-        if params.get("judge_url") or params.get("judge_model") or params.get("group_judge"):
+        if any(params.get(k) for k in ("judge_url", "judge_model", "group_judge", "judge_via_server")):
             raise ConfigError("--judge-url, --judge-model and --group-judge need a rubric (--judge-rubric)")
         return None
     if not rubric.strip():
@@ -447,8 +455,9 @@ def _judge(params: dict[str, Any]) -> Any:
         raise ConfigError("a judge needs --judge-url (OpenAI-compatible endpoint) and --judge-model")
     from agentbolt.evaluators.judge import GroupJudge, JudgeModel, PointwiseJudge
 
-    key = os.environ.get("AGENTBOLT_JUDGE_API_KEY")
-    model = JudgeModel(params["judge_url"], params["judge_model"], api_key=key)
+    via_server = bool(params.get("judge_via_server"))
+    key = None if via_server else os.environ.get("AGENTBOLT_JUDGE_API_KEY")
+    model = JudgeModel(params["judge_url"], params["judge_model"], api_key=key, via_server=via_server)
     return GroupJudge(rubric, model) if params.get("group_judge") else PointwiseJudge(rubric, model)
 
 

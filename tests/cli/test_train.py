@@ -425,6 +425,10 @@ def test_judge_flags_make_a_pointwise_or_group_judge(tmp_path: Path, monkeypatch
     args = [*base, "--judge-rubric", "Rank them.", "--group-judge", "--review", "human"]
     group, human = _evaluators(_algorithm_command("grpo").make_context("grpo", args).params)
     assert isinstance(group, GroupJudge) and group.name == "group_judge" and human.name == "human"
+    # through the server's judge proxy: the key stays with the server, none is sent from here
+    proxied_args = [*base, "--judge-rubric", "Rank them.", "--judge-via-server"]
+    [proxied] = _evaluators(_algorithm_command("sft").make_context("sft", proxied_args).params)
+    assert proxied.model.via_server and proxied.model.api_key is None
 
 
 def _share_of_a(text: str) -> float:
