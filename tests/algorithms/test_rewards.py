@@ -240,3 +240,19 @@ def test_the_agent_only_plan_reads_nothing_more() -> None:
     assert plan.is_agent_only and plan.awaited() == []
     assert plan.settle(client, list(store.rollouts.values()), None)[0].reward == 1.0
     assert store.reads == 0
+
+
+def test_grpo_success_leaves_pending_out_of_the_denominator() -> None:
+    from agentbolt.algorithms.grpo import success_rate
+
+    rollouts = [
+        rollout("a", None, slot("judge", 1.0)),
+        rollout("b", None, slot("judge", 0.2)),
+        rollout("c", None, slot("judge")),  # pending: no outcome yet
+        rollout("d", None, slot("judge", error=True)),  # no outcome either
+        rollout("f", None, slot("judge"), status=RolloutStatus.FAILED),  # a failure, as before
+    ]
+    assert success_rate(BatchResult(rollouts, 0, reward="judge"), 0.5) == pytest.approx(1 / 3)
+    # the agent's own reward: none given, so no success, every rollout counted (as before)
+    assert success_rate(BatchResult(rollouts, 0), 0.5) == 0.0
+    assert success_rate(BatchResult(rollouts[2:4], 0, reward="judge"), 0.5) == 0.0
