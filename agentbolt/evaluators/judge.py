@@ -40,7 +40,10 @@ from agentbolt.evaluators.record import RolloutRecord, transcript
 from agentbolt.schemas import RewardScale
 
 __all__ = [
+    "GROUP_EXAMPLE",
     "GROUP_SYSTEM",
+    "POINTWISE_EXAMPLES",
+    "POINTWISE_FORMAT",
     "POINTWISE_SYSTEM",
     "BudgetExhausted",
     "GroupJudge",
@@ -50,6 +53,7 @@ __all__ = [
     "Malformed",
     "PointwiseJudge",
     "clear_cache",
+    "group_format",
     "parse_group",
     "parse_pointwise",
 ]
@@ -69,14 +73,44 @@ Answer with exactly one line per run, in this form, and nothing else:
 {example}
 You may add one last line: REASON: <one sentence>"""
 
-POINTWISE_REMINDER = (
-    "Your answer did not follow the format ({why}). Answer again with exactly two lines and nothing else:\n"
-    "SCORE: <a number between 0 and 1>\nREASON: <one sentence>"
-)
+POINTWISE_FORMAT = "Answer with exactly two lines and nothing else:\nSCORE: <a number between 0 and 1>\nREASON: <one sentence>"
+POINTWISE_REMINDER = "Your answer did not follow the format ({why}). " + POINTWISE_FORMAT
 GROUP_REMINDER = (
     "Your answer did not follow the format ({why}). Answer again with exactly one line per run "
     "(runs 1 to {n}), each '<run number>: <score between 0 and 1>', then optionally 'REASON: <one sentence>'."
 )
+
+# A worked example of the answer format, given as earlier turns of the conversation (few-shot):
+# SmolLM2-135M answers the run's question itself when told the format only, and follows it
+# when shown it once. Its rubric and runs have nothing to do with any real task.
+_EXAMPLE_HEAD = "RUBRIC:\nThe run greets the user by name.\n\n"
+_EXAMPLE_RUN = "[user] Hi, I am Ada.\n\nFINAL ANSWER:\n[assistant] {answer}"
+_EXAMPLE_TASK = 'TASK:\n{\n "name": "Ada"\n}'
+POINTWISE_EXAMPLES: tuple[tuple[str, str], ...] = tuple(
+    (
+        f"{_EXAMPLE_HEAD}THE RUN:\n{_EXAMPLE_TASK}\n\n{_EXAMPLE_RUN.format(answer=answer)}\n\n{POINTWISE_FORMAT}",
+        verdict,
+    )
+    for answer, verdict in (
+        ("Hello Ada!", "SCORE: 1\nREASON: The run greets Ada by her name."),
+        ("Hello!", "SCORE: 0\nREASON: The run does not use the user's name."),
+    )
+)
+
+
+def group_format(n: int) -> str:
+    """The group judge's answer format for ``n`` runs."""
+    lines = "\n".join(f"{i}: <score>" for i in range(1, n + 1))
+    return f"Answer with exactly one line per run and nothing else:\n{lines}\nthen optionally: REASON: <one sentence>"
+
+
+GROUP_EXAMPLE = (
+    f"{_EXAMPLE_HEAD}THE TASK (the same for every run):\n{_EXAMPLE_TASK[len('TASK:') + 1 :]}\n\n"
+    f"=== RUN 1 ===\n{_EXAMPLE_RUN.format(answer='Hello!')}\n\n"
+    f"=== RUN 2 ===\n{_EXAMPLE_RUN.format(answer='Hello Ada!')}\n\n{group_format(2)}",
+    "1: 0\n2: 1\nREASON: Only run 2 greets Ada by her name.",
+)
+
 
 _NUMBER = r"(\d+(?:\.\d+)?|\.\d+)"
 _SCORE_LINE = re.compile(rf"SCORE:[ \t]*{_NUMBER}")
@@ -192,6 +226,7 @@ class _ModelJudge(Evaluator):
         max_transcript_chars: int,
         retries: int,
         budget: JudgeBudget | None,
+        examples: bool,
     ) -> None:
         if not rubric or not rubric.strip():
             raise ConfigError("a judge needs a rubric: what a good run does")
@@ -202,17 +237,28 @@ class _ModelJudge(Evaluator):
         self.rubric, self.model, self.name = rubric.strip(), model, checked_name(name)
         self.scale = RewardScale()
         self.max_transcript_chars, self.retries, self.budget = max_transcript_chars, retries, budget
+        self.examples = examples
 
     def config(self) -> dict[str, Any]:
-        system = GROUP_SYSTEM if self.group else POINTWISE_SYSTEM
+        prompt = [GROUP_SYSTEM, GROUP_EXAMPLE] if self.group else [POINTWISE_SYSTEM, POINTWISE_EXAMPLES]
         return {
             **super().config(),
             "rubric": self.rubric,
             "model": self.model.config(),
             "max_transcript_chars": self.max_transcript_chars,
             "retries": self.retries,
-            "prompt": hashlib.sha256(system.encode()).hexdigest()[:12],
+            "examples": self.examples,
+            "prompt": hashlib.sha256(json.dumps(prompt).encode()).hexdigest()[:12],
         }
+
+    def _conversation(
+        self, system: str, examples: Sequence[tuple[str, str]], user: str
+    ) -> list[dict[str, Any]]:
+        """The system prompt, the worked examples as earlier turns (unless turned off), the request."""
+        messages = [{"role": "system", "content": system}]
+        for asked, answered in examples if self.examples else ():
+            messages += [{"role": "user", "content": asked}, {"role": "assistant", "content": answered}]
+        return [*messages, {"role": "user", "content": user}]
 
     def use_server(self, url: str | None, token: str | None) -> None:
         self.model.use_server(url, token)
@@ -226,7 +272,8 @@ class PointwiseJudge(_ModelJudge):
 
     ``max_transcript_chars``: the longest transcript shown (longer ones are cut, see
     :func:`~agentbolt.evaluators.record.transcript`); ``retries``: how many times a malformed
-    answer is asked again; ``budget``: shared by the judges of a run."""
+    answer is asked again; ``budget``: shared by the judges of a run; ``examples``: show a worked
+    example of the answer format first (two short turns; small models need it)."""
 
     def __init__(
         self,
@@ -236,14 +283,15 @@ class PointwiseJudge(_ModelJudge):
         max_transcript_chars: int = 6000,
         retries: int = 1,
         budget: JudgeBudget | None = None,
+        examples: bool = True,
     ) -> None:
-        super().__init__(rubric, model, name, max_transcript_chars, retries, budget)
+        super().__init__(rubric, model, name, max_transcript_chars, retries, budget, examples)
 
     def messages(self, record: RolloutRecord) -> tuple[list[dict[str, Any]], dict[str, int] | None]:
         """The request for ``record``, and the transcript cut made."""
         text, cut = transcript(record, self.max_transcript_chars)
-        user = f"RUBRIC:\n{self.rubric}\n\nTHE RUN:\n{text}"
-        return [{"role": "system", "content": POINTWISE_SYSTEM}, {"role": "user", "content": user}], cut
+        user = f"RUBRIC:\n{self.rubric}\n\nTHE RUN:\n{text}\n\n{POINTWISE_FORMAT}"
+        return self._conversation(POINTWISE_SYSTEM, POINTWISE_EXAMPLES, user), cut
 
     async def judge(self, records: Sequence[RolloutRecord]) -> list[Judgement]:
         return list(await asyncio.gather(*(self._one(r) for r in records)))
@@ -267,7 +315,8 @@ class PointwiseJudge(_ModelJudge):
 class GroupJudge(_ModelJudge):
     """A model sees the N rollouts of a group together, numbered, and scores each relative to
     the others (0-1): a reward for GRPO on an agent that has none. The task is shown once when
-    the runs share it; each transcript gets ``max_transcript_chars / N`` characters."""
+    the runs share it; each transcript gets ``max_transcript_chars / N`` characters. Options as
+    for :class:`PointwiseJudge`."""
 
     group = True
 
@@ -279,8 +328,9 @@ class GroupJudge(_ModelJudge):
         max_transcript_chars: int = 12000,
         retries: int = 1,
         budget: JudgeBudget | None = None,
+        examples: bool = True,
     ) -> None:
-        super().__init__(rubric, model, name, max_transcript_chars, retries, budget)
+        super().__init__(rubric, model, name, max_transcript_chars, retries, budget, examples)
 
     def messages(
         self, records: Sequence[RolloutRecord]
@@ -298,10 +348,8 @@ class GroupJudge(_ModelJudge):
         runs = "\n\n".join(f"=== RUN {i} ===\n{text}" for i, (text, _) in enumerate(shown, 1))
         example = "\n".join(f"{i}: <score>" for i in range(1, n + 1))
         system = GROUP_SYSTEM.format(n=n, example=example)
-        user = f"RUBRIC:\n{self.rubric}\n\n{task}{runs}"
-        return [{"role": "system", "content": system}, {"role": "user", "content": user}], [
-            cut for _, cut in shown
-        ]
+        user = f"RUBRIC:\n{self.rubric}\n\n{task}{runs}\n\n{group_format(n)}"
+        return self._conversation(system, [GROUP_EXAMPLE], user), [cut for _, cut in shown]
 
     async def judge(self, records: Sequence[RolloutRecord]) -> list[Judgement]:
         if not records:

@@ -141,7 +141,7 @@ def test_agentbolt_judge_once_scores_pending_rollouts_with_the_judge_model(serve
         assert (slot.score, slot.author, slot.revision) == (0.8, "judge", 1)
         assert len(slot.data["calls"]) == 2 and slot.data["reason"].startswith("The run computes")
         assert [r["headers"].get("authorization") for r in model.requests] == ["Bearer sk-judge"] * 2
-        assert RUBRIC in model.requests[0]["body"]["messages"][1]["content"]
+        assert RUBRIC in model.requests[0]["body"]["messages"][-1]["content"]
 
 
 def test_agentbolt_judge_refuses_bad_options_in_one_line(served, tmp_path) -> None:

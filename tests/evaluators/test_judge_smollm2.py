@@ -39,7 +39,7 @@ def test_smollm2_judges_pointwise_and_as_a_group_and_every_call_is_recorded(serv
             [call] = slot.data["calls"]
             assert isinstance(call["answer"], str) and call["usage"]["prompt_tokens"] > 0
             assert call["latency_s"] > 0 and call["cached"] is False
-            assert call["request"][1]["content"].startswith("RUBRIC:\n" + RUBRIC)
+            assert call["request"][-1]["content"].startswith("RUBRIC:\n" + RUBRIC)
             assert slot.data["judge"] == {
                 "model": "smollm2",
                 "base_url": smollm2.base_url,

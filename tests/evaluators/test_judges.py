@@ -23,6 +23,8 @@ import pytest
 from agentbolt.errors import ConfigError
 from agentbolt.evaluators import evaluate_rollouts
 from agentbolt.evaluators.judge import (
+    POINTWISE_EXAMPLES,
+    POINTWISE_FORMAT,
     GroupJudge,
     JudgeBudget,
     JudgeModel,
@@ -131,7 +133,7 @@ async def test_a_pointwise_judge_scores_and_records_its_call_without_the_key() -
         and "SCORE: <a number between 0 and 1>" in body["messages"][0]["content"]
     )
     assert (
-        RUBRIC in body["messages"][1]["content"] and "FIRST: what is 2+2?" in body["messages"][1]["content"]
+        RUBRIC in body["messages"][-1]["content"] and "FIRST: what is 2+2?" in body["messages"][-1]["content"]
     )
     [call] = judgement.data["calls"]
     assert call["request"] == body["messages"] and call["answer"].startswith("SCORE: 0.8")
@@ -142,17 +144,42 @@ async def test_a_pointwise_judge_scores_and_records_its_call_without_the_key() -
     assert KEY not in json.dumps(judgement.data) and KEY not in json.dumps(judge.config())
 
 
+async def test_a_worked_example_of_the_format_comes_first_unless_turned_off() -> None:
+    double = RecordedJudge("pointwise_good")
+    with_example = PointwiseJudge(RUBRIC, double.model())
+    without = PointwiseJudge(RUBRIC, double.model(), examples=False)
+    await with_example.judge([conversation_record(0, answer="10")])
+    await without.judge([conversation_record(0, answer="10")])
+    shown, plain = double.bodies()
+    assert [m["role"] for m in shown["messages"]] == [
+        "system",
+        "user",
+        "assistant",
+        "user",
+        "assistant",
+        "user",
+    ]
+    assert [(m["content"]) for m in shown["messages"][1:5]] == [
+        part for pair in POINTWISE_EXAMPLES for part in pair
+    ]
+    assert shown["messages"][2]["content"] == "SCORE: 1\nREASON: The run greets Ada by her name."
+    assert [m["role"] for m in plain["messages"]] == ["system", "user"]
+    assert plain["messages"][-1] == shown["messages"][-1]
+    assert with_example.fingerprint() != without.fingerprint()
+
+
 async def test_a_malformed_answer_is_asked_again_with_a_reminder() -> None:
     double = RecordedJudge("pointwise_chatty", "pointwise_fixed")
     [judgement] = await PointwiseJudge(RUBRIC, double.model()).judge([conversation_record(0)])
     assert (judgement.score, judgement.error) == (0.7, None)
     first, second = double.bodies()
-    assert second["messages"][:2] == first["messages"]
-    assert second["messages"][2] == {
+    asked = len(first["messages"])
+    assert second["messages"][:asked] == first["messages"]
+    assert second["messages"][asked] == {
         "role": "assistant",
         "content": RECORDED["pointwise_chatty"]["body"]["choices"][0]["message"]["content"],
     }
-    assert "did not follow the format (3 lines instead of 2)" in second["messages"][3]["content"]
+    assert "did not follow the format (3 lines instead of 2)" in second["messages"][asked + 1]["content"]
     assert len(judgement.data["calls"]) == 2
 
 
@@ -260,9 +287,11 @@ async def test_a_long_run_is_cut_as_stated_and_the_cut_recorded() -> None:
     [judgement] = await judge.judge([conversation_record(20, turn_chars=120)])
     cut = judgement.data["cut"]
     assert cut is not None and cut["turns_cut"] > 0 and cut["chars_after"] <= 800
-    sent = double.bodies()[0]["messages"][1]["content"]
+    sent = double.bodies()[0]["messages"][-1]["content"]
     assert f"[... {cut['turns_cut']} turns ({cut['chars_cut']} characters) cut ...]" in sent
-    assert "FIRST: what is 2+2?" in sent and sent.endswith("FINAL ANSWER:\n[assistant] 4")
+    assert "FIRST: what is 2+2?" in sent and sent.endswith(
+        f"FINAL ANSWER:\n[assistant] 4\n\n{POINTWISE_FORMAT}"
+    )
 
 
 def test_bad_judge_settings_are_refused_with_a_message() -> None:
@@ -293,7 +322,7 @@ async def test_a_group_judge_scores_the_runs_of_a_group_relative_to_each_other()
     assert len(double.requests) == 1
     sent = double.bodies()[0]["messages"]
     assert "1: <score>\n2: <score>\n3: <score>" in sent[0]["content"]
-    user = sent[1]["content"]
+    user = sent[-1]["content"]
     assert user.count("THE TASK (the same for every run)") == 1 and user.count('"question"') == 1
     assert user.index("=== RUN 1 ===") < user.index("=== RUN 2 ===") < user.index("=== RUN 3 ===")
     for position, judgement in enumerate(judgements, 1):
@@ -311,7 +340,7 @@ async def test_a_group_answer_missing_a_run_or_scoring_one_twice_is_malformed() 
     double = RecordedJudge("group_missing_run", "group_run_twice")
     judgements = await GroupJudge(RUBRIC, double.model()).judge(_group(3))
     assert len(double.requests) == 2
-    assert "no score for run 2" in double.bodies()[1]["messages"][3]["content"]
+    assert "no score for run 2" in double.bodies()[1]["messages"][-1]["content"]
     assert all(j.score is None for j in judgements)
     assert all(j.error == "malformed judge answer: 1: 0.9\n2: 0.1\n2: 0.4\n3: 0.5" for j in judgements)
 
