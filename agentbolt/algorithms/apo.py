@@ -377,6 +377,9 @@ class _Search:
         self.stats.stragglers += batch.timed_out
         self.stats.reward_pending += batch.reward_pending
         self.stats.reward_errors += batch.reward_errors
+        if batch.evaluation is not None:
+            self.stats.judge_calls += batch.evaluation.calls
+            self.stats.judge_tokens += batch.evaluation.tokens
         return batch.rollouts
 
     def _train(self, cand: Candidate, batch: list[Task], force: bool = False) -> list[Rollout] | None:

@@ -98,6 +98,9 @@ class APOStats:
     """Succeeded rollouts whose chosen reward was still pending when scored: left out."""
     reward_errors: int = 0
     """Succeeded rollouts whose chosen reward could not be given: left out."""
+    judge_calls: int = 0
+    """Model calls the evaluators run here made (judges), and their tokens."""
+    judge_tokens: int = 0
 
     def as_dict(self) -> dict[str, int | bool]:
         return asdict(self)

@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -17,6 +17,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from agentbolt.algorithms.rewards import AGENT, RewardChoice, RewardPlan, resolve, tally
 from agentbolt.client import Client
 from agentbolt.schemas import LLM, Mode, Rollout, RolloutCreate, RolloutStatus, Task
+
+if TYPE_CHECKING:
+    from agentbolt.evaluators import EvaluationReport
 
 __all__ = [
     "DEFAULT_MAX_ATTEMPTS",
@@ -62,6 +65,21 @@ class BatchResult:
     """Rollouts still not final when the wait ended (they were cancelled)."""
     reward: RewardChoice = AGENT
     """The reward the batch is judged by (:mod:`agentbolt.algorithms.rewards`)."""
+    evaluation: EvaluationReport | None = None
+    """What the evaluators run in this process did (scores, errors, judge calls and tokens);
+    None when none ran. Batches enqueued together (sampled and greedy) share one."""
+
+    def evaluation_metrics(self) -> dict[str, float]:
+        """``judge_calls``, ``judge_tokens``, ``judge_cached`` and ``t_judge`` when evaluators ran here."""
+        e = self.evaluation
+        if e is None:
+            return {}
+        return {
+            "judge_calls": e.calls,
+            "judge_tokens": e.tokens,
+            "judge_cached": e.cached,
+            "t_judge": e.seconds,
+        }
 
     @property
     def succeeded(self) -> list[Rollout]:
@@ -167,14 +185,14 @@ def _run_items(
             final[rid] = client.cancel(rid)
         except Exception:  # finished in the meantime
             final[rid] = client.get_rollout(rid)
-    settled = rewards.settle(client, [final[rid] for rid in ids], console, progress)
+    settled, report = rewards.settle(client, [final[rid] for rid in ids], console, progress)
     final = {r.id: r for r in settled}
     out, at = [], 0
     for batch in batches:
         batch_ids = ids[at : at + len(batch)]
         at += len(batch)
         timed_out = sum(1 for rid in batch_ids if rid in pending)
-        out.append(BatchResult([final[rid] for rid in batch_ids], timed_out, rewards.choice))
+        out.append(BatchResult([final[rid] for rid in batch_ids], timed_out, rewards.choice, report))
     return out
 
 

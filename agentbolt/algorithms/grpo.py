@@ -477,6 +477,7 @@ def _reward_stats(batch: BatchResult, threshold: float) -> dict[str, Any]:
         "timed_out": batch.timed_out,
         "retried": sum(1 for r in batch.rollouts if r.attempts > 1),
         **tally(batch.rollouts, batch.reward).metrics(),
+        **batch.evaluation_metrics(),
     }
 
 

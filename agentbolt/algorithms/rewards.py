@@ -42,6 +42,7 @@ from agentbolt.schemas import (
 
 if TYPE_CHECKING:
     from agentbolt.client import Client
+    from agentbolt.evaluators import EvaluationReport
 
 __all__ = [
     "AGENT",
@@ -281,19 +282,21 @@ class RewardPlan:
         rollouts: Sequence[Rollout],
         console: Console | None,
         progress: Progress | None = None,
-    ) -> list[Rollout]:
+    ) -> tuple[list[Rollout], EvaluationReport | None]:
         """Run the automatic evaluators on the finished ``rollouts``, wait up to ``wait`` for the
         chosen rewards still pending, and return the rollouts reread (as given when the plan is
-        the agent's reward alone). ``progress``: a display the caller runs, for the wait's bar."""
+        the agent's reward alone) with what the evaluators did (None when none ran here).
+        ``progress``: a display the caller runs, for the wait's bar."""
         if self.is_agent_only:
-            return list(rollouts)
+            return list(rollouts), None
         automatic = [e for e in self.evaluators if e.automatic]
+        report = None
         if automatic and rollouts:
             from agentbolt.evaluators import evaluate_rollouts
 
-            evaluate_rollouts(client, list(rollouts), automatic, console=console)
+            report = evaluate_rollouts(client, list(rollouts), automatic, console=console)
         names = reward_names(self.choice)
-        return wait_for_rewards(client, rollouts, names, self.wait, console, progress=progress)
+        return wait_for_rewards(client, rollouts, names, self.wait, console, progress=progress), report
 
 
 @dataclass

@@ -98,6 +98,8 @@ class RoundResult:
     """This round's succeeded rollouts whose chosen reward could not be given (left out)."""
     arrived: int = 0
     """Rollouts of earlier rounds whose reward arrived since and joined this round's selection."""
+    evaluation: dict[str, float] = field(default_factory=dict)
+    """What the evaluators run here did for this round's batch: judge calls, tokens, seconds."""
 
 
 @dataclass(frozen=True)
@@ -252,6 +254,7 @@ class SFT(RewardOptions, Algorithm):
             reward_pending=batch.reward_pending,
             reward_errors=batch.reward_errors,
             arrived=len(arrived),
+            evaluation=batch.evaluation_metrics(),
         )
         if not rows:
             ctx.console.print(f"[yellow]round {r}: no run passed the filter; nothing to train on[/]")

@@ -147,6 +147,7 @@ def test_grpo_trains_on_a_scoring_function_for_an_agent_without_a_reward(
     assert (step["samples"], step["reward_pending"], step["reward_errors"]) == (8, 0, 0)
     assert step["reward_mean"] == pytest.approx(sum(v or 0.0 for v in values) / 8)
     assert step["train_tokens"] > 0
+    assert step["judge_calls"] == 0 and step["t_judge"] >= 0  # a function: no model calls
 
 
 def test_grpo_waits_for_a_persons_scores_and_trains_on_them(
@@ -219,7 +220,7 @@ def test_sft_selects_by_the_chosen_reward_not_the_agents(
     with Client(server.url) as client:
         train = client.list_rollouts(mode=Mode.TRAIN, limit=100).items
     assert {r.rewards["score"].value for r in train if r.task.id in ("t0", "t2")} == {1.0}
-    assert first.rows == 2 and first.train is not None
+    assert first.rows == 2 and first.train is not None and first.evaluation["judge_calls"] == 0
 
 
 def test_sft_takes_scores_given_after_selection_into_the_next_round(

@@ -238,7 +238,8 @@ def test_the_agent_only_plan_reads_nothing_more() -> None:
     client: Any = store
     plan = RewardPlan()
     assert plan.is_agent_only and plan.awaited() == []
-    assert plan.settle(client, list(store.rollouts.values()), None)[0].reward == 1.0
+    rollouts, report = plan.settle(client, list(store.rollouts.values()), None)
+    assert rollouts[0].reward == 1.0 and report is None
     assert store.reads == 0
 
 

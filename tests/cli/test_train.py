@@ -444,7 +444,9 @@ class _GroupJudgeDouble(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        runs = re.split(r"=== RUN \d+ ===\n", body["messages"][1]["content"])[1:]
+        # the last message showing runs: the request's own (examples of the format come first)
+        shown = [m["content"] for m in body["messages"] if m["role"] == "user" and "=== RUN" in m["content"]]
+        runs = re.split(r"=== RUN \d+ ===\n", shown[-1])[1:]
         type(self).requests.append(len(runs))
         shares = [_share_of_a(run) for run in runs]
         text = "\n".join(f"{i}: {s:.3f}" for i, s in enumerate(shares, 1)) + "\nREASON: more a's is better"
@@ -516,3 +518,4 @@ def test_grpo_trains_on_a_group_judge_from_the_command_line(tmp_path: Path) -> N
     assert (step["samples"], step["reward_pending"], step["reward_errors"]) == (6, 0, 0)
     assert step["train_tokens"] > 0
     assert _GroupJudgeDouble.requests == [3, 3]  # one call per group, its 3 runs together
+    assert (step["judge_calls"], step["judge_tokens"], step["judge_cached"]) == (2, 30, 0)
