@@ -22,7 +22,7 @@ def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 def test_help_lists_every_command():
     out = cli("--help").stdout
-    for command in ("server", "runner", "eval", "rollouts", "demo", "model", "export"):
+    for command in ("server", "runner", "eval", "rollouts", "demo", "model", "export", "judge", "review"):
         assert command in out, command
 
 
