@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 
 from agentbolt.errors import NotFound
+from agentbolt.evaluators.model import JUDGE_PROXY_PATH
 from agentbolt.server.config import Role
 from agentbolt.server.store_caller import StoreCaller
 from agentbolt.store.sql import AGENT_KEY_PREFIX, WORKER_TOKEN_PREFIX, token_sha256
@@ -40,8 +41,6 @@ RUNNER_WRITES = (
 )
 # POSTs that only read (their bodies are too big for a query string): any role may send them.
 READ_POSTS = ("/api/events/query", "/api/rollouts/wait")
-# The judge proxy: an evaluator's model calls, with the upstream key the server holds.
-JUDGE_PATH = "/judge/v1/chat/completions"
 
 
 async def _send_json(
@@ -127,7 +126,7 @@ def role_allows(role: Role, method: str, path: str) -> bool:
     scores = method == "POST" and _rewards_path(path)
     if role == Role.REVIEWER:
         return scores
-    return role == Role.EVALUATOR and (scores or (method == "POST" and path == JUDGE_PATH))
+    return role == Role.EVALUATOR and (scores or (method == "POST" and path == JUDGE_PROXY_PATH))
 
 
 def _rewards_path(path: str) -> bool:

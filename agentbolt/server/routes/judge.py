@@ -20,13 +20,12 @@ import orjson
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import Response
 
+from agentbolt.evaluators.model import UPSTREAM_HEADER
 from agentbolt.server.gateway import Gateway, upstream_error_body
 from agentbolt.server.gateway_call import json_answer
 from agentbolt.server.openai_format import CHAT, REQUEST_SCHEMAS, check_request, openai_error
 
-__all__ = ["UPSTREAM_HEADER", "router"]
-
-UPSTREAM_HEADER = "X-Agentbolt-Upstream"
+__all__ = ["router"]
 _DOCUMENTED: dict[str, Any] = {
     "requestBody": {"required": True, "content": {"application/json": {"schema": REQUEST_SCHEMAS[CHAT]}}}
 }
