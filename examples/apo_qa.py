@@ -149,8 +149,12 @@ def main(model: str = "smollm2", rounds: int = 2, n_runners: int = 1, **apo: Any
             resources={"system_prompt": PromptTemplate(template=SEED_PROMPT), "llm": llm},
         )
         result: APOResult = trainer.fit(QAAgent(), train_tasks=QA_TASKS[:6], val_tasks=QA_TASKS[6:10])
+
+    def score(value: float | None) -> str:  # None: no validation run was scored
+        return f"{value:.3f}" if value is not None else "-"
+
     print(
-        f"APO: seed val {result.seed_val:.3f} -> best val {result.best_val:.3f}; stats {result.stats.as_dict()}"
+        f"APO: seed val {score(result.seed_val)} -> best val {score(result.best_val)}; stats {result.stats.as_dict()}"
     )
     return result
 

@@ -294,7 +294,7 @@ class RewardPlan:
         if automatic and rollouts:
             from agentbolt.evaluators import evaluate_rollouts
 
-            report = evaluate_rollouts(client, list(rollouts), automatic, console=console)
+            report = evaluate_rollouts(client, list(rollouts), automatic, console=console, progress=progress)
         names = reward_names(self.choice)
         return wait_for_rewards(client, rollouts, names, self.wait, console, progress=progress), report
 
