@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-__all__ = ["make_console", "print_line"]
+__all__ = ["make_console", "print_line", "task_bars"]
 
 # Width when writing to a file or a CI log: rich would fall back to 80 columns, which cuts
 # the training tables' headers and numbers to "…".
@@ -27,3 +28,19 @@ def print_line(console: Console, text: str) -> None:
     Rich writes and flushes the file after each print, so the line shows at once even when
     stdout is a pipe."""
     console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+def task_bars(console: Console | None, transient: bool = True) -> Progress:
+    """The bars of agentbolt's long waits: a description, the bar, done of total, the task's
+    ``info`` field (give ``info=...`` to each ``add_task``) and the time taken. Hidden when
+    ``console`` is None."""
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        console=console or Console(),
+        transient=transient,
+        disable=console is None,
+    )

@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 
 from agentbolt.algorithms.rewards import AGENT, RewardChoice, RewardPlan, resolve, tally
 from agentbolt.client import Client
+from agentbolt.console import task_bars
 from agentbolt.schemas import LLM, Mode, Rollout, RolloutCreate, RolloutStatus, Task
 
 if TYPE_CHECKING:
@@ -316,16 +317,7 @@ def _wait_all(
     """Wait for ``ids``; shows a bar on ``shared`` (a display the caller runs) or its own."""
     final: dict[str, Rollout] = {}
     deadline = time.monotonic() + timeout
-    progress = shared or Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[info]}"),
-        TimeElapsedColumn(),
-        console=console or Console(),
-        transient=True,
-        disable=console is None,
-    )
+    progress = shared or task_bars(console)
     with contextlib.nullcontext() if shared else progress:
         bar = progress.add_task(label, total=len(ids), info="")
         while len(final) < len(ids) and time.monotonic() < deadline:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from rich.console import Group
 from rich.live import Live
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 from rich.table import Table
 
 from agentbolt.adapters import STATE_EVENT, TrajectoryRow, latest_attempt, to_trajectories
@@ -66,7 +66,7 @@ from agentbolt.algorithms.train_state import (
     optimizer_step,
     save_checkpoint,
 )
-from agentbolt.console import print_line
+from agentbolt.console import print_line, task_bars
 from agentbolt.schemas import Mode, ModelWeights, Rollout, Task
 
 __all__ = ["GRPO", "GRPOResult", "success_rate"]
@@ -258,14 +258,7 @@ class GRPO(RewardOptions, Algorithm):
         table = _metrics_table()
         for row in history:
             _add_row(table, row)
-        progress = Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[info]}"),
-            TimeElapsedColumn(),
-            console=ctx.console,
-        )
+        progress = task_bars(ctx.console, transient=False)
 
         collapse = _CollapseWatch(self.collapse_entropy, self.collapse_steps)
         for row in history:  # a resumed run continues the count

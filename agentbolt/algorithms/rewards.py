@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 
+from agentbolt.console import task_bars
 from agentbolt.errors import ConfigError
 from agentbolt.evaluators.base import Evaluator
 from agentbolt.schemas import (
@@ -230,17 +231,10 @@ def wait_for_rewards(
     waiting = _waiting(current, names)
     if not (waiting and timeout > 0):
         return [current[r.id] for r in rollouts]
-    bars = progress or Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        TimeElapsedColumn(),
-        console=console or Console(),
-        transient=True,
-        disable=console is None,
-    )
+    bars = progress or task_bars(console)
     with contextlib.nullcontext() if progress else bars:
         total = len(waiting)
-        bar = bars.add_task(f"waiting for {_describe(waiting)}", total=total)
+        bar = bars.add_task(f"waiting for {_describe(waiting)}", total=total, info="")
         while waiting and time.monotonic() < deadline:
             time.sleep(max(0.0, min(poll, deadline - time.monotonic())))
             _refresh(client, current, sorted({rid for rid, _ in waiting}))

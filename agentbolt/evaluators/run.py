@@ -26,8 +26,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 
+from agentbolt.console import task_bars
 from agentbolt.errors import AgentboltError
 from agentbolt.evaluators.base import Evaluator, Judgement
 from agentbolt.evaluators.record import RolloutRecord, record_of, usage_tokens
@@ -147,7 +148,7 @@ def evaluate_rollouts(
         ids = list({r.id: None for job in jobs for r in job.members})
         events = client.events_of(ids, type=_RECORD_EVENTS)
         records = {r.id: record_of(r, events.get(r.id, [])) for job in jobs for r in job.members}
-        shown = progress or _progress(console)
+        shown = progress or task_bars(console)
         with contextlib.nullcontext() if progress else shown:
             bar = shown.add_task("judging", total=sum(len(job.write) for job in jobs), info="")
             try:
@@ -157,19 +158,6 @@ def evaluate_rollouts(
                     progress.remove_task(bar)
     report.seconds = time.monotonic() - started
     return report
-
-
-def _progress(console: Console | None) -> Progress:
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[info]}"),
-        TimeElapsedColumn(),
-        console=console or Console(),
-        transient=True,
-        disable=console is None,
-    )
 
 
 async def _run_jobs(

@@ -28,7 +28,7 @@ from agentbolt.evaluators import FunctionEvaluator, HumanReview, RolloutRecord
 from agentbolt.schemas import LLM, Mode, RewardCreate, RewardScale, Rollout, RolloutStatus
 from agentbolt.server import ServerThread
 from tests.algorithms.test_apo import KeywordAgent, ScriptedOptimizer, _fast, _fit, _tasks, rig  # noqa: F401
-from tests.algorithms.test_rewards import rollout, slot
+from tests.algorithms.test_reward_choice import rollout, slot
 from tests.algorithms.test_sft import _FakeEngine, runner_thread, scripted, tiny_model  # noqa: F401
 
 BINARY = RewardScale(low=0, high=1, step=1)
