@@ -255,9 +255,10 @@ class GRPO(RewardOptions, Algorithm):
         history: list[dict[str, Any]],
         version: int,
     ) -> GRPOResult:
-        table = _metrics_table()
+        columns = _columns(self.reward_plan().is_agent_only)
+        table = _metrics_table(columns)
         for row in history:
-            _add_row(table, row)
+            _add_row(table, row, columns)
         progress = task_bars(ctx.console, transient=False)
 
         collapse = _CollapseWatch(self.collapse_entropy, self.collapse_steps)
@@ -271,9 +272,9 @@ class GRPO(RewardOptions, Algorithm):
                 print_line(ctx.console, f"warning: {warning}")
             history.append(row)
             log.write(row)
-            _add_row(table, row)
+            _add_row(table, row, columns)
             if not ctx.console.is_terminal:  # a log or CI shows nothing live: one line per step
-                print_line(ctx.console, _line(row))
+                print_line(ctx.console, _line(row, columns))
 
         with Live(Group(table, progress), console=ctx.console, refresh_per_second=4, transient=False):
             if start == 0 and self.validate_before:
@@ -502,6 +503,13 @@ _COLUMNS = (
     ("t_update", "{:.1f}s"),
     ("t_sync", "{:.1f}s"),
 )
+# columns that say nothing while the reward is the agent's own (always 0: nothing is awaited)
+_NAMED_REWARD_COLUMNS = ("reward_pending", "reward_errors")
+
+
+def _columns(agent_only: bool) -> tuple[tuple[str, str], ...]:
+    """The live table's columns: the named-reward counts only when a named reward is in play."""
+    return tuple(c for c in _COLUMNS if not (agent_only and c[0] in _NAMED_REWARD_COLUMNS))
 
 
 @dataclass
@@ -536,25 +544,26 @@ class _CollapseWatch:
         return "possible collapse: " + "; ".join(reasons)
 
 
-def _metrics_table() -> Table:
+def _metrics_table(columns: tuple[tuple[str, str], ...] = _COLUMNS) -> Table:
     table = Table(title="GRPO", expand=False)
-    for name, _ in _COLUMNS:
+    for name, _ in columns:
         table.add_column(name.replace("_", " "), justify="right")
     return table
 
 
-def _cells(row: dict[str, Any]) -> list[str]:
-    return [fmt.format(row[name]) if row.get(name) is not None else "-" for name, fmt in _COLUMNS]
+def _cells(row: dict[str, Any], columns: tuple[tuple[str, str], ...]) -> list[str]:
+    return [fmt.format(row[name]) if row.get(name) is not None else "-" for name, fmt in columns]
 
 
-def _add_row(table: Table, row: dict[str, Any]) -> None:
-    table.add_row(*_cells(row))
+def _add_row(table: Table, row: dict[str, Any], columns: tuple[tuple[str, str], ...] = _COLUMNS) -> None:
+    table.add_row(*_cells(row, columns))
 
 
-def _line(row: dict[str, Any]) -> str:
+def _line(row: dict[str, Any], columns: tuple[tuple[str, str], ...] = _COLUMNS) -> str:
     """The table's row as one plain line: ``GRPO step 3 | success 50% | reward mean 0.412 | ...``."""
     pairs = [
-        f"{name.replace('_', ' ')} {cell}" for (name, _), cell in zip(_COLUMNS, _cells(row), strict=True)
+        f"{name.replace('_', ' ')} {cell}"
+        for (name, _), cell in zip(columns, _cells(row, columns), strict=True)
     ]
     return "GRPO " + " | ".join(pairs)
 
