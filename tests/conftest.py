@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from agentbolt.client import Client
+from agentbolt.schemas import Mode, RewardSlot, Rollout, RolloutStatus, Task
 from agentbolt.server import ServerConfig, ServerThread
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
@@ -22,6 +23,33 @@ def need(condition: bool, reason: str) -> None:
     if IN_CI:
         pytest.fail(f"required in CI: {reason}")
     pytest.skip(reason)
+
+
+def finished_rollout(
+    rid: str,
+    *,
+    task: Task,
+    status: RolloutStatus = RolloutStatus.SUCCEEDED,
+    reward: float | None = None,
+    group_id: str | None = None,
+    rewards: dict[str, RewardSlot] | None = None,
+) -> Rollout:
+    """A rollout as the store would return it once ended, for tests of what reads rollouts."""
+    return Rollout(
+        id=rid,
+        task=task,
+        mode=Mode.TRAIN,
+        status=status,
+        resources_version=1,
+        timeout_seconds=None,
+        max_attempts=1,
+        attempts=1,
+        reward=reward,
+        group_id=group_id,
+        created_at=0.0,
+        updated_at=0.0,
+        rewards=rewards or {},
+    )
 
 
 @pytest.fixture

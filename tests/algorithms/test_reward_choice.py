@@ -23,7 +23,6 @@ from agentbolt.algorithms.rewards import (
 from agentbolt.errors import ConfigError
 from agentbolt.schemas import (
     AwaitedReward,
-    Mode,
     RewardScale,
     RewardSlot,
     RewardSource,
@@ -33,6 +32,7 @@ from agentbolt.schemas import (
     Task,
     WaitResult,
 )
+from tests.conftest import finished_rollout
 
 STARS = RewardScale(low=1, high=5, step=1)
 
@@ -63,19 +63,8 @@ def rollout(
     *slots: RewardSlot,
     status: RolloutStatus = RolloutStatus.SUCCEEDED,
 ) -> Rollout:
-    return Rollout(
-        id=rid,
-        task=Task(id="t"),
-        mode=Mode.TRAIN,
-        status=status,
-        resources_version=1,
-        timeout_seconds=None,
-        max_attempts=1,
-        attempts=1,
-        reward=reward,
-        created_at=0.0,
-        updated_at=0.0,
-        rewards={s.name: s for s in slots},
+    return finished_rollout(
+        rid, task=Task(id="t"), status=status, reward=reward, rewards={s.name: s for s in slots}
     )
 
 

@@ -24,6 +24,7 @@ from agentbolt.client import Client
 from agentbolt.runner.worker import Runner
 from agentbolt.schemas import LLM, Event, Mode, ModelWeights, Rollout, RolloutStatus
 from agentbolt.trainer import Trainer
+from tests.conftest import finished_rollout
 
 
 @pytest.fixture(autouse=True)
@@ -72,19 +73,7 @@ def llm_call(
 def make_rollout(
     rid: str, task: str, reward: float | None, status: RolloutStatus = RolloutStatus.SUCCEEDED
 ) -> Rollout:
-    return Rollout(
-        id=rid,
-        task=Task(id=task),
-        mode=Mode.TRAIN,
-        status=status,
-        resources_version=1,
-        timeout_seconds=None,
-        max_attempts=1,
-        attempts=1,
-        reward=reward,
-        created_at=0.0,
-        updated_at=0.0,
-    )
+    return finished_rollout(rid, task=Task(id=task), status=status, reward=reward)
 
 
 def tiny_model(vocab: int = 64, seed: int = 0) -> LlamaForCausalLM:

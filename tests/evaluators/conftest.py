@@ -21,7 +21,6 @@ from agentbolt.schemas import (
     AwaitedReward,
     Event,
     EventCreate,
-    Mode,
     RewardCreate,
     RewardScale,
     RewardSlot,
@@ -33,6 +32,7 @@ from agentbolt.schemas import (
     Task,
 )
 from agentbolt.server import Role, ServerConfig, ServerThread
+from tests.conftest import finished_rollout
 
 
 def make_rollout(
@@ -43,20 +43,8 @@ def make_rollout(
     rewards: dict[str, RewardSlot] | None = None,
     data: dict[str, Any] | None = None,
 ) -> Rollout:
-    return Rollout(
-        id=rid,
-        task=Task(id=f"task-{rid}", data=data if data is not None else {"question": "What is 2+2?"}),
-        mode=Mode.TRAIN,
-        status=status,
-        resources_version=1,
-        timeout_seconds=None,
-        max_attempts=1,
-        attempts=1,
-        group_id=group_id,
-        created_at=0.0,
-        updated_at=0.0,
-        rewards=rewards or {},
-    )
+    task = Task(id=f"task-{rid}", data=data if data is not None else {"question": "What is 2+2?"})
+    return finished_rollout(rid, task=task, status=status, group_id=group_id, rewards=rewards)
 
 
 def llm_event(
