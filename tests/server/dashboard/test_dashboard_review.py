@@ -26,6 +26,7 @@ from agentbolt.client import Client
 from agentbolt.evaluators import HumanReview
 from agentbolt.runner.worker import Runner
 from agentbolt.schemas import (
+    AttemptStatus,
     AwaitedReward,
     Mode,
     RewardCreate,
@@ -33,6 +34,8 @@ from agentbolt.schemas import (
     RewardSource,
     RewardState,
     Rollout,
+    RolloutCreate,
+    Task,
 )
 from agentbolt.server import Role, ServerConfig, ServerThread
 from tests.algorithms.test_reward_training import BINARY, _sft, _sft_tasks
@@ -243,6 +246,27 @@ def test_the_rollout_page_shows_every_named_reward_and_its_history(
     with Client(review_server.url, token="admintok") as admin:
         admin.add_reward(rid, RewardCreate(name="group_judge", score=0.25, replaces=0))
     expect(rows["group_judge"].nth(2)).to_have_text("Scored", timeout=8000)
+
+
+def test_a_failed_run_s_awaited_reward_reads_not_scored_not_pending(
+    open_page: Any, review_server: ServerThread
+) -> None:
+    """A run that failed keeps its awaited slot pending (nothing to judge): the page says it will
+    not be scored instead of showing it as pending, and it is not in the review queue."""
+    awaited = AwaitedReward(name="human", source=RewardSource.REVIEWER)
+    with Client(review_server.url, token="admintok") as admin:
+        [ro] = admin.enqueue([RolloutCreate(task=Task(data={"question": "2+2?"}), await_rewards=[awaited])])
+        claim = admin.dequeue("review-runner")
+        assert claim is not None and claim.rollout.id == ro.id
+        admin.finish(claim.attempt.id, AttemptStatus.FAILED, error="boom", worker_id=claim.attempt.worker_id)
+        assert admin.get_rollout(ro.id).rewards["human"].state == "pending"
+        assert ro.id not in {r.id for r in admin.pending_rewards(name="human").items}
+
+    page = open_page(token="readtok")
+    page.goto(f"{review_server.url}/#/rollouts/{ro.id}")
+    row = page.locator("#rewards tr[data-key='reward-human'] td")
+    expect(row.nth(2)).to_have_text("not scored: the run did not succeed")
+    expect(page.locator("#rewards")).not_to_contain_text("pending (not counted as 0)")
 
 
 def test_a_reader_sees_no_form_and_a_refused_score_says_why(

@@ -15,9 +15,20 @@ export function slotsOf(rollout) {
   return Object.values(rollout?.rewards || {}).sort((a, b) => a.name.localeCompare(b.name));
 }
 
-/** Names of the slots still pending. */
+/** Names of the slots still pending on a run that succeeded (only those can still be scored:
+ * a failed or cancelled run keeps its slots pending, with nothing to judge). */
 export function pendingNames(rollout) {
+  if (rollout?.status !== "succeeded") return [];
   return slotsOf(rollout).filter((s) => s.state === "pending").map((s) => s.name);
+}
+
+/** A pending slot of a run that did not succeed: it will never be scored. */
+function unscorable(rollout, slot) {
+  return slot.state === "pending" && rollout?.status !== "succeeded";
+}
+
+function notScored() {
+  return h("span", { class: "faint", "data-testid": "reward-unscorable" }, "not scored: the run did not succeed");
 }
 
 /** "1 to 5 in steps of 1", "0 to 1". */
@@ -60,12 +71,13 @@ function agentRow(rollout) {
   ];
 }
 
-function slotRow(slot) {
+function slotRow(rollout, slot) {
+  const never = unscorable(rollout, slot);
   return [
     h("span", { class: "strong mono" }, slot.name),
     sourceTag(slot.source),
-    statePill(slot.state),
-    scoreCell(slot),
+    never ? notScored() : statePill(slot.state),
+    never ? h("span", { class: "faint" }, "—") : scoreCell(slot),
     valueCell(slot.value),
     slot.author ? h("span", {}, truncate(slot.author, 40)) : h("span", { class: "faint" }, "—"),
     h("span", { class: "mono" }, String(slot.revision)),
@@ -164,9 +176,9 @@ export function slotDetail(slot, revisions, { extra = null } = {}) {
  */
 export function rewardsCard(rollout, history, { actionFor = null } = {}) {
   const slots = slotsOf(rollout);
-  const rows = [agentRow(rollout), ...slots.map(slotRow)];
+  const rows = [agentRow(rollout), ...slots.map((slot) => slotRow(rollout, slot))];
   const keys = ["agent", ...slots.map((s) => s.name)];
-  const pending = slots.filter((s) => s.state === "pending").length;
+  const pending = pendingNames(rollout).length;
   const overview = table(
     [{ label: "Reward" }, { label: "Source" }, { label: "State" }, { label: "Score" }, { label: "Value (0–1)", cls: "num" }, { label: "By" }, { label: "Rev.", cls: "num" }],
     rows, { caption: "Named rewards of this rollout", cls: "rewards-table", key: (i) => `reward-${keys[i]}` });
@@ -177,7 +189,8 @@ export function rewardsCard(rollout, history, { actionFor = null } = {}) {
     byName.set(r.name, list);
   }
   const details = slots.map((slot) => h("details", { class: "reward-slot", "data-key": `slot-${slot.name}`, "data-testid": `reward-slot-${slot.name}` },
-    h("summary", {}, h("span", { class: "strong mono" }, slot.name), " ", sourceTag(slot.source), " ", statePill(slot.state), " ", scoreCell(slot),
+    h("summary", {}, h("span", { class: "strong mono" }, slot.name), " ", sourceTag(slot.source), " ",
+      unscorable(rollout, slot) ? notScored() : [statePill(slot.state), " ", scoreCell(slot)],
       slot.revision > 1 ? h("span", { class: "faint" }, ` · ${slot.revision} revisions`) : null),
     slotDetail(slot, history === null ? null : byName.get(slot.name) || [], { extra: actionFor?.(slot) || null })));
   const subtitle = slots.length
