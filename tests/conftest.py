@@ -52,6 +52,28 @@ def finished_rollout(
     )
 
 
+def tiny_grpo(model: str, **overrides: Any) -> Any:
+    """GRPO settings for the tiny random test models (2 layers, width 64) on CPU: one step of
+    2 tasks x 4 rollouts in float32, no validation, checkpoints or plot unless ``overrides``
+    ask for them."""
+    from agentbolt.algorithms.grpo import GRPO
+
+    settings: dict[str, Any] = dict(
+        model=model,
+        steps=1,
+        tasks_per_step=2,
+        group_size=4,
+        lr=1e-3,
+        val_every=0,
+        checkpoint_every=0,
+        engine_dtype="float32",
+        bf16=False,
+        step_timeout=120,
+        plot=False,
+    )
+    return GRPO(**{**settings, **overrides})
+
+
 @pytest.fixture
 def server(tmp_path) -> Iterator[ServerThread]:
     config = ServerConfig(db=str(tmp_path / "store.db"), lease_seconds=30.0, sweep_interval=0.1)

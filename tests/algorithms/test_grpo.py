@@ -19,6 +19,7 @@ from agentbolt.algorithms.grpo import GRPO
 from agentbolt.engine import tiny_model_dir
 from agentbolt.runner.llm import async_openai
 from agentbolt.schemas import LLM
+from tests.conftest import tiny_grpo
 
 
 class VowelAgent(LitAgent):
@@ -49,19 +50,13 @@ def tiny(tmp_path_factory):
 
 
 def _grpo(model: str, steps: int, resume: bool = False) -> GRPO:
-    return GRPO(
-        model=model,
+    return tiny_grpo(
+        model,
         steps=steps,
-        tasks_per_step=2,
-        group_size=4,
-        lr=1e-3,
         val_every=1,
         checkpoint_every=1,
         resume=resume,
-        engine_dtype="float32",
-        bf16=False,
         success_threshold=0.3,
-        step_timeout=120,
         plot=True,
     )
 

@@ -12,9 +12,9 @@ import pytest
 from rich.console import Console
 
 from agentbolt import LitAgent, Task, Trainer, emit_reward, emit_state
-from agentbolt.algorithms.grpo import GRPO
 from agentbolt.engine import tiny_model_dir
 from agentbolt.schemas import LLM
+from tests.conftest import tiny_grpo
 
 TURNS = 3
 
@@ -53,18 +53,9 @@ def tiny(tmp_path_factory):
 
 @pytest.mark.parametrize("advantage", ["turn", "gigpo"])
 def test_grpo_trains_on_per_turn_credit(tiny, tmp_path, advantage: str) -> None:
-    algo = GRPO(
-        model=tiny,
+    algo = tiny_grpo(
+        tiny,
         steps=2,
-        tasks_per_step=2,
-        group_size=4,
-        lr=1e-3,
-        val_every=0,
-        checkpoint_every=0,
-        engine_dtype="float32",
-        bf16=False,
-        step_timeout=120,
-        plot=False,
         advantage=advantage,  # type: ignore[arg-type]
         gamma=0.9,
         collapse_entropy=1e9,  # every step is "below": warned once, on the first step only

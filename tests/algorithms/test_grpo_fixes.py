@@ -25,6 +25,7 @@ from agentbolt.algorithms.train_state import merged_state_dict
 from agentbolt.engine import EngineServer, ModelEngine, tiny_model_dir
 from agentbolt.runner.llm import async_openai
 from agentbolt.schemas import LLM, RolloutStatus
+from tests.conftest import tiny_grpo
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -74,21 +75,7 @@ def tiny(tmp_path_factory):
 
 
 def _grpo(model: str, steps: int, **overrides: Any) -> GRPO:
-    settings: dict[str, Any] = dict(
-        model=model,
-        steps=steps,
-        tasks_per_step=2,
-        group_size=4,
-        lr=1e-3,
-        val_every=0,
-        checkpoint_every=0,
-        engine_dtype="float32",
-        bf16=False,
-        success_threshold=0.3,
-        step_timeout=120,
-        plot=False,
-    )
-    return GRPO(**{**settings, **overrides})
+    return tiny_grpo(model, **{"steps": steps, "success_threshold": 0.3, **overrides})
 
 
 def _train(n: int = 2) -> list[dict[str, Any]]:

@@ -438,7 +438,7 @@ def _share_of_a(text: str) -> float:
 
 class _GroupJudgeDouble(http.server.BaseHTTPRequestHandler):
     """TEST DOUBLE for a hosted group judge (not a model): answers each chat request with one
-    line per numbered run, the share of 'a' among that run's transcript letters."""
+    line per numbered run, from the share of 'a' among that run's transcript letters."""
 
     requests: list[int] = []
 
@@ -448,7 +448,9 @@ class _GroupJudgeDouble(http.server.BaseHTTPRequestHandler):
         shown = [m["content"] for m in body["messages"] if m["role"] == "user" and "=== RUN" in m["content"]]
         runs = re.split(r"=== RUN \d+ ===\n", shown[-1])[1:]
         type(self).requests.append(len(runs))
-        shares = [_share_of_a(run) for run in runs]
+        # 0.9 of the share, plus 0.01 per position: never two runs alike (a group of the tiny
+        # random model's runs may read alike, and a flat group trains nothing)
+        shares = [0.9 * _share_of_a(run) + 0.01 * i for i, run in enumerate(runs)]
         text = "\n".join(f"{i}: {s:.3f}" for i, s in enumerate(shares, 1)) + "\nREASON: more a's is better"
         answer = {
             "id": "j",

@@ -10,31 +10,19 @@ import sys
 from pathlib import Path
 
 from agentbolt import Trainer
-from agentbolt.algorithms.grpo import GRPO
 from agentbolt.client import Client
 from agentbolt.engine import tiny_model_dir
 from agentbolt.runner.program import Program
 from agentbolt.schemas import ModelWeights, RolloutStatus
 from agentbolt.server import ServerConfig, ServerThread
+from tests.conftest import tiny_grpo
 
 PROGRAM = [sys.executable, str(Path(__file__).parent / "vowel_program.py")]
 
 
 def test_grpo_two_steps_on_a_program_agent_changes_the_served_weights(tmp_path):
     model = str(tiny_model_dir(tmp_path / "tiny"))
-    algo = GRPO(
-        model=model,
-        steps=2,
-        tasks_per_step=2,
-        group_size=4,
-        lr=1e-3,
-        val_every=0,
-        checkpoint_every=0,
-        engine_dtype="float32",
-        bf16=False,
-        step_timeout=120,
-        plot=False,
-    )
+    algo = tiny_grpo(model, steps=2)
     train = [{"id": f"t{i}", "q": f"say something {i}"} for i in range(4)]
     config = ServerConfig(db=str(tmp_path / "store.db"))
     with ServerThread(config) as server, Client(server.url) as client:
