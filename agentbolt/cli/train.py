@@ -341,6 +341,11 @@ def _metavar(setting: Setting) -> str | None:
 def _train(name: str, cls: type, sections: list[_Section], params: dict[str, Any]) -> None:
     try:
         values = _settings(sections, params)
+        if params.get("judge_via_server") and not values.get("trainer", {}).get("server_url"):
+            raise ConfigError(
+                "--judge-via-server calls the judge through a server that holds its key: give that "
+                "server with --server (the embedded one holds no upstream keys)"
+            )
         evaluators = _evaluators(params)
         algorithm = cls(
             **sections[0].schema.kwargs(values[None]), **({"evaluators": evaluators} if evaluators else {})

@@ -380,6 +380,18 @@ def test_reward_flags_give_the_choice_the_wait_and_reviews(tmp_path: Path) -> No
         (["--judge-url", "http://127.0.0.1:9/v1"], "need a rubric (--judge-rubric)"),
         (["--judge-rubric", "Is it right?"], "a judge needs --judge-url"),
         (["--judge-rubric-file", "/nonexistent/rubric.txt"], "does not exist"),
+        (
+            [
+                "--judge-rubric",
+                "x",
+                "--judge-url",
+                "http://127.0.0.1:9/v1",
+                "--judge-model",
+                "m",
+                "--judge-via-server",
+            ],
+            "give that server with --server (the embedded one holds no upstream keys)",
+        ),
     ],
 )
 def test_bad_reward_flags_are_one_line(tmp_path: Path, args: list[str], words: str) -> None:
