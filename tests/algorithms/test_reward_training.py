@@ -25,6 +25,7 @@ from agentbolt.client import Client
 from agentbolt.engine import tiny_model_dir
 from agentbolt.errors import ConfigError
 from agentbolt.evaluators import FunctionEvaluator, HumanReview, RolloutRecord
+from agentbolt.runner.worker import Runner
 from agentbolt.schemas import LLM, Mode, RewardCreate, RewardScale, Rollout, RolloutStatus
 from agentbolt.server import ServerThread
 from tests.algorithms.test_apo import KeywordAgent, ScriptedOptimizer, _fast, _fit, _tasks, rig  # noqa: F401
@@ -165,15 +166,20 @@ def test_grpo_waits_for_a_persons_scores_and_trains_on_them(
     algo = _grpo(tiny, reward="human", evaluators=[HumanReview("human", BINARY)], reward_wait=120)
     out = io.StringIO()
     trainer = Trainer(
-        algo,
-        n_runners=1,
-        runner_concurrency=8,
-        server_url=server.url,
-        run_dir=tmp_path,
-        console=Console(file=out, width=200),
+        algo, n_runners=0, server_url=server.url, run_dir=tmp_path, console=Console(file=out, width=200)
     )
-    with Reviewer(server.url, alternate) as reviewer:
-        result = trainer.fit(SilentVowelAgent(), TRAIN)
+    # the runner in a thread, not a process the Trainer forks: a fork with the reviewer's thread
+    # running left the forked runner without a claim (no rollout ran; in CI once, and every
+    # time this test ran alone)
+    runner = Runner(SilentVowelAgent(), server.url, concurrency=8)
+    thread = threading.Thread(target=runner.run_sync, kwargs={"install_signals": False}, daemon=True)
+    thread.start()
+    try:
+        with Reviewer(server.url, alternate) as reviewer:
+            result = trainer.fit(SilentVowelAgent(), TRAIN)
+    finally:
+        runner.stop()
+        thread.join(20)
 
     [step] = [h for h in result.history if h["step"] == 1]
     assert len(reviewer.scored) == 8, reviewer.errors
