@@ -33,6 +33,7 @@ from peft import PeftModel
 from torch import Tensor, nn
 
 from agentbolt.adapters import TrajectoryRow
+from agentbolt.algorithms.importance import ImportanceMode, importance_weights
 
 __all__ = [
     "Batch",
@@ -267,18 +268,33 @@ def clipped_policy_loss(
     entropy_BT: Tensor | None = None,
     num_tokens: float | None = None,
     advantages_BT: Tensor | None = None,
+    behaviour_logprobs_BT: Tensor | None = None,
+    importance: ImportanceMode = "token",
+    importance_cap: float = 2.0,
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO-clipped surrogate, token-level mean (DAPO) over the model tokens of the batch.
 
     ``num_tokens`` is the divisor (default: this batch's mask sum); pass the total over all
     micro-batches when accumulating so the summed gradient equals that of the whole batch.
-    ``advantages_BT`` (per token, aligned with the logprobs) replaces ``advantages_B`` when given."""
+    ``advantages_BT`` (per token, aligned with the logprobs) replaces ``advantages_B`` when given.
+
+    With ``behaviour_logprobs_BT`` (asynchronous GRPO) ``old_logprobs_BT`` is the proximal
+    policy and each token's surrogate is multiplied by the truncated importance weight of
+    proximal against behaviour (:func:`agentbolt.algorithms.importance.importance_weights`,
+    ``importance`` and ``importance_cap``); the metrics then include ``is_weight_mean``,
+    ``is_weight_min``, ``is_weight_max`` and ``is_clipped_fraction`` over the model tokens."""
     log_ratio_BT = new_logprobs_BT - old_logprobs_BT
     ratio_BT = log_ratio_BT.exp()
     adv_BT = (advantages_BT if advantages_BT is not None else advantages_B[:, None]).to(ratio_BT.dtype)
     clipped_BT = ratio_BT.clamp(1 - clip_low, 1 + clip_high)
     per_token_BT = -torch.minimum(ratio_BT * adv_BT, clipped_BT * adv_BT)
     metrics: dict[str, float] = {}
+    if behaviour_logprobs_BT is not None:
+        weight_BT, truncated_BT = importance_weights(
+            old_logprobs_BT, behaviour_logprobs_BT, loss_mask_BT, importance, importance_cap
+        )
+        per_token_BT = per_token_BT * weight_BT.to(per_token_BT.dtype)
+        metrics.update(_weight_stats(weight_BT, truncated_BT, loss_mask_BT))
     if ref_logprobs_BT is not None and kl_coef:
         delta_BT = ref_logprobs_BT - new_logprobs_BT
         kl_BT = delta_BT.exp() - delta_BT - 1
@@ -296,6 +312,20 @@ def clipped_policy_loss(
     return loss, metrics
 
 
+def _weight_stats(weight_BT: Tensor, truncated_BT: Tensor, mask_BT: Tensor) -> dict[str, float]:
+    """Mean, min, max and truncated share of the importance weights over the model tokens."""
+    on = mask_BT.bool()
+    if not bool(on.any()):
+        return {}
+    weights = weight_BT[on]
+    return {
+        "is_weight_mean": float(weights.mean()),
+        "is_weight_min": float(weights.min()),
+        "is_weight_max": float(weights.max()),
+        "is_clipped_fraction": _masked_mean(truncated_BT.float(), mask_BT),
+    }
+
+
 LossFn = Callable[[nn.Module, Batch, float], tuple[Tensor, dict[str, float]]]
 """``(model, micro_batch, num_tokens_in_whole_batch) -> (loss, metrics)``."""
 
@@ -303,7 +333,13 @@ LossFn = Callable[[nn.Module, Batch, float], tuple[Tensor, dict[str, float]]]
 @dataclass(frozen=True)
 class PolicyLoss:
     """The GRPO :data:`LossFn`. Without recorded old logprobs the ratio is taken against the
-    current policy (detached): exact for the first update on freshly sampled data."""
+    current policy (detached): exact for the first update on freshly sampled data.
+
+    ``proximal`` (asynchronous GRPO): the ratio is always taken against the current policy
+    detached (the proximal policy: exact with one optimizer step per update), and the recorded
+    logprobs are the behaviour policy's, corrected for by truncated importance weights
+    (``importance``, ``importance_cap``; see :mod:`agentbolt.algorithms.importance`). A
+    micro-batch without recorded logprobs gets weight 1."""
 
     clip_low: float = 0.2
     clip_high: float = 0.28
@@ -312,6 +348,9 @@ class PolicyLoss:
     """Report the policy entropy (one more B x T x V pass, without gradient)."""
     share_prefix: bool = True
     """Compute a prefix shared by every row of a micro-batch once (:func:`suffix_logits`)."""
+    proximal: bool = False
+    importance: ImportanceMode = "token"
+    importance_cap: float = 2.0
 
     def __call__(self, model: nn.Module, batch: Batch, num_tokens: float) -> tuple[Tensor, dict[str, float]]:
         P = shared_prefix_len(batch) if self.share_prefix else 0
@@ -328,6 +367,9 @@ class PolicyLoss:
                 if P:
                     entropy_BT = torch.nn.functional.pad(entropy_BT[:, 1:], (P + 1, 0))
         old_BT = batch.old_logprobs_BT if batch.old_logprobs_BT is not None else new_BT.detach()
+        behaviour_BT = None
+        if self.proximal:
+            old_BT, behaviour_BT = new_BT.detach(), batch.old_logprobs_BT
         return clipped_policy_loss(
             new_BT,
             old_BT,
@@ -340,6 +382,9 @@ class PolicyLoss:
             entropy_BT=entropy_BT,
             num_tokens=num_tokens,
             advantages_BT=batch.advantages_BT,
+            behaviour_logprobs_BT=behaviour_BT,
+            importance=self.importance,
+            importance_cap=self.importance_cap,
         )
 
 
