@@ -23,13 +23,14 @@ parameters) and greedy (temperature 0, ``val_greedy``).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import random
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from rich.console import Group
@@ -38,6 +39,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from agentbolt.adapters import STATE_EVENT, TrajectoryRow, latest_attempt, to_trajectories
+from agentbolt.algorithms.async_grpo import EngineIdleClock, GroupPool, InFlightGroup
 from agentbolt.algorithms.base import (
     DEFAULT_MAX_ATTEMPTS,
     Algorithm,
@@ -47,8 +49,15 @@ from agentbolt.algorithms.base import (
     validate,
 )
 from agentbolt.algorithms.credit import ADVANTAGE_MODES, AdvantageMode, compute_advantages
+from agentbolt.algorithms.importance import (
+    IMPORTANCE_MODES,
+    ImportanceMode,
+    behaviour_version,
+    version_number,
+)
 from agentbolt.algorithms.losses import (
     Batch,
+    LossFn,
     PolicyLoss,
     TrainRow,
     micro_batches,
@@ -56,8 +65,8 @@ from agentbolt.algorithms.losses import (
     reference_logprobs,
 )
 from agentbolt.algorithms.metrics import MetricsLog, plot_history
-from agentbolt.algorithms.policy import PolicyServer, publish, serve_policy
-from agentbolt.algorithms.rewards import RewardOptions, tally
+from agentbolt.algorithms.policy import EnginePolicy, PolicyServer, publish, serve_policy
+from agentbolt.algorithms.rewards import RewardOptions, RewardPlan, tally
 from agentbolt.algorithms.train_state import (
     TrainConfig,
     TrainState,
@@ -67,7 +76,8 @@ from agentbolt.algorithms.train_state import (
     save_checkpoint,
 )
 from agentbolt.console import print_line, task_bars
-from agentbolt.schemas import Mode, ModelWeights, Rollout, Task
+from agentbolt.errors import ConfigError
+from agentbolt.schemas import Event, Mode, ModelWeights, Rollout, Task
 
 __all__ = ["GRPO", "GRPOResult", "success_rate"]
 
@@ -169,6 +179,22 @@ class GRPO(RewardOptions, Algorithm):
     collapse_steps: int = 3
     """Warn when more than 75% of the groups had zero reward spread for this many consecutive
     steps (0: never)."""
+    asynchronous: bool = False
+    """Keep groups in flight while the policy trains: each update takes the first
+    ``tasks_per_step`` complete groups, carries the unfinished ones over and tops the pool up,
+    so rollouts keep running during the update. Samples are corrected by truncated importance
+    sampling and dropped when staler than ``max_staleness`` (docs/training.md)."""
+    max_staleness: int = 1
+    """Asynchronous mode: drop a sample whose behaviour policy (the oldest weights that
+    generated any of its tokens) is more than this many policy versions behind the policy being
+    updated; counted as ``stale_dropped``."""
+    max_groups_in_flight: int | None = None
+    """Asynchronous mode: groups kept enqueued or running; None: 2 x ``tasks_per_step``."""
+    importance: ImportanceMode = "token"
+    """Asynchronous mode: the importance weight of the proximal policy against the behaviour
+    policy, per ``token``, one per ``sequence``, or ``off`` (weight 1)."""
+    importance_cap: float = 2.0
+    """Asynchronous mode: importance weights are truncated at this value (> 1)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -177,6 +203,27 @@ class GRPO(RewardOptions, Algorithm):
             raise ValueError(f"advantage must be one of {choices}; got {self.advantage!r}")
         if not 0.0 <= self.gamma <= 1.0:
             raise ValueError(f"gamma must be in [0, 1]; got {self.gamma}")
+        if self.importance not in IMPORTANCE_MODES:
+            choices = ", ".join(IMPORTANCE_MODES)
+            raise ConfigError(f"importance must be one of {choices}; got {self.importance!r}")
+        if (
+            isinstance(self.max_staleness, bool)
+            or not isinstance(self.max_staleness, int)
+            or self.max_staleness < 0
+        ):
+            raise ConfigError(f"max_staleness must be a whole number >= 0; got {self.max_staleness!r}")
+        if not (isinstance(self.importance_cap, int | float) and self.importance_cap > 1.0):
+            raise ConfigError(f"importance_cap must be a number > 1; got {self.importance_cap!r}")
+        if self.max_groups_in_flight is not None and self.max_groups_in_flight < self.tasks_per_step:
+            raise ConfigError(
+                f"max_groups_in_flight must be at least tasks_per_step ({self.tasks_per_step}); "
+                f"got {self.max_groups_in_flight}"
+            )
+
+    @property
+    def groups_in_flight(self) -> int:
+        """Asynchronous mode: the pool's size (``max_groups_in_flight``, default 2 x ``tasks_per_step``)."""
+        return self.max_groups_in_flight or 2 * self.tasks_per_step
 
     def run(self, ctx: TrainContext) -> GRPOResult:
         torch.manual_seed(self.seed)
@@ -255,7 +302,7 @@ class GRPO(RewardOptions, Algorithm):
         history: list[dict[str, Any]],
         version: int,
     ) -> GRPOResult:
-        columns = _columns(self.reward_plan().is_agent_only)
+        columns = _columns(self.reward_plan().is_agent_only, self.asynchronous)
         table = _metrics_table(columns)
         for row in history:
             _add_row(table, row, columns)
@@ -276,22 +323,46 @@ class GRPO(RewardOptions, Algorithm):
             if not ctx.console.is_terminal:  # a log or CI shows nothing live: one line per step
                 print_line(ctx.console, _line(row, columns))
 
-        with Live(Group(table, progress), console=ctx.console, refresh_per_second=4, transient=False):
-            if start == 0 and self.validate_before:
-                record({"step": 0, **self._validate(ctx, version, progress), "resources_version": version})
-            for step in range(start + 1, self.steps + 1):
-                row, version = self._step(ctx, policy, state, step, version, progress)
-                if self._validate_now(step):
-                    row.update(self._validate(ctx, version, progress))
-                record(row)
-                if self.checkpoint_every and (step % self.checkpoint_every == 0 or step == self.steps):
-                    save_checkpoint(
-                        ctx.run_dir / "checkpoint",
-                        state.model,
-                        state.optimizer,
-                        step,
-                        extra={"history": _jsonable(history)},
+        pool = self._pool(ctx, history, progress) if self.asynchronous else None
+        clock = _idle_clock(policy)
+        # the policy versions the engine served in this run, in order (GRPO's step numbers)
+        synced = [_served_version(policy, start)]
+        train_seconds = 0.0
+        try:
+            with (
+                clock or contextlib.nullcontext(),
+                Live(Group(table, progress), console=ctx.console, refresh_per_second=4, transient=False),
+            ):
+                if start == 0 and self.validate_before:
+                    record(
+                        {"step": 0, **self._validate(ctx, version, progress), "resources_version": version}
                     )
+                for step in range(start + 1, self.steps + 1):
+                    idle_before = clock.idle_seconds if clock else 0.0
+                    if pool is not None:
+                        row, version = self._async_step(
+                            ctx, policy, state, step, version, progress, pool, synced
+                        )
+                    else:
+                        row, version = self._step(ctx, policy, state, step, version, progress)
+                    if clock is not None:
+                        row["t_engine_idle"] = clock.idle_seconds - idle_before
+                    train_seconds += row["t_step"]
+                    row["steps_per_hour"] = 3600.0 * (step - start) / max(train_seconds, 1e-9)
+                    if self._validate_now(step):
+                        row.update(self._validate(ctx, version, progress))
+                    record(row)
+                    if self.checkpoint_every and (step % self.checkpoint_every == 0 or step == self.steps):
+                        save_checkpoint(
+                            ctx.run_dir / "checkpoint",
+                            state.model,
+                            state.optimizer,
+                            step,
+                            extra={"history": _jsonable(history)},
+                        )
+        finally:
+            if pool is not None:  # no rollout of this run left queued or running
+                pool.cancel_all()
         log.close()
         return self._result(ctx, history, version, log)
 
@@ -376,6 +447,123 @@ class GRPO(RewardOptions, Algorithm):
         }
         return row, version
 
+    # ------------------------------------------------------------------ asynchronous mode
+
+    def _pool(self, ctx: TrainContext, history: list[dict[str, Any]], progress: Progress) -> GroupPool:
+        """The pool of groups in flight; a resumed run continues the count of groups enqueued
+        (the task order is drawn from it), with none in flight."""
+        enqueued = next((h["groups_enqueued"] for h in reversed(history) if "groups_enqueued" in h), 0)
+        return GroupPool(
+            ctx.client,
+            ctx.train_tasks,
+            plan=self.reward_plan(),
+            group_size=self.group_size,
+            group_prefix=ctx.run_dir.name,
+            seed=self.seed,
+            next_index=int(enqueued),
+            group_timeout=self.step_timeout,
+            rollout_timeout=self.rollout_timeout,
+            max_attempts=self.max_attempts,
+            console=ctx.console,
+            progress=progress,
+        )
+
+    def _async_step(
+        self,
+        ctx: TrainContext,
+        policy: PolicyServer,
+        state: TrainState,
+        step: int,
+        version: int,
+        progress: Progress,
+        pool: GroupPool,
+        synced: list[int],
+    ) -> tuple[dict[str, Any], int]:
+        """Take the first ``tasks_per_step`` complete groups, top the pool up (the engine keeps
+        generating while this update trains), drop stale samples, update with importance
+        weights, sync the engine and publish."""
+        t0 = time.perf_counter()
+        needed = (self.steps - step + 1) * self.tasks_per_step  # no group enqueued that no update takes
+        pool.top_up(min(self.groups_in_flight, needed), version, synced[-1])
+        bar = progress.add_task(f"step {step} groups", total=self.tasks_per_step, info="")
+
+        def show() -> None:
+            done = min(len(pool.complete), self.tasks_per_step)
+            progress.update(bar, completed=done, info=f"{len(pool)} in flight")
+
+        t_wait = pool.wait_for(self.tasks_per_step, show)
+        progress.remove_task(bar)
+        taken = pool.take(self.tasks_per_step)
+        carried = len(pool)
+        pool.top_up(min(self.groups_in_flight, needed - len(taken)), version, synced[-1])
+        t_rollouts = time.perf_counter() - t0
+        batch = _batch_of(taken, self.reward_plan())
+        rows, gen_tokens, data = self._async_rows(ctx, batch, taken, synced)
+        t1 = time.perf_counter()
+        metrics = self._update(state, rows, proximal=True)
+        t_update = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        if metrics.get("num_tokens"):
+            policy.sync(state.model, step)
+            synced.append(step)
+        version = self._publish(ctx, policy, step, metrics)
+        t_sync = time.perf_counter() - t2
+        train_tokens = metrics.get("num_tokens", 0.0)
+        row = {
+            "step": step,
+            "resources_version": version,
+            **_reward_stats(batch, self.success_threshold),
+            **data,
+            **{k: v for k, v in metrics.items() if k != "num_tokens"},
+            "train_tokens": train_tokens,
+            "gen_tokens_per_s": gen_tokens / max(t_rollouts, 1e-9),
+            "train_tokens_per_s": train_tokens / max(t_update, 1e-9),
+            "carried_groups": carried,
+            "groups_enqueued": pool.next_index,
+            "t_trainer_wait": t_wait,
+            "t_rollouts": t_rollouts,
+            "t_update": t_update,
+            "t_sync": t_sync,
+            "t_step": time.perf_counter() - t0,
+        }
+        return row, version
+
+    def _async_rows(
+        self, ctx: TrainContext, batch: BatchResult, taken: list[InFlightGroup], synced: list[int]
+    ) -> tuple[list[TrainRow], int, dict[str, Any]]:
+        """Rows of the taken groups without their stale samples. A sample's lag is the number of
+        policy versions served after its behaviour version (the oldest that generated any of its
+        tokens; the group's version at enqueue time when its calls reported none)."""
+        finished = self._groups(batch)
+        events = ctx.client.events_of(
+            [r.id for rs in finished.values() for r in rs], type=["llm_call", "reward", STATE_EVENT]
+        )
+        enqueued_at = {g.group_id: g.policy_version for g in taken}
+        hist: Counter[int] = Counter()
+        stale = 0
+        fresh: dict[str, list[Rollout]] = {}
+        for group_id, rollouts in finished.items():
+            for r in rollouts:
+                seen = behaviour_version(latest_attempt(events[r.id]))
+                behaviour = seen if seen is not None else enqueued_at.get(group_id, synced[-1])
+                lag = len(synced) - bisect.bisect_right(synced, behaviour)
+                hist[lag] += 1
+                if lag > self.max_staleness:
+                    stale += 1
+                else:
+                    fresh.setdefault(group_id, []).append(r)
+        kept = {g: rs for g, rs in fresh.items() if len(rs) >= self.min_group_size}
+        rows, gen_tokens, data = self._rows_of(kept, batch, events)
+        data.update(
+            dropped_groups=len(taken) - len(kept),
+            stale_dropped=stale,
+            staleness_hist={str(lag): n for lag, n in sorted(hist.items())},
+            staleness_mean=sum(lag * n for lag, n in hist.items()) / max(1, sum(hist.values())),
+        )
+        return rows, gen_tokens, data
+
+    # ------------------------------------------------------------------ synchronous mode
+
     def _sample(
         self, ctx: TrainContext, step: int, version: int, progress: Progress
     ) -> tuple[list[Task], BatchResult]:
@@ -411,11 +599,18 @@ class GRPO(RewardOptions, Algorithm):
         self, ctx: TrainContext, batch: BatchResult, tasks: list[Task]
     ) -> tuple[list[TrainRow], int, dict[str, Any]]:
         kept = self._groups(batch)
-        traj_rows: list[TrajectoryRow] = []
-        gen_tokens = mismatches = 0
         events = ctx.client.events_of(
             [r.id for rs in kept.values() for r in rs], type=["llm_call", "reward", STATE_EVENT]
         )
+        rows, gen_tokens, data = self._rows_of(kept, batch, events)
+        data["dropped_groups"] = len(tasks) - len(kept)
+        return rows, gen_tokens, data
+
+    def _rows_of(
+        self, kept: dict[str, list[Rollout]], batch: BatchResult, events: dict[str, list[Event]]
+    ) -> tuple[list[TrainRow], int, dict[str, Any]]:
+        traj_rows: list[TrajectoryRow] = []
+        gen_tokens = mismatches = 0
         for rollouts in kept.values():
             for r in rollouts:
                 # Only the attempt that finished: a retried rollout's lost attempt may have made
@@ -434,13 +629,14 @@ class GRPO(RewardOptions, Algorithm):
             "samples": len({(row.rollout_id, row.attempt_id) for row in traj_rows}),
             "groups": adv.groups,
             "zero_spread_groups": adv.zero_spread_groups,
-            "dropped_groups": len(tasks) - len(kept),
             "prefix_mismatches": mismatches,
             **adv.metrics(),
         }
         return train_rows, gen_tokens, data
 
-    def _update(self, state: TrainState, rows: list[TrainRow]) -> dict[str, float]:
+    def _update(self, state: TrainState, rows: list[TrainRow], proximal: bool = False) -> dict[str, float]:
+        """One optimizer step; ``proximal`` (asynchronous mode): the ratio against the current
+        policy, the recorded logprobs corrected for by truncated importance weights."""
         if not rows:
             return {"num_tokens": 0.0}
         device = self._device()
@@ -448,14 +644,33 @@ class GRPO(RewardOptions, Algorithm):
             _to_device(pad_batch(mb), device)
             for mb in micro_batches(rows, max_tokens=self.max_tokens_per_micro_batch)
         ]
-        loss = PolicyLoss(self.clip_low, self.clip_high, self.kl_coef)
+        policy_loss = PolicyLoss(self.clip_low, self.clip_high, self.kl_coef)
+        if proximal:
+            policy_loss = replace(
+                policy_loss, proximal=True, importance=self.importance, importance_cap=self.importance_cap
+            )
+        seen: list[dict[str, float]] = []
+
+        def loss(
+            model: torch.nn.Module, batch: Batch, num_tokens: float
+        ) -> tuple[torch.Tensor, dict[str, float]]:
+            value, metrics = policy_loss(model, batch, num_tokens)
+            seen.append(metrics)
+            return value, metrics
+
         autocast = (
             torch.autocast(device.type, dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
         )
         with autocast:
             if self.kl_coef:  # under the same autocast as the update: KL is 0 before the first one
                 batches = [_with_ref(b, reference_logprobs(state.reference_model, b)) for b in batches]
-            return optimizer_step(state, batches, loss)
+            out = optimizer_step(state, batches, cast(LossFn, loss))
+        # the step averages metrics over micro-batches by tokens: extremes are taken over them
+        for name, pick in (("is_weight_min", min), ("is_weight_max", max)):
+            values = [m[name] for m in seen if name in m]
+            if values:
+                out[name] = pick(values)
+        return out
 
 
 def _reward_stats(batch: BatchResult, threshold: float) -> dict[str, Any]:
@@ -473,6 +688,33 @@ def _reward_stats(batch: BatchResult, threshold: float) -> dict[str, Any]:
         **tally(batch.rollouts, batch.reward).metrics(),
         **batch.evaluation_metrics(),
     }
+
+
+def _batch_of(groups: list[InFlightGroup], plan: RewardPlan) -> BatchResult:
+    """The taken groups' rollouts as one batch, with what the evaluators here did for them."""
+    reports = [g.report for g in groups if g.report is not None]
+    report = reports[0] if reports else None
+    for more in reports[1:]:
+        report = report + more if report is not None else more
+    rollouts = [r for g in groups for r in g.rollouts]
+    return BatchResult(rollouts, sum(g.timed_out for g in groups), plan.choice, report)
+
+
+def _idle_clock(policy: PolicyServer) -> EngineIdleClock | None:
+    """The embedded engine's idle clock; None for a remote server (nothing to sample)."""
+    if not isinstance(policy, EnginePolicy):
+        return None
+    engine = policy.engine
+    return EngineIdleClock(lambda: int(engine.stats()["running"]))
+
+
+def _served_version(policy: PolicyServer, step: int) -> int:
+    """The policy version the engine serves now: its own when it is a number, else ``step``."""
+    if isinstance(policy, EnginePolicy):
+        served = version_number(policy.engine.version)
+        if served is not None:
+            return served
+    return step
 
 
 def _to_device(batch: Batch, device: torch.device) -> Batch:
@@ -499,17 +741,39 @@ _COLUMNS = (
     ("retried", "{}"),
     ("reward_pending", "{}"),
     ("reward_errors", "{}"),
+    ("carried_groups", "{}"),
+    ("stale_dropped", "{}"),
+    ("staleness_mean", "{:.2f}"),
+    ("is_weight_mean", "{:.3f}"),
+    ("is_clipped_fraction", "{:.3f}"),
+    ("t_trainer_wait", "{:.1f}s"),
+    ("t_engine_idle", "{:.1f}s"),
     ("t_rollouts", "{:.1f}s"),
     ("t_update", "{:.1f}s"),
     ("t_sync", "{:.1f}s"),
 )
 # columns that say nothing while the reward is the agent's own (always 0: nothing is awaited)
 _NAMED_REWARD_COLUMNS = ("reward_pending", "reward_errors")
+# columns of asynchronous mode only (nothing is carried, stale or weighted in synchronous mode)
+_ASYNC_COLUMNS = (
+    "carried_groups",
+    "stale_dropped",
+    "staleness_mean",
+    "is_weight_mean",
+    "is_clipped_fraction",
+    "t_trainer_wait",
+)
 
 
-def _columns(agent_only: bool) -> tuple[tuple[str, str], ...]:
-    """The live table's columns: the named-reward counts only when a named reward is in play."""
-    return tuple(c for c in _COLUMNS if not (agent_only and c[0] in _NAMED_REWARD_COLUMNS))
+def _columns(agent_only: bool, asynchronous: bool = False) -> tuple[tuple[str, str], ...]:
+    """The live table's columns: the named-reward counts only when a named reward is in play,
+    the staleness and importance-weight columns only in asynchronous mode."""
+    return tuple(
+        c
+        for c in _COLUMNS
+        if not (agent_only and c[0] in _NAMED_REWARD_COLUMNS)
+        and not (not asynchronous and c[0] in _ASYNC_COLUMNS)
+    )
 
 
 @dataclass

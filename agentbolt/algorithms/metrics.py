@@ -45,10 +45,17 @@ class MetricsLog:
             self._wandb.finish()
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _loggable(value: Any) -> bool:
-    """A scalar, None, or a list of numbers (``turn_reward_by_index``)."""
+    """A scalar, None, a list of numbers (``turn_reward_by_index``) or a table of numbers by
+    name (``staleness_hist``: samples by version lag)."""
     if isinstance(value, list):
-        return all(isinstance(v, int | float) and not isinstance(v, bool) for v in value)
+        return all(_number(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _number(v) for k, v in value.items())
     return isinstance(value, int | float | str | bool) or value is None
 
 
@@ -87,13 +94,26 @@ def _mlflow() -> Any:
 
 
 def plot_history(history: list[dict[str, Any]], path: Path) -> Path:
-    """Reward and success per step, validation success where measured."""
+    """Reward and success per step, validation success where measured; asynchronous GRPO's
+    runs get a second panel: the samples' mean staleness and the stale samples dropped."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    stale = [h for h in history if "staleness_mean" in h]
+    if stale:
+        fig, (ax, ax2) = plt.subplots(
+            2, 1, figsize=(8, 6.5), dpi=110, sharex=True, gridspec_kw={"height_ratios": [3, 1.3]}
+        )
+        steps = [h["step"] for h in stale]
+        ax2.plot(steps, [h["staleness_mean"] for h in stale], "o-", label="mean staleness (versions)")
+        ax2.bar(steps, [h.get("stale_dropped", 0) for h in stale], alpha=0.4, label="stale samples dropped")
+        ax2.set_xlabel("step")
+        ax2.grid(alpha=0.3)
+        ax2.legend(loc="upper left", fontsize="small")
+    else:
+        fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
     train = [h for h in history if "reward_mean" in h]
     val = [h for h in history if h.get("val_success") is not None]
     if train:
@@ -120,7 +140,8 @@ def plot_history(history: list[dict[str, Any]], path: Path) -> Path:
             lw=2,
             label="validation success (greedy)",
         )
-    ax.set_xlabel("step")
+    if not stale:
+        ax.set_xlabel("step")
     ax.set_ylabel("reward / success rate")
     ax.set_ylim(-0.02, 1.05)
     ax.grid(alpha=0.3)
