@@ -36,7 +36,7 @@ from typing import Any
 
 import httpx
 
-__all__ = ["IDEMPOTENCY_KEY", "Http1Transport", "lean_mounts"]
+__all__ = ["IDEMPOTENCY_KEY", "Answer", "Http1Transport", "lean_mounts"]
 
 IDEMPOTENCY_KEY = "Idempotency-Key"
 """The header naming one logical write: every retry of it carries the same value."""
@@ -61,6 +61,23 @@ class _Conn:
         self.writer.close()
 
 
+class Answer:
+    """A whole answer read by :meth:`Http1Transport.request`: status, headers (names in lower
+    case, as sent) and body."""
+
+    __slots__ = ("content", "headers", "status_code")
+
+    def __init__(self, status_code: int, headers: list[tuple[bytes, bytes]], content: bytes) -> None:
+        self.status_code, self.headers, self.content = status_code, headers, content
+
+    def header(self, name: bytes) -> str | None:
+        """The first value of the header ``name`` (lower case), if it was sent."""
+        for key, value in self.headers:
+            if key == name:
+                return value.decode("latin-1")
+        return None
+
+
 class _Unanswered(Exception):
     """The connection dropped before any byte of the answer; ``written``: whether the whole
     request had reached the socket (so the server may have acted on it)."""
@@ -71,7 +88,7 @@ class _Unanswered(Exception):
 
 
 async def _within(
-    seconds: float | None, awaitable: Any, request: httpx.Request, kind: type[httpx.TimeoutException]
+    seconds: float | None, awaitable: Any, request: httpx.Request | None, kind: type[httpx.TimeoutException]
 ) -> Any:
     try:
         async with asyncio.timeout(seconds):
@@ -98,7 +115,7 @@ class _Pool:
         # Each waiter's future gets a connection to its origin, or None: a slot to open one with.
         self.waiters: collections.deque[tuple[Origin, asyncio.Future[_Conn | None]]] = collections.deque()
 
-    async def acquire(self, origin: Origin, request: httpx.Request, timeouts: dict[str, Any]) -> _Conn:
+    async def acquire(self, origin: Origin, request: httpx.Request | None, timeouts: dict[str, Any]) -> _Conn:
         conn = self._reuse(origin)
         if conn is not None:
             return conn
@@ -142,7 +159,9 @@ class _Pool:
                 return True
         return False
 
-    async def _wait(self, origin: Origin, request: httpx.Request, timeout: float | None) -> _Conn | None:
+    async def _wait(
+        self, origin: Origin, request: httpx.Request | None, timeout: float | None
+    ) -> _Conn | None:
         waiter: asyncio.Future[_Conn | None] = asyncio.get_running_loop().create_future()
         entry = (origin, waiter)
         self.waiters.append(entry)
@@ -211,17 +230,41 @@ class _Body(httpx.AsyncByteStream):
     body was read to its end and both sides allow keep-alive."""
 
     def __init__(
-        self, pool: _Pool, conn: _Conn, request: httpx.Request, headers: httpx.Headers, no_body: bool
+        self,
+        pool: _Pool,
+        conn: _Conn,
+        request: httpx.Request | None,
+        headers: list[tuple[bytes, bytes]],
+        no_body: bool,
+        timeout: float | None,
     ) -> None:
-        self.pool, self.conn, self.request = pool, conn, request
-        self.timeout = request.extensions.get("timeout", {}).get("read")
-        self.chunked = "chunked" in headers.get("transfer-encoding", "").lower()
-        length = headers.get("content-length")
-        self.length = 0 if no_body else (int(length) if length is not None and not self.chunked else None)
-        self.reusable = headers.get("connection", "").lower() != "close" and (
-            self.chunked or self.length is not None
-        )
+        self.pool, self.conn, self.request, self.timeout = pool, conn, request, timeout
+        self.status, self.headers = 0, headers
+        chunked, length, close = False, None, False
+        for name, value in headers:  # names are lower case (see _read_head)
+            if name == b"transfer-encoding":
+                chunked = b"chunked" in value.lower()
+            elif name == b"content-length":
+                length = value
+            elif name == b"connection":
+                close = value.lower() == b"close"
+        self.chunked = chunked
+        self.length = 0 if no_body else (int(length) if length is not None and not chunked else None)
+        self.reusable = not close and (chunked or self.length is not None)
         self.complete = False
+
+    async def read(self) -> bytes:
+        """The whole body; the connection goes back to the pool (or is closed)."""
+        try:
+            if not self.chunked and self.length is not None:  # the usual case: one read
+                content = await self._read(self.conn.reader.readexactly(self.length)) if self.length else b""
+                self.complete = True
+                return content
+            return b"".join([chunk async for chunk in self])
+        except (ConnectionError, asyncio.IncompleteReadError) as exc:
+            raise httpx.ReadError(f"reading the response failed: {exc!r}", request=self.request) from exc
+        finally:
+            await self.aclose()
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         reader = self.conn.reader
@@ -244,6 +287,8 @@ class _Body(httpx.AsyncByteStream):
             raise httpx.ReadError(f"reading the response failed: {exc!r}", request=self.request) from exc
 
     async def _read(self, awaitable: Any) -> bytes:
+        if self.timeout is None:
+            return await awaitable  # type: ignore[no-any-return]
         return await _within(self.timeout, awaitable, self.request, httpx.ReadTimeout)  # type: ignore[no-any-return]
 
     async def aclose(self) -> None:
@@ -285,6 +330,56 @@ class Http1Transport(httpx.AsyncBaseTransport):
         origin = (request.url.host, request.url.port or 80)
         payload = self._head(request) + await request.aread()
         timeouts = request.extensions.get("timeout", {})
+        stream = await self._send(origin, payload, request.method, _resendable(request), timeouts, request)
+        return httpx.Response(
+            stream.status, headers=stream.headers, stream=stream, extensions={"http_version": b"HTTP/1.1"}
+        )
+
+    async def request(
+        self,
+        method: str,
+        origin: Origin,
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        content: bytes,
+        timeouts: dict[str, Any],
+        resendable: bool = False,
+    ) -> Answer:
+        """Send one request and read its whole answer, without httpx's request and response
+        objects (their construction costs more than the exchange): for callers on the hot path
+        (the gateway's upstream calls, the runner's calls to the server). ``headers`` are sent
+        as given, after ``host`` and ``content-length``; ``resendable``: whether a request the
+        server may have received may be sent again (see the module docstring). Raises httpx's
+        errors, as the transport does. The read timeout bounds the whole answer (not each read,
+        as httpx's does): a whole answer comes at once, after the model is done."""
+        host = origin[0].encode() if origin[1] == 80 else b"%s:%d" % (origin[0].encode(), origin[1])
+        lines = [b"%s %s HTTP/1.1" % (method.encode(), target), b"host: " + host]
+        lines += [b"%s: %s" % header for header in headers]
+        lines.append(b"content-length: %d" % len(content))
+        payload = b"\r\n".join(lines) + b"\r\n\r\n" + content
+        resend = resendable or method in _SAFE_METHODS
+        read = timeouts.get("read")
+        if read is None:
+            return await self._whole(origin, payload, method, resend, timeouts)
+        # one deadline for the whole answer rather than one per read (each costs a timer)
+        exchange = self._whole(origin, payload, method, resend, {**timeouts, "read": None})
+        return await _within(read, exchange, None, httpx.ReadTimeout)  # type: ignore[no-any-return]
+
+    async def _whole(
+        self, origin: Origin, payload: bytes, method: str, resendable: bool, timeouts: dict[str, Any]
+    ) -> Answer:
+        body = await self._send(origin, payload, method, resendable, timeouts, None)
+        return Answer(body.status, body.headers, await body.read())
+
+    async def _send(
+        self,
+        origin: Origin,
+        payload: bytes,
+        method: str,
+        resendable: bool,
+        timeouts: dict[str, Any],
+        request: httpx.Request | None,
+    ) -> _Body:
         while True:
             conn = await self._pool.acquire(origin, request, timeouts)
             try:
@@ -292,17 +387,16 @@ class Http1Transport(httpx.AsyncBaseTransport):
             except _Unanswered as exc:
                 self._pool.discard(conn)
                 # A stale keep-alive connection: another one is fresh, or less likely stale.
-                if conn.reused and (not exc.written or _resendable(request)):
+                if conn.reused and (not exc.written or resendable):
                     continue
                 raise httpx.RemoteProtocolError(_unanswered_message(conn), request=request) from None
             except BaseException:
                 self._pool.discard(conn)
                 raise
-            no_body = request.method == "HEAD" or status in _NO_BODY or status < 200
-            stream = _Body(self._pool, conn, request, headers, no_body)
-            return httpx.Response(
-                status, headers=headers, stream=stream, extensions={"http_version": b"HTTP/1.1"}
-            )
+            no_body = method == "HEAD" or status in _NO_BODY or status < 200
+            body = _Body(self._pool, conn, request, headers, no_body, timeouts.get("read"))
+            body.status = status
+            return body
 
     @staticmethod
     def _head(request: httpx.Request) -> bytes:
@@ -311,8 +405,8 @@ class Http1Transport(httpx.AsyncBaseTransport):
         return b"\r\n".join(lines) + b"\r\n\r\n"
 
     async def _exchange(
-        self, conn: _Conn, payload: bytes, request: httpx.Request, timeouts: dict[str, Any]
-    ) -> tuple[int, httpx.Headers]:
+        self, conn: _Conn, payload: bytes, request: httpx.Request | None, timeouts: dict[str, Any]
+    ) -> tuple[int, list[tuple[bytes, bytes]]]:
         await _write(conn, payload, request, timeouts.get("write"))
         status, headers = await _read_head(conn, request, timeouts.get("read"))
         while 100 <= status < 200 and status != 101:  # interim: the final answer follows
@@ -337,7 +431,7 @@ def _unanswered_message(conn: _Conn) -> str:
     )
 
 
-async def _write(conn: _Conn, payload: bytes, request: httpx.Request, timeout: float | None) -> None:
+async def _write(conn: _Conn, payload: bytes, request: httpx.Request | None, timeout: float | None) -> None:
     """Hand the whole request to the socket; :class:`_Unanswered` (not written) if it fails."""
     try:
         conn.writer.write(payload)
@@ -351,9 +445,13 @@ async def _write(conn: _Conn, payload: bytes, request: httpx.Request, timeout: f
         raise _Unanswered(written=False) from None
 
 
-async def _read_head(conn: _Conn, request: httpx.Request, timeout: float | None) -> tuple[int, httpx.Headers]:
+async def _read_head(
+    conn: _Conn, request: httpx.Request | None, timeout: float | None
+) -> tuple[int, list[tuple[bytes, bytes]]]:
+    """The status and the headers (names in lower case) of the next answer."""
     try:
-        head = await _within(timeout, conn.reader.readuntil(b"\r\n\r\n"), request, httpx.ReadTimeout)
+        until = conn.reader.readuntil(b"\r\n\r\n")
+        head = await (until if timeout is None else _within(timeout, until, request, httpx.ReadTimeout))
     except asyncio.IncompleteReadError as exc:
         if not exc.partial:
             raise _Unanswered(written=True) from None
@@ -368,6 +466,7 @@ async def _read_head(conn: _Conn, request: httpx.Request, timeout: float | None)
     except (IndexError, ValueError):
         raise httpx.RemoteProtocolError(f"malformed status line {first[:80]!r}", request=request) from None
     raw = [
-        (name.strip(), value.strip()) for name, _, value in (line.partition(b":") for line in lines if line)
+        (name.strip().lower(), value.strip())
+        for name, _, value in (line.partition(b":") for line in lines if line)
     ]
-    return status, httpx.Headers(raw)
+    return status, raw

@@ -8,8 +8,14 @@ its HTTP hop, the request rewrite, the upstream call and the store write. The ag
 runs in its own process (SQLite file, WAL). A lean keep-alive HTTP/1.1 client keeps the driver's
 own CPU use small; ``C`` calls are in flight at once (one connection each).
 
-Prints, per phase, p50/p99 latency per call and throughput, then the added latency and the
-throughput ratio, and checks that every gateway call was recorded.
+By default the server runs as deployed: an admin token configured, each agent calling with its
+attempt's agent key (as the claim hands it over), and each call carrying an ``Idempotency-Key``
+and ``x-stainless-retry-count`` as OpenAI's clients send (``--plain`` drops all three).
+
+Prints, per phase, p50/p99 latency per call and throughput, then the added latency, the
+throughput ratio and the gateway's CPU per call (the server process's user + system CPU time
+over the gateway phases, divided by the calls: the figure that does not depend on how loaded
+the machine is), and checks that every gateway call was recorded and named its record.
 
     python benchmarks/gateway_overhead.py [--calls 4000 --concurrency 32 --upstream-delay-ms 0]
 
@@ -25,10 +31,12 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import secrets
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -36,8 +44,8 @@ from bench_util import cpu_seconds, pct
 
 from agentbolt.client import Client
 from agentbolt.schemas import LLM, RolloutCreate, Task
-from agentbolt.server import ServerConfig, ServerProcess
-from agentbolt.server.run import free_port, wait_healthy
+from agentbolt.server import ServerConfig
+from agentbolt.server.run import ServerProcess, free_port, wait_healthy
 
 REQUEST = {
     "model": "bench",
@@ -111,19 +119,33 @@ def _serve_upstream(port: int, delay: float) -> None:
 
 
 class Connection:
-    """One keep-alive HTTP/1.1 connection; enough for JSON POSTs with a content-length answer."""
+    """One keep-alive HTTP/1.1 connection; enough for JSON POSTs with a content-length answer.
+    ``key``: the bearer token it sends (an attempt's agent key); ``idempotent``: each call
+    carries an ``Idempotency-Key`` of its own and ``x-stainless-retry-count: 0``, as OpenAI's
+    clients send."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, key: str | None = None, idempotent: bool = False) -> None:
         parts = urlsplit(url)
         self.host, self.port, self.base = parts.hostname, parts.port, parts.path.rstrip("/")
+        self.auth = f"authorization: Bearer {key}\r\n" if key else ""
+        self.idempotent = idempotent
+        self.calls = 0
+        self.prefix = uuid.uuid4().hex  # keys unique across connections and runs
+        self.call_ids = 0  # answers that named their record (X-Agentbolt-Call-Id)
 
     async def open(self) -> Connection:
         self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         return self
 
     async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        self.calls += 1
+        extra = (
+            f"idempotency-key: {self.prefix}-{self.calls}\r\nx-stainless-retry-count: 0\r\n"
+            if self.idempotent
+            else ""
+        )
         head = (
-            f"POST {self.base}{path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\n"
+            f"POST {self.base}{path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\n{self.auth}{extra}"
             f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
         )
         self.writer.write(head.encode() + body)
@@ -131,18 +153,26 @@ class Connection:
         length = 0
         while (line := await self.reader.readline()) not in (b"\r\n", b""):
             name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-length":
+            name = name.strip().lower()
+            if name == b"content-length":
                 length = int(value)
+            elif name == b"x-agentbolt-call-id":
+                self.call_ids += 1
         return status, await self.reader.readexactly(length)
 
     def close(self) -> None:
         self.writer.close()
 
 
-async def _phase(urls: list[str], calls: int, concurrency: int) -> tuple[float, list[float]]:
-    """``calls`` POSTs spread over ``concurrency`` connections; (seconds, latencies)."""
+async def _phase(
+    targets: list[tuple[str, str | None]], calls: int, concurrency: int, idempotent: bool = False
+) -> tuple[float, list[float], int]:
+    """``calls`` POSTs spread over ``concurrency`` connections to ``targets`` (URL, bearer key);
+    (seconds, latencies, answers that named their record)."""
     body = json.dumps(REQUEST).encode()
-    conns = [await Connection(urls[i % len(urls)]).open() for i in range(concurrency)]
+    conns = [
+        await Connection(*targets[i % len(targets)], idempotent=idempotent).open() for i in range(concurrency)
+    ]
     latencies: list[float] = []
     left = [calls]
 
@@ -163,20 +193,24 @@ async def _phase(urls: list[str], calls: int, concurrency: int) -> tuple[float, 
     elapsed = time.perf_counter() - t0
     for conn in conns:
         conn.close()
-    return elapsed, latencies
+    return elapsed, latencies, sum(c.call_ids for c in conns)
 
 
-def _gateway_urls(server_url: str, upstream: str, n: int) -> list[str]:
-    """``n`` running attempts, each with its own gateway URL (one per in-flight caller)."""
-    with Client(server_url) as client:
+def _gateway_targets(
+    server_url: str, upstream: str, n: int, token: str | None
+) -> list[tuple[str, str | None]]:
+    """``n`` running attempts, each with its own gateway URL and agent key (one per in-flight
+    caller), as a runner hands them to its agents."""
+    with Client(server_url, token=token) as client:
         client.publish_resources({"llm": LLM(base_url=upstream, model="bench")})
         client.enqueue([RolloutCreate(task=Task(data={"i": i})) for i in range(n)])
         claims = [client.dequeue("bench", lease_seconds=3600) for _ in range(n)]
-    return [c.resources.resources["llm"].base_url for c in claims if c is not None]
+    llms = [c.resources.resources["llm"] for c in claims if c is not None and c.resources is not None]
+    return [(llm.base_url, llm.api_key) for llm in llms if isinstance(llm, LLM)]
 
 
-def _count_llm_calls(server_url: str) -> int:
-    with Client(server_url, timeout=120) as client:
+def _count_llm_calls(server_url: str, token: str | None) -> int:
+    with Client(server_url, timeout=120, token=token) as client:
         return int(client.stats()["events"])
 
 
@@ -195,7 +229,19 @@ def main() -> None:
         "--rounds", type=int, default=2, help="direct/gateway pairs, alternating; best of each"
     )
     parser.add_argument("--db", default="file", choices=["file", "memory"], help="the server's SQLite store")
+    parser.add_argument(
+        "--plain",
+        action="store_true",
+        help="without the features a deployment runs with (an admin token configured, each agent "
+        "calling with its attempt's agent key, an Idempotency-Key per call); on by default",
+    )
+    parser.add_argument("--quick", action="store_true", help="a short run: 1000 calls, 2 rounds")
+    parser.add_argument(
+        "--profile", metavar="PATH", help="write the server process's cProfile statistics here"
+    )
     args = parser.parse_args()
+    if args.quick:
+        args.calls, args.rounds = 1000, 2
 
     port = free_port()
     upstream_url = f"http://127.0.0.1:{port}/v1"
@@ -210,24 +256,32 @@ def main() -> None:
             target=_serve_upstream, args=(port, args.upstream_delay_ms / 1000), daemon=True
         )
         up.start()
+    token = None if args.plain else secrets.token_urlsafe(24)
     try:
         wait_healthy(f"http://127.0.0.1:{port}", timeout=300 if args.upstream == "engine" else 30)
-        with (
-            tempfile.TemporaryDirectory() as tmp,
-            ServerProcess(
-                ServerConfig(db=str(Path(tmp) / "bench.db") if args.db == "file" else ":memory:")
-            ) as server,
-        ):
-            gateway_urls = _gateway_urls(server.url, upstream_url, args.concurrency)
-            results: dict[str, list[tuple[float, list[float]]]] = {"direct": [], "gateway": []}
-            cpu = {"upstream": 0.0, "gateway": 0.0}
-            for _ in range(args.rounds):
-                results["direct"].append(asyncio.run(_phase([upstream_url], args.calls, args.concurrency)))
-                before = cpu_seconds(server.process.pid), cpu_seconds(up.pid)
-                results["gateway"].append(asyncio.run(_phase(gateway_urls, args.calls, args.concurrency)))
-                cpu["gateway"] += cpu_seconds(server.process.pid) - before[0]
-                cpu["upstream"] += cpu_seconds(up.pid) - before[1]
-            recorded = _count_llm_calls(server.url)
+        with tempfile.TemporaryDirectory() as tmp:
+            db = str(Path(tmp) / "bench.db") if args.db == "file" else ":memory:"
+            server = ServerProcess(ServerConfig.with_token(token, db=db), profile=args.profile).start()
+            try:
+                targets = _gateway_targets(server.url, upstream_url, args.concurrency, token)
+                if args.plain:
+                    targets = [(url, None) for url, _ in targets]
+                results: dict[str, list[tuple[float, list[float], int]]] = {"direct": [], "gateway": []}
+                cpu = {"upstream": 0.0, "gateway": 0.0}
+                assert server.process is not None and server.process.pid is not None
+                for _ in range(args.rounds):
+                    results["direct"].append(
+                        asyncio.run(_phase([(upstream_url, None)], args.calls, args.concurrency))
+                    )
+                    before = cpu_seconds(server.process.pid), cpu_seconds(up.pid)
+                    results["gateway"].append(
+                        asyncio.run(_phase(targets, args.calls, args.concurrency, idempotent=not args.plain))
+                    )
+                    cpu["gateway"] += cpu_seconds(server.process.pid) - before[0]
+                    cpu["upstream"] += cpu_seconds(up.pid) - before[1]
+                recorded = _count_llm_calls(server.url, token)
+            finally:
+                server.stop()
     finally:  # the engine is a separate process: never leave it running
         up.terminate()
         up.wait(30) if isinstance(up, subprocess.Popen) else up.join(5)
@@ -238,9 +292,17 @@ def main() -> None:
         if args.upstream == "engine"
         else (f"a stub answering after {args.upstream_delay_ms:g} ms")
     )
-    print(f"{args.calls} chat calls, {args.concurrency} in flight, upstream: {upstream}")
+    features = (
+        "plain (no tokens, no agent keys, no idempotency keys)"
+        if args.plain
+        else "admin token configured, agent key per attempt, Idempotency-Key per call"
+    )
+    print(
+        f"{args.calls} chat calls x {args.rounds} rounds, {args.concurrency} in flight, upstream: {upstream}"
+    )
+    print(f"  gateway features: {features}")
     for name, runs in results.items():
-        elapsed, lat = min(runs, key=lambda r: r[0])  # the best round: least disturbed by other load
+        elapsed, lat, _ = min(runs, key=lambda r: r[0])  # the best round: least disturbed by other load
         summary[name] = (args.calls / elapsed, pct(lat, 50), pct(lat, 99))
         print(
             f"  {name:8s} {summary[name][0]:8.0f} calls/s   p50 {summary[name][1]:6.2f} ms   p99 {summary[name][2]:6.2f} ms"
@@ -252,13 +314,16 @@ def main() -> None:
     print(f"  throughput ratio gateway/direct: {ratio:.2f}x")
     n = (args.calls + args.concurrency) * args.rounds
     print(
-        f"  CPU per call through the gateway: gateway process {cpu['gateway'] / n * 1000:.2f} ms, "
-        f"upstream process {cpu['upstream'] / n * 1000:.2f} ms"
+        f"  gateway CPU per call (server process, user+sys / calls): {cpu['gateway'] / n * 1000:.3f} ms"
+        f"   [upstream stub process: {cpu['upstream'] / n * 1000:.3f} ms]"
     )
-    expected = (args.calls + args.concurrency) * args.rounds
+    named = sum(r[2] for r in results["gateway"])
     print(
-        f"  llm_call events recorded: {recorded} (expected {expected}) {'ok' if recorded == expected else 'MISMATCH'}"
+        f"  llm_call events recorded: {recorded} (expected {n}) {'ok' if recorded == n else 'MISMATCH'}; "
+        f"answers naming their record (X-Agentbolt-Call-Id): {named}/{n}"
     )
+    if recorded != n or named != n:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ import random
 import re
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import anyio
@@ -59,7 +59,7 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from agentbolt.errors import AttemptEnded, NotFound
+from agentbolt.errors import AttemptEnded
 from agentbolt.http1 import Http1Transport, lean_mounts
 from agentbolt.schemas import LLM, AttemptStatus, EventCreate, EventType
 from agentbolt.server.config import ServerConfig
@@ -67,6 +67,8 @@ from agentbolt.server.gateway_access import UpstreamKeys
 from agentbolt.server.gateway_call import (
     CallTry,
     ForwardedCall,
+    LeanRequest,
+    LeanResponse,
     Refused,
     Target,
     json_answer,
@@ -123,6 +125,7 @@ class Gateway:
         self._h1 = Http1Transport(max_connections=1000)
         self._mounts = lean_mounts(self._h1)  # None when an http proxy is configured
         self._timeout = httpx.Timeout(config.upstream_timeout, connect=min(10.0, config.upstream_timeout))
+        self._timeouts = self._timeout.as_dict()
 
     @property
     def http(self) -> httpx.AsyncClient:
@@ -141,16 +144,15 @@ class Gateway:
     # ------------------------------------------------------------------ resolving a call
 
     async def target(self, rollout_id: str, attempt_id: str) -> Target:
-        try:
-            attempt = await self.call(self.store.get_attempt, attempt_id)
-        except NotFound:
-            raise Refused(404, f"attempt {attempt_id!r} not found", "not_found_error") from None
-        if attempt.rollout_id != rollout_id:
+        state = await self.call(self.store.attempt_state, attempt_id)  # read on every call
+        if state is None:
+            raise Refused(404, f"attempt {attempt_id!r} not found", "not_found_error")
+        if state[0] != rollout_id:
             raise Refused(
                 404, f"attempt {attempt_id!r} is not part of rollout {rollout_id!r}", "not_found_error"
             )
-        if attempt.status != AttemptStatus.RUNNING:
-            message = f"attempt {attempt_id!r} is {attempt.status.value}, not running: it takes no more calls"
+        if state[1] != AttemptStatus.RUNNING:
+            message = f"attempt {attempt_id!r} is {state[1]}, not running: it takes no more calls"
             raise Refused(409, message, AttemptEnded.__name__)
         found = self._targets.get(attempt_id)
         if found is None:
@@ -171,7 +173,23 @@ class Gateway:
 
     async def forward(self, request: Request, rollout_id: str, attempt_id: str, endpoint: str) -> Response:
         started, t0 = time.time(), time.perf_counter()
-        raw = await request.body()
+        return await self.forward_raw(
+            await request.body(), request.headers, rollout_id, attempt_id, endpoint, started, t0
+        )
+
+    async def forward_raw(
+        self,
+        raw: bytes,
+        headers: Mapping[str, str],
+        rollout_id: str,
+        attempt_id: str,
+        endpoint: str,
+        started: float,
+        t0: float,
+    ) -> Response:
+        """Forward one call: its body as sent, and its headers (``idempotency-key`` and
+        ``x-stainless-retry-count`` are read, in lower case); ``started``: its wall-clock time,
+        ``t0``: its ``perf_counter``."""
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -207,7 +225,7 @@ class Gateway:
                 key,
                 started,
                 t0,
-                CallTry.of(request, raw),
+                CallTry.of(headers, raw),
             )
             answer = await self.responses.send(passed)
             if answer is not None:
@@ -236,7 +254,7 @@ class Gateway:
             key,
             started,
             t0,
-            CallTry.of(request, raw),
+            CallTry.of(headers, raw),
             responses,
             new_id("resp") if responses is not None else None,
         )
@@ -271,14 +289,21 @@ class Gateway:
         out, call_id = await self._record_success(call, full, upstream.status_code, upstream.headers)
         return json_answer(out, upstream.status_code, call_id)
 
-    def _upstream_request(self, call: ForwardedCall, payload: dict[str, Any]) -> httpx.Request:
+    def _upstream_request(self, call: ForwardedCall, payload: dict[str, Any]) -> httpx.Request | LeanRequest:
         # built directly (not client.build_request): URL parsing and header merging cost more
-        # than the rest of the call; the parsed URL is cached per upstream and endpoint
+        # than the rest of the call; the parsed URL is cached per upstream and endpoint. A
+        # plain-http upstream's answer read whole (not a stream) needs no httpx request at all.
         key = (call.llm.base_url, call.endpoint)
         url = self._urls.get(key)
         if url is None:
             url = self._urls[key] = httpx.URL(f"{call.llm.base_url.rstrip('/')}/{_PATHS[call.endpoint]}")
-        return self._post_request(url, orjson.dumps(payload), call.key)
+        content = orjson.dumps(payload)
+        if self._mounts is not None and url.scheme == "http" and not payload.get("stream"):
+            headers = [(b"content-type", b"application/json"), (b"accept", b"application/json")]
+            if call.key:
+                headers.append((b"authorization", b"Bearer " + call.key.encode()))
+            return LeanRequest((url.host, url.port or 80), url.raw_path, headers, content)
+        return self._post_request(url, content, call.key)
 
     def _post_request(self, url: httpx.URL | str, content: bytes, key: str | None) -> httpx.Request:
         headers = [(b"content-type", b"application/json"), (b"accept", b"application/json")]
@@ -322,9 +347,15 @@ class Gateway:
         text = await response.aread()
         return frozenset(n for n in added if _EXTRAS[n].search(text))
 
-    async def _dispatch(self, request: httpx.Request) -> httpx.Response:
+    async def _dispatch(self, request: httpx.Request | LeanRequest) -> Any:
         """Plain-http upstreams: straight to the lean transport (the client's cookie, auth and
-        redirect handling cost a quarter of a call and the gateway needs none of it)."""
+        redirect handling cost a quarter of a call and the gateway needs none of it); answers
+        read whole skip httpx's request and response objects too (a :class:`LeanResponse`)."""
+        if isinstance(request, LeanRequest):
+            answer = await self._h1.request(
+                "POST", request.origin, request.target, request.headers, request.content, self._timeouts
+            )
+            return LeanResponse(answer)
         if request.url.scheme != "http" or self._mounts is None:
             return await self.http.send(request, stream=True)
         response = await self._h1.handle_async_request(request)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +13,7 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response
 
+from agentbolt.http1 import Answer
 from agentbolt.schemas import LLM
 from agentbolt.server.openai_format import Wants, openai_error
 
@@ -20,6 +22,8 @@ __all__ = [
     "MAX_KEY_LENGTH",
     "CallTry",
     "ForwardedCall",
+    "LeanRequest",
+    "LeanResponse",
     "Refused",
     "Target",
     "json_answer",
@@ -91,11 +95,13 @@ class CallTry:
     retry: int | None  # its x-stainless-retry-count
 
     @classmethod
-    def of(cls, request: Request, body: bytes) -> CallTry:
-        key = request.headers.get("idempotency-key") or None
+    def of(cls, request: Request | Mapping[str, str], body: bytes) -> CallTry:
+        """From the request's headers (a request, or its headers in lower case) and body."""
+        headers = request.headers if isinstance(request, Request) else request
+        key = headers.get("idempotency-key") or None
         if key is not None and len(key) > MAX_KEY_LENGTH:
             key = hashlib.sha256(key.encode()).hexdigest()
-        count = request.headers.get("x-stainless-retry-count", "")
+        count = headers.get("x-stainless-retry-count", "")
         retry = int(count) if count.isdigit() and len(count) < 6 else None
         return cls(key, hashlib.sha256(body).hexdigest(), retry)
 
@@ -122,3 +128,46 @@ class ForwardedCall:
 
     def scrub(self, text: str) -> str:
         return text.replace(self.key, "***") if self.key else text
+
+
+@dataclass(frozen=True)
+class LeanRequest:
+    """An upstream POST sent through the lean transport's :meth:`~agentbolt.http1.Http1Transport.request`
+    (a plain-http upstream, an answer read whole): no httpx request is built."""
+
+    origin: tuple[str, int]
+    target: bytes
+    headers: list[tuple[bytes, bytes]]
+    content: bytes
+
+
+class LeanHeaders:
+    """The headers of a :class:`LeanResponse`, looked up as httpx's are (any case)."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
+        self.raw = raw  # names in lower case
+
+    def get(self, name: str, default: str | None = None) -> str | None:
+        wanted = name.lower().encode("latin-1")
+        for key, value in self.raw:
+            if key == wanted:
+                return value.decode("latin-1")
+        return default
+
+
+class LeanResponse:
+    """A whole upstream answer, with what the gateway reads of an ``httpx.Response``."""
+
+    __slots__ = ("content", "headers", "status_code")
+
+    def __init__(self, answer: Answer) -> None:
+        self.status_code, self.content = answer.status_code, answer.content
+        self.headers = LeanHeaders(answer.headers)
+
+    async def aread(self) -> bytes:
+        return self.content
+
+    async def aclose(self) -> None:
+        pass  # read whole: its connection is back in the pool already

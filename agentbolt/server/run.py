@@ -104,20 +104,37 @@ class ServerThread:
         self.stop()
 
 
-def _process_main(config: ServerConfig, log_level: str) -> None:
+def _process_main(config: ServerConfig, log_level: str, profile: str | None = None) -> None:
     logging.basicConfig(level=log_level.upper())
-    serve(config, log_level)
+    if profile is None:
+        serve(config, log_level)
+        return
+    import cProfile
+    import signal
+
+    def stop(*_: object) -> None:  # uvicorn raises the signal again once it has shut down
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    profiler = cProfile.Profile(time.process_time)  # CPU time: other load does not count
+    profiler.enable()
+    try:
+        serve(config, log_level)
+    finally:  # a graceful stop (SIGTERM) returns from serve()
+        profiler.disable()
+        profiler.dump_stats(profile)
 
 
 class ServerProcess:
     """The server in a child process (so it can be killed with SIGKILL and restarted)."""
 
-    def __init__(self, config: ServerConfig, log_level: str = "warning") -> None:
+    def __init__(self, config: ServerConfig, log_level: str = "warning", profile: str | None = None) -> None:
+        """``profile``: a path where the process writes its cProfile statistics when stopped."""
         if config.port == ServerConfig.port or config.port == 0:
             from dataclasses import replace
 
             config = replace(config, port=free_port())
-        self.config, self.log_level = config, log_level
+        self.config, self.log_level, self.profile = config, log_level, profile
         self.process: multiprocessing.process.BaseProcess | None = None
 
     @property
@@ -126,7 +143,9 @@ class ServerProcess:
 
     def start(self, timeout: float = 30.0) -> ServerProcess:
         ctx = multiprocessing.get_context("spawn")
-        self.process = ctx.Process(target=_process_main, args=(self.config, self.log_level), daemon=True)
+        self.process = ctx.Process(
+            target=_process_main, args=(self.config, self.log_level, self.profile), daemon=True
+        )
         self.process.start()
         token = next(iter(self.config.tokens), None)
         wait_healthy(self.url, timeout, token)

@@ -37,7 +37,7 @@ from agentbolt.schemas import EventCreate
 from agentbolt.store.database import Database, Tx
 from agentbolt.store.rows import from_json, to_json
 
-__all__ = ["CALLS_LOCK", "CallRecord", "record_call"]
+__all__ = ["CALLS_LOCK", "CallRecord", "record_call", "record_new_call"]
 
 # serialize() section of the records of one attempt's calls and spans
 CALLS_LOCK = 2
@@ -111,6 +111,45 @@ def record_call(
     if added is None:
         raise NotFound("attempt", attempt_id)
     return CallRecord(int(added[0]), new=True)
+
+
+def record_new_call(
+    tx: Tx, attempt_id: str, event: EventCreate, key: str | None, body_sha256: str, retry: int | None
+) -> CallRecord | None:
+    """The usual case in one statement: a try that no earlier record can be joined to
+    starts its record; ``None`` when there is one to join (or no such attempt), which
+    :func:`record_call` then handles. Only where one statement is atomic against every other
+    writer (SQLite: one writer at a time), and never for a retry (retry count above 0), whose
+    record is picked by its data."""
+    if retry is not None and retry > 0:
+        return None
+    settled = f"key:{key}" if key is not None else f"sha256:{body_sha256}"
+    if key is not None:
+        joins: list[str] = [settled]
+    elif retry == 0:
+        joins = [f"{settled}:retried"]  # a record made by its retry, waiting for it
+    else:
+        joins = []  # nothing says it is a try of an earlier call
+    earlier = (
+        f" AND NOT EXISTS (SELECT 1 FROM events WHERE attempt_id = ? AND call_key IN "
+        f"({', '.join('?' * len(joins))}))"
+        if joins
+        else ""
+    )
+    data = {**event.data, "retries": 0, "tries": [retry or 0]}
+    added = tx.one(
+        "INSERT INTO events (rollout_id, attempt_id, type, timestamp, data, call_key) "
+        f"SELECT rollout_id, id, ?, ?, ?, ? FROM attempts WHERE id = ?{earlier} RETURNING id",
+        (
+            event.type,
+            event.timestamp,
+            to_json(data),
+            settled,
+            attempt_id,
+            *((attempt_id, *joins) if joins else ()),
+        ),
+    )
+    return CallRecord(int(added[0]), new=True) if added is not None else None
 
 
 def _earlier_try(tx: Tx, attempt_id: str, settled: str, keyed: bool, retry: int | None) -> _Record | None:

@@ -262,6 +262,13 @@ class Queries:
         with self._read() as tx:
             return attempt_from_row(attempt_row(tx, attempt_id))
 
+    def attempt_state(self, attempt_id: str) -> tuple[str, str] | None:
+        """``(rollout_id, status)`` of the attempt, if it exists: what the gateway checks on
+        every call, without building the whole attempt."""
+        with self._read() as tx:
+            row = tx.one("SELECT rollout_id, status FROM attempts WHERE id = ?", (attempt_id,))
+        return (row[0], row[1]) if row is not None else None
+
     def attempt_of_agent_key(self, agent_key: str) -> tuple[str, str] | None:
         """``(rollout_id, attempt_id)`` of the attempt this agent key was minted for, if any."""
         with self._read() as tx:

@@ -49,7 +49,7 @@ from agentbolt.schemas import (
     new_id,
     now,
 )
-from agentbolt.store.calls import CALLS_LOCK, CallRecord, record_call
+from agentbolt.store.calls import CALLS_LOCK, CallRecord, record_call, record_new_call
 from agentbolt.store.database import Database, Tx
 from agentbolt.store.queries import Queries
 from agentbolt.store.rewards import keyed_score, write_reward
@@ -361,6 +361,11 @@ class SqlStore(Queries):
         """Record one try of a model call the gateway forwarded: a new ``llm_call`` event, or
         (false as a boolean) this try joined the record of its logical call (see :mod:`.calls`);
         either way the record's id, the call id the gateway returns to the agent."""
+        if self.backend == "sqlite":  # one statement, no BEGIN/COMMIT, for a call's first try
+            with self.db.autocommit() as tx:
+                added = record_new_call(tx, attempt_id, event, key, body_sha256, retry)
+            if added is not None:
+                return added
         with self._tx() as tx:
             return record_call(tx, self.db, attempt_id, event, key, body_sha256, retry)
 
