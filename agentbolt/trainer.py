@@ -3,21 +3,30 @@
 ``Trainer(algorithm=Evaluate(), n_runners=2).fit(agent, train_tasks, val_tasks)``:
 without ``server_url`` it starts an embedded server (SQLite file in the run directory) and
 ``n_runners`` local runner processes; then it publishes the initial resources and hands the
-algorithm a :class:`TrainContext`. Runner processes are forked *before* the server thread and
-any model are started, so they inherit no threads or model memory, and an agent defined in a
-script's ``__main__`` works.
+algorithm a :class:`TrainContext`.
+
+Runner processes start *before* the server thread and any model, with ``forkserver`` (or
+``spawn``) when the agent can be pickled: an agent defined at module level, in a script's
+``__main__`` too. A child forked while another thread of the parent holds a lock can hang
+for ever, and users' processes often have threads. An agent that does not pickle (a closure, a
+class defined inside a function) falls back to ``fork``. Either way each runner must register
+with the server within ``runner_start_timeout`` seconds, or the run stops with an error that
+names the runner.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import multiprocessing
 import os
+import pickle
 import secrets
 import signal
+import sys
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +48,75 @@ __all__ = ["Trainer"]
 log = logging.getLogger("agentbolt.trainer")
 
 
-def _runner_main(agent: LitAgent, url: str, token: str | None, concurrency: int, lease: float | None) -> None:
+@dataclass(frozen=True)
+class _AgentByName:
+    """An agent that is a module global (a ``@rollout`` function, which does not pickle
+    itself), sent by name and imported in the runner process."""
+
+    module: str
+    qualname: str
+
+    def load(self) -> LitAgent:
+        obj: Any = importlib.import_module(self.module)
+        for part in self.qualname.split("."):
+            obj = getattr(obj, part)
+        return as_agent(obj)
+
+
+def _runner_main(
+    agent: LitAgent | _AgentByName,
+    url: str,
+    token: str | None,
+    concurrency: int,
+    lease: float | None,
+    registered: Any = None,
+) -> None:
+    """A runner process; ``registered`` (a multiprocessing Event) is set once the runner has
+    registered with the server and starts claiming."""
     from agentbolt.runner.worker import Runner
 
+    class _Runner(Runner):
+        async def _register(self) -> None:
+            await super()._register()
+            if registered is not None:
+                registered.set()
+
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s runner %(levelname)s %(message)s")
-    Runner(agent, url, token=token, concurrency=concurrency, lease_seconds=lease).run_sync()
+    if isinstance(agent, _AgentByName):
+        agent = agent.load()
+    _Runner(agent, url, token=token, concurrency=concurrency, lease_seconds=lease).run_sync()
+
+
+def _by_name(agent: LitAgent) -> _AgentByName | None:
+    """``agent`` as a module global's name, when it is one (``@rollout`` at module level)."""
+    module, qualname = getattr(agent, "__module__", None), vars(agent).get("__qualname__")
+    if not isinstance(module, str) or not isinstance(qualname, str) or "<locals>" in qualname:
+        return None
+    obj: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    return _AgentByName(module, qualname) if obj is agent else None
+
+
+def _how_to_start(agent: LitAgent) -> tuple[str, LitAgent | _AgentByName]:
+    """The start method of the runner processes and what they are handed: ``forkserver`` (else
+    ``spawn``) when the agent pickles, or is a module global, and a fresh interpreter can import
+    what it refers to; ``fork`` otherwise (where the platform has it)."""
+    methods = multiprocessing.get_all_start_methods()
+    fresh = "forkserver" if "forkserver" in methods else "spawn"
+    fallback = "fork" if "fork" in methods else fresh
+    payload: LitAgent | _AgentByName | None = _by_name(agent)
+    if payload is None:
+        try:
+            pickle.dumps(agent)
+            payload = agent
+        except Exception:  # noqa: BLE001 - whatever stops pickling means: fork
+            return fallback, agent
+    # an object of an interactive __main__ (python -c, a notebook) is pickled under a name that
+    # a child interpreter cannot import
+    if b"__main__" in pickle.dumps(payload) and not getattr(sys.modules.get("__main__"), "__file__", None):
+        return fallback, agent
+    return fresh, payload
 
 
 def _with_rewards(
@@ -78,12 +151,19 @@ class Trainer:
         reward: RewardChoice | None = None,
         evaluators: Sequence[Evaluator] | None = None,
         reward_wait: float | None = None,
+        runner_start_timeout: float | None = 120.0,
     ) -> None:
         """``reward``, ``evaluators`` and ``reward_wait``, when given, set the algorithm's own
         (:class:`~agentbolt.algorithms.rewards.RewardOptions`): which reward it trains on, what
-        gives the named rewards, how long a batch waits for them."""
+        gives the named rewards, how long a batch waits for them.
+
+        ``runner_start_timeout``: seconds, from the moment the server answers, within which
+        every runner process must have registered with it, or :meth:`fit` raises (None: no
+        check)."""
         if n_runners < 0:
             raise ConfigError("n_runners must be >= 0")
+        if runner_start_timeout is not None and runner_start_timeout <= 0:
+            raise ConfigError("runner_start_timeout must be > 0 (or None)")
         algorithm = _with_rewards(algorithm, reward, evaluators, reward_wait)
         if token == "auto" and server_url is not None:
             raise ConfigError(
@@ -99,7 +179,11 @@ class Trainer:
         self.run_dir = Path(run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
         self.lease_seconds = lease_seconds
         self.console = console or make_console()
+        self.runner_start_timeout = runner_start_timeout
+        self.start_method: str | None = None
+        """How the runner processes of the last :meth:`fit` were started."""
         self._procs: list[multiprocessing.process.BaseProcess] = []
+        self._registered: list[Any] = []
 
     def fit(
         self,
@@ -124,6 +208,7 @@ class Trainer:
             if self.server_url is None:
                 server = ServerThread(replace(config, lease_seconds=self.lease_seconds or 30.0)).start()
             wait_healthy(url, token=self.token)
+            self._await_runners(url)
             return self._run_algorithm(url, train, val)
         finally:
             self._stop_runners()
@@ -147,16 +232,58 @@ class Trainer:
             return self.algorithm.run(ctx)
 
     def _start_runners(self, agent: LitAgent, url: str) -> None:
-        methods = multiprocessing.get_all_start_methods()
-        ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+        if not self.n_runners:
+            return
+        self.start_method, payload = _how_to_start(agent)
+        ctx: Any = multiprocessing.get_context(self.start_method)
         for _ in range(self.n_runners):
-            proc = ctx.Process(  # type: ignore[attr-defined]
+            registered = ctx.Event()
+            proc = ctx.Process(
                 target=_runner_main,
-                args=(agent, url, self.token, self.runner_concurrency, self.lease_seconds),
+                args=(payload, url, self.token, self.runner_concurrency, self.lease_seconds, registered),
                 daemon=True,
             )
             proc.start()
             self._procs.append(proc)
+            self._registered.append(registered)
+
+    def _await_runners(self, url: str) -> None:
+        """Wait until every runner has registered with the server; a clear error when one
+        died or stays silent past ``runner_start_timeout``."""
+        if self.runner_start_timeout is None:
+            return
+        deadline = time.monotonic() + self.runner_start_timeout
+        waiting = list(enumerate(zip(self._procs, self._registered, strict=True), 1))
+        while waiting:
+            for entry in list(waiting):
+                index, (proc, registered) = entry
+                name = (
+                    f"runner {index} of {len(self._procs)} (pid {proc.pid}, started with {self.start_method})"
+                )
+                if registered.is_set():
+                    waiting.remove(entry)
+                elif not proc.is_alive():
+                    raise ConfigError(
+                        f"{name} exited with code {proc.exitcode} before it registered with the "
+                        f"server at {url}; its error is printed above"
+                    )
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                index, (proc, _) = waiting[0]
+                hint = (
+                    "A process forked while another of its threads holds a lock can hang: define the "
+                    "agent at module level (so it pickles and runners start with forkserver) or start "
+                    "no threads before Trainer.fit"
+                    if self.start_method == "fork"
+                    else "Its agent's imports may be slow or stuck"
+                )
+                raise ConfigError(
+                    f"runner {index} of {len(self._procs)} (pid {proc.pid}, started with {self.start_method}) "
+                    f"did not register with the server at {url} within {self.runner_start_timeout:g} s "
+                    f"(runner_start_timeout). {hint}; or raise runner_start_timeout."
+                )
+            waiting[0][1][1].wait(0.05)
 
     def _stop_runners(self, grace: float = 15.0) -> None:
         for proc in self._procs:
@@ -169,3 +296,4 @@ class Trainer:
                 proc.kill()
                 proc.join(2)
         self._procs.clear()
+        self._registered.clear()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,3 +54,70 @@ def test_auto_token_is_random_and_runners_use_it(tmp_path: Path) -> None:
 def test_auto_token_needs_the_embedded_server() -> None:
     with pytest.raises(ConfigError, match='token="auto"'):
         Trainer(Evaluate(), token="auto", server_url="http://127.0.0.1:9")
+
+
+# ---------------------------------------------------------------------------- starting runners
+
+
+class _NeverStarts:
+    """Unpickles, in the runner process, into a wait that outlasts any test: a runner that
+    never registers."""
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return _hang, ()
+
+
+def _hang() -> None:
+    threading.Event().wait(600)
+
+
+def test_runners_start_while_another_thread_of_the_process_is_alive(tmp_path: Path) -> None:
+    """A forked runner hung when another thread of the parent was alive; a module-level agent
+    now starts its runners with forkserver, whatever threads the parent has."""
+    release = threading.Event()
+    bystander = threading.Thread(target=release.wait, name="bystander")
+    bystander.start()
+    try:
+        tasks = [{"id": f"t{i}", "x": i, "y": 2 * i} for i in range(4)]
+        trainer = Trainer(Evaluate(timeout=60), n_runners=2, run_dir=tmp_path, runner_start_timeout=60)
+        summary = trainer.fit(doubles, tasks)
+        assert bystander.is_alive()
+    finally:
+        release.set()
+        bystander.join()
+    assert trainer.start_method == "forkserver"
+    assert (summary.count, summary.succeeded, summary.mean_reward) == (4, 4, 1.0)
+
+
+def test_agents_that_do_not_pickle_fall_back_to_fork(tmp_path: Path) -> None:
+    factor = 2
+
+    @rollout
+    def closure(task: Task) -> float:
+        return 1.0 if task.data["x"] * factor == task.data["y"] else 0.0
+
+    trainer = Trainer(Evaluate(timeout=60), n_runners=1, run_dir=tmp_path)
+    summary = trainer.fit(closure, [{"id": "a", "x": 1, "y": 2}, {"id": "b", "x": 1, "y": 3}])
+    assert trainer.start_method == "fork"
+    assert (summary.count, summary.succeeded, summary.mean_reward) == (2, 2, 0.5)
+
+
+def test_a_runner_that_never_registers_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import agentbolt.trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "_how_to_start", lambda agent: ("forkserver", _NeverStarts()))
+    trainer = Trainer(Evaluate(timeout=60), n_runners=1, run_dir=tmp_path, runner_start_timeout=1.5)
+    started = time.monotonic()
+    with pytest.raises(
+        ConfigError, match=r"runner 1 of 1 \(pid \d+, started with forkserver\) did not register"
+    ):
+        trainer.fit(doubles, [{"id": "a", "x": 1, "y": 2}])
+    assert time.monotonic() - started < 30  # the timeout, plus starting and stopping the server
+    assert trainer._procs == []  # the stuck runner was stopped
+
+
+def test_runner_start_timeout_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match="runner_start_timeout"):
+        Trainer(Evaluate(), runner_start_timeout=0)
