@@ -111,7 +111,7 @@ class GroupPool:
     def top_up(self, target: int, resources_version: int, policy_version: int) -> int:
         """Enqueue groups until ``target`` are in the pool; returns how many were enqueued."""
         missing = max(0, target - len(self.groups))
-        if not missing:
+        if not missing or not self.tasks:
             return 0
         awaited = self.plan.awaited()
         new: list[tuple[int, Task, str]] = []
