@@ -28,6 +28,7 @@ deadline continue on the new weights and report both versions.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import threading
@@ -41,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from agentbolt.engine import kv_cache
+from agentbolt.engine.matmul import Float32Matmul
 from agentbolt.engine.sampling import sample_step
 from agentbolt.engine.sequence import Sequence
 from agentbolt.engine.threads import ThreadTuner
@@ -69,6 +71,7 @@ class Batcher:
         prefill_tokens: int = 4096,
         drain_timeout_s: float = 60.0,
         tune_threads: bool | None = None,
+        float32_matmul: bool = False,
     ) -> None:
         self.model, self.eos_ids, self.version = model, eos_ids, version
         self.max_batch, self.max_context, self.prefill_tokens = max_batch, max_context, prefill_tokens
@@ -89,6 +92,7 @@ class Batcher:
         if tune_threads is None:
             tune_threads = next(model.parameters()).device.type == "cpu"
         self.tuner = ThreadTuner() if tune_threads else None
+        self.matmul_mode = Float32Matmul() if float32_matmul else None
 
     # ------------------------------------------------------------------ public, any thread
     def start(self) -> None:
@@ -188,12 +192,13 @@ class Batcher:
         kwargs: dict[str, Any] = {self._cache_kw: cache, "use_cache": True}
         if self._keep_kw:
             kwargs["logits_to_keep"] = 1
-        out = self.model(
-            input_ids=ids_BT.to(device),
-            attention_mask=mask_BL.to(device),
-            position_ids=pos_BT.to(device),
-            **kwargs,
-        )
+        with self.matmul_mode or contextlib.nullcontext():
+            out = self.model(
+                input_ids=ids_BT.to(device),
+                attention_mask=mask_BL.to(device),
+                position_ids=pos_BT.to(device),
+                **kwargs,
+            )
         return out.logits[:, -1, :].cpu()
 
     def _prefill(self, groups: list[list[Sequence]]) -> None:

@@ -51,6 +51,10 @@ def serve(
         "bfloat16", help="bfloat16 (fast on CPU), float32 (exact logprobs) or float16."
     ),
     max_batch: int = typer.Option(32, help="Most sequences decoded together."),
+    cpu_matmul: str = typer.Option(
+        "auto",
+        help="bfloat16 on CPU: auto, native or float32 (float32 products, faster without AVX512-BF16/AMX).",
+    ),
     device: str | None = typer.Option(None, help="cpu or cuda (default: cuda when available)."),
     name: str | None = typer.Option(
         None, help="Model name to serve under (default: the model's folder name)."
@@ -66,9 +70,9 @@ def serve(
     _logging()
     try:
         engine = ModelEngine.from_pretrained(
-            model, device=device, dtype=dtype, name=name, max_batch=max_batch
+            model, device=device, dtype=dtype, name=name, max_batch=max_batch, cpu_matmul=cpu_matmul
         )
-    except ModelNotFoundError as exc:
+    except (ModelNotFoundError, ValueError) as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(1) from None
     typer.echo(f"serving {engine.name} (version {engine.version}) at http://{host}:{port}/v1")

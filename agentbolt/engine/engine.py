@@ -21,6 +21,7 @@ import torch
 
 from agentbolt.engine.batcher import Batcher
 from agentbolt.engine.chat_format import render_chat_prompt
+from agentbolt.engine.matmul import use_float32_matmul
 from agentbolt.engine.model_files import DEFAULT_MODEL, SMOLLM2_DIRNAME, ensure_model
 from agentbolt.engine.protocol import (
     ChatCompletionRequest,
@@ -52,6 +53,12 @@ class EngineConfig:
     """How long a weight update waits for running sequences to finish on the old weights."""
     strict_model_name: bool = False
     """Refuse requests whose `model` is not a served name (404) instead of serving them anyway."""
+    cpu_matmul: str = "auto"
+    """How a bfloat16 model on the CPU multiplies matrices: "native" (PyTorch's bfloat16 kernels),
+    "float32" (bfloat16 weights converted block by block and multiplied in float32, result rounded
+    to bfloat16; see :mod:`agentbolt.engine.matmul`) or "auto": float32 when the CPU lacks
+    bfloat16 instructions (AVX512-BF16/AMX), where PyTorch's bfloat16 kernels are 4-5x slower.
+    Other dtypes and devices ignore it."""
 
 
 class ModelEngine:
@@ -85,6 +92,7 @@ class ModelEngine:
             max_context=self.max_context,
             prefill_tokens=self.config.prefill_tokens,
             drain_timeout_s=self.config.drain_timeout_s,
+            float32_matmul=use_float32_matmul(self.config.cpu_matmul, model),
         )
         self._started = False
         self._start_lock = threading.Lock()
@@ -151,7 +159,7 @@ class ModelEngine:
             "waiting": b.num_waiting,
             "steps": b.steps,
             "version": b.version,
-        } | {"threads": threads}
+        } | {"threads": threads, "float32_matmul": b.matmul_mode is not None}
 
     def models(self) -> dict[str, Any]:
         """The ``/v1/models`` body."""
