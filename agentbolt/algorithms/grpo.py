@@ -745,12 +745,15 @@ _COLUMNS = (
     ("stale_dropped", "{}"),
     ("staleness_mean", "{:.2f}"),
     ("is_weight_mean", "{:.3f}"),
+    ("is_weight_min", "{:.3f}"),
+    ("is_weight_max", "{:.3f}"),
     ("is_clipped_fraction", "{:.3f}"),
     ("t_trainer_wait", "{:.1f}s"),
     ("t_engine_idle", "{:.1f}s"),
     ("t_rollouts", "{:.1f}s"),
     ("t_update", "{:.1f}s"),
     ("t_sync", "{:.1f}s"),
+    ("steps_per_hour", "{:.1f}"),
 )
 # columns that say nothing while the reward is the agent's own (always 0: nothing is awaited)
 _NAMED_REWARD_COLUMNS = ("reward_pending", "reward_errors")
@@ -760,6 +763,8 @@ _ASYNC_COLUMNS = (
     "stale_dropped",
     "staleness_mean",
     "is_weight_mean",
+    "is_weight_min",
+    "is_weight_max",
     "is_clipped_fraction",
     "t_trainer_wait",
 )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import random
 from dataclasses import dataclass, field
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rich.console import Console
 
 from agentbolt import LitAgent, Task, Trainer
 from agentbolt.algorithms.grpo import GRPO
@@ -59,10 +61,12 @@ def _tasks(slow: float) -> list[dict[str, Any]]:
     ]
 
 
-def _run(tiny: str, tmp_path: Path, slow: float, **overrides: Any) -> tuple[RecordingGRPO, Any]:
+def _run(
+    tiny: str, tmp_path: Path, slow: float, console: Console | None = None, **overrides: Any
+) -> tuple[RecordingGRPO, Any]:
     settings = vars(tiny_grpo(tiny, steps=3, asynchronous=True, max_groups_in_flight=4, **overrides))
     algo = RecordingGRPO(**settings)
-    trainer = Trainer(algo, n_runners=1, runner_concurrency=16, run_dir=tmp_path / "run")
+    trainer = Trainer(algo, n_runners=1, runner_concurrency=16, run_dir=tmp_path / "run", console=console)
     return algo, trainer.fit(SleepyAgent(), _tasks(slow), [])
 
 
@@ -76,7 +80,8 @@ def _unfinished(run_dir: Path) -> list[Any]:
 
 
 def test_async_grpo_carries_slow_groups_over_and_leaves_no_rollout_running(tiny, tmp_path) -> None:
-    algo, result = _run(tiny, tmp_path, slow=4.0, max_staleness=2)
+    out = io.StringIO()
+    algo, result = _run(tiny, tmp_path, slow=4.0, console=Console(file=out, width=400), max_staleness=2)
     steps = [h for h in result.history if h["step"] > 0]
     assert [h["step"] for h in steps] == [1, 2, 3]
     # the first update took the two fast groups; the slow ones were carried over
@@ -98,6 +103,10 @@ def test_async_grpo_carries_slow_groups_over_and_leaves_no_rollout_running(tiny,
     logged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert logged[1]["staleness_hist"] == steps[0]["staleness_hist"]
     assert _unfinished(tmp_path / "run") == []
+    # off a terminal: one plain line per step, with the asynchronous columns
+    [line] = [x for x in out.getvalue().splitlines() if x.startswith("GRPO step 1 |")]
+    assert "| carried groups 2 | stale dropped 0 |" in line
+    assert f"| is weight max {steps[0]['is_weight_max']:.3f} |" in line and "| t engine idle " in line
 
 
 def test_max_staleness_zero_drops_and_counts_the_stale_samples(tiny, tmp_path) -> None:
