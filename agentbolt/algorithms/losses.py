@@ -26,9 +26,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+import torch.utils.checkpoint
 from peft import PeftModel
 from torch import Tensor, nn
 
@@ -46,6 +47,7 @@ __all__ = [
     "group_advantages",
     "logprobs_from_logits",
     "logprobs_from_suffix",
+    "masked_logprobs",
     "micro_batches",
     "pad_batch",
     "reference_logprobs",
@@ -222,6 +224,114 @@ def token_logprobs(model: nn.Module, input_ids_BT: Tensor, attention_mask_BT: Te
     return logprobs_from_logits(forward_logits(model, input_ids_BT, attention_mask_BT), input_ids_BT)
 
 
+def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """The transformer body (returning final hidden states) and the output layer of a Hugging
+    Face causal LM (PEFT-wrapped or not); None when the logits are more than ``head(hidden)``
+    (soft-capping, scaling) or the model is not built that way."""
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    get_decoder = getattr(base, "get_decoder", None)
+    get_head = getattr(base, "get_output_embeddings", None)
+    config = getattr(base, "config", None)
+    if get_decoder is None or get_head is None or config is None:
+        return None
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
+        return None
+    try:
+        decoder, head = get_decoder(), get_head()
+    except (AttributeError, NotImplementedError):
+        return None
+    if decoder is None or head is None or decoder is base:
+        return None
+    return decoder, head
+
+
+def _hidden_states(decoder: nn.Module, batch: Batch, prefix_len: int) -> Tensor:
+    """Final hidden states at positions ``prefix_len..T-1`` ([B, T - P, H]); the shared prefix
+    runs once, its cache expanded to the batch as in :func:`suffix_logits`."""
+    ids_BT, mask_BT = batch.input_ids_BT, batch.attention_mask_BT
+    if prefix_len == 0:
+        return decoder(input_ids=ids_BT, attention_mask=mask_BT, use_cache=False).last_hidden_state
+    B = ids_BT.shape[0]
+    cache = decoder(input_ids=ids_BT[:1, :prefix_len], use_cache=True)["cache"]
+    for layer in cache.layers:
+        layer.keys = layer.keys.expand(B, *layer.keys.shape[1:])
+        layer.values = layer.values.expand(B, *layer.values.shape[1:])
+    out = decoder(input_ids=ids_BT[:, prefix_len:], attention_mask=mask_BT, cache=cache, use_cache=True)
+    return out.last_hidden_state
+
+
+def _head_chunk(head: nn.Module, hidden_NH: Tensor, targets_N: Tensor) -> tuple[Tensor, Tensor]:
+    """Log-prob of each target and the entropy (no gradient) of its distribution, for one chunk."""
+    logits_NV = head(hidden_NH).float()
+    lse_N = torch.logsumexp(logits_NV, dim=-1)
+    logprobs_N = logits_NV.gather(-1, targets_N[:, None]).squeeze(-1) - lse_N
+    with torch.no_grad():
+        probs_NV = torch.exp(logits_NV.detach() - lse_N.detach()[:, None])
+        entropy_N = lse_N.detach() - (probs_NV * logits_NV.detach()).sum(-1)
+    return logprobs_N, entropy_N
+
+
+def masked_logprobs(
+    model: nn.Module,
+    batch: Batch,
+    prefix_len: int = 0,
+    *,
+    entropy: bool = False,
+    chunk_tokens: int = 1024,
+    recompute: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """``(logprobs_BT, entropy_BT)`` at the model tokens only (``loss_mask``), 0 elsewhere.
+
+    The same values and gradients as :func:`token_logprobs` / :func:`entropy_from_logits` on
+    those positions, without the B x T x V logits: the body's hidden states are gathered at the
+    positions that predict a model token and the output layer, log-softmax and entropy run over
+    ``chunk_tokens`` of them at a time. ``recompute`` keeps only the hidden states of each chunk
+    for the backward pass (its logits are computed again there): less memory, one more pass of
+    the output layer. ``prefix_len`` as in :func:`suffix_logits`. Models whose logits are not
+    ``head(hidden)`` take the full-logits path, with the same result."""
+    ids_BT, mask_BT = batch.input_ids_BT, batch.loss_mask_BT
+    B, T = ids_BT.shape
+    parts = _decoder_and_head(model)
+    if parts is None:
+        logits_BSV = suffix_logits(model, batch, prefix_len)
+        if prefix_len:
+            full_BT = logprobs_from_suffix(logits_BSV, ids_BT, prefix_len)
+        else:
+            full_BT = logprobs_from_logits(logits_BSV, ids_BT)
+        ent_BT = None
+        if entropy:
+            with torch.no_grad():
+                ent_BT = torch.nn.functional.pad(entropy_from_logits(logits_BSV)[:, 1:], (prefix_len + 1, 0))
+        keep_BT = mask_BT.bool()
+        return full_BT.masked_fill(~keep_BT, 0.0), None if ent_BT is None else ent_BT.masked_fill(
+            ~keep_BT, 0.0
+        )
+    decoder, head = parts
+    hidden_BSH = _hidden_states(decoder, batch, prefix_len)
+    rows_N, cols_N = mask_BT[:, 1:].nonzero(as_tuple=True)  # target t = cols + 1, predicted at cols
+    if (cols_N < prefix_len).any():
+        raise ValueError(f"a model token lies inside the shared prefix (prefix_len={prefix_len})")
+    hidden_NH = hidden_BSH[rows_N, cols_N - prefix_len]
+    targets_N = ids_BT[rows_N, cols_N + 1]
+    logps, ents = [], []
+    for start in range(0, len(targets_N), chunk_tokens):
+        h, y = hidden_NH[start : start + chunk_tokens], targets_N[start : start + chunk_tokens]
+        if recompute and torch.is_grad_enabled():
+            lp, ent = torch.utils.checkpoint.checkpoint(_head_chunk, head, h, y, use_reentrant=False)
+        else:
+            lp, ent = _head_chunk(head, h, y)
+        logps.append(lp)
+        ents.append(ent)
+    logprobs_N = torch.cat(logps) if logps else hidden_BSH.new_zeros(0, dtype=torch.float32)
+    index = (rows_N, cols_N + 1)
+    logprobs_BT = torch.zeros(B, T, dtype=torch.float32, device=ids_BT.device).index_put(index, logprobs_N)
+    entropy_BT = None
+    if entropy:
+        entropy_N = torch.cat(ents) if ents else logprobs_N.detach()
+        entropy_BT = torch.zeros(B, T, dtype=torch.float32, device=ids_BT.device).index_put(index, entropy_N)
+    return logprobs_BT, entropy_BT
+
+
 @contextmanager
 def _eval_mode(model: nn.Module) -> Iterator[None]:
     was_training = model.training
@@ -239,14 +349,21 @@ def reference_logprobs(model: nn.Module, batch: Batch) -> Tensor:
     :attr:`~agentbolt.algorithms.train_state.TrainState.reference_model`).
 
     Computed on the model's device (the batch is moved there if it is elsewhere); the result
-    lies on that device."""
+    lies on that device. Only the model tokens (``loss_mask``) are computed, the rest hold 0
+    (:func:`masked_logprobs`)."""
     device = next(model.parameters()).device
-    ids_BT, mask_BT = batch.input_ids_BT.to(device), batch.attention_mask_BT.to(device)
+    batch = replace(
+        batch,
+        input_ids_BT=batch.input_ids_BT.to(device),
+        attention_mask_BT=batch.attention_mask_BT.to(device),
+        loss_mask_BT=batch.loss_mask_BT.to(device),
+    )
+    P = shared_prefix_len(batch)
     with _eval_mode(model):
         if isinstance(model, PeftModel):
             with model.disable_adapter():
-                return token_logprobs(model, ids_BT, mask_BT)
-        return token_logprobs(model, ids_BT, mask_BT)
+                return masked_logprobs(model, batch, P)[0]
+        return masked_logprobs(model, batch, P)[0]
 
 
 # ---------------------------------------------------------------------------- losses
@@ -354,18 +471,7 @@ class PolicyLoss:
 
     def __call__(self, model: nn.Module, batch: Batch, num_tokens: float) -> tuple[Tensor, dict[str, float]]:
         P = shared_prefix_len(batch) if self.share_prefix else 0
-        logits_BSV = suffix_logits(model, batch, P)
-        new_BT = (
-            logprobs_from_suffix(logits_BSV, batch.input_ids_BT, P)
-            if P
-            else logprobs_from_logits(logits_BSV, batch.input_ids_BT)
-        )
-        with torch.no_grad():
-            entropy_BT = None
-            if self.entropy:
-                entropy_BT = entropy_from_logits(logits_BSV)
-                if P:
-                    entropy_BT = torch.nn.functional.pad(entropy_BT[:, 1:], (P + 1, 0))
+        new_BT, entropy_BT = masked_logprobs(model, batch, P, entropy=self.entropy)
         old_BT = batch.old_logprobs_BT if batch.old_logprobs_BT is not None else new_BT.detach()
         behaviour_BT = None
         if self.proximal:
@@ -392,7 +498,7 @@ def sft_loss(
     model: nn.Module, batch: Batch, num_tokens: float | None = None
 ) -> tuple[Tensor, dict[str, float]]:
     """Next-token cross-entropy on model-generated tokens only (a :data:`LossFn`)."""
-    logprobs_BT = token_logprobs(model, batch.input_ids_BT, batch.attention_mask_BT)
+    logprobs_BT, _ = masked_logprobs(model, batch, shared_prefix_len(batch))
     mask_BT = batch.loss_mask_BT
     divisor = num_tokens if num_tokens is not None else float(mask_BT.sum().clamp(min=1))
     loss = -(logprobs_BT * mask_BT).sum() / divisor

@@ -143,7 +143,7 @@ def _logit_grads(model: LlamaForCausalLM, loss_of_model) -> torch.Tensor:
         output.retain_grad()
         captured.append(output)
 
-    handle = model.lm_head.register_forward_hook(keep)
+    handle = model.model.norm.register_forward_hook(keep)  # the hidden states the head reads
     loss_of_model(model).backward()
     handle.remove()
     return captured[0].grad.abs().sum(-1)  # type: ignore[union-attr]
