@@ -96,6 +96,7 @@ def _run(
 ) -> None:
     from agentbolt.algorithms.grpo import GRPO
     from agentbolt.console import make_console, print_line
+    from agentbolt.memory import PeakMemory
     from agentbolt.tasks import TASKS
     from agentbolt.trainer import Trainer
 
@@ -130,10 +131,24 @@ def _run(
         f"before and after; run folder {run_dir}",
     )
     t0 = time.perf_counter()
-    result = trainer.fit(task.agent(), task.train_tasks(256, seed=1), task.heldout_tasks(val_tasks, seed=2))
+    with PeakMemory() as peak:
+        result = trainer.fit(
+            task.agent(), task.train_tasks(256, seed=1), task.heldout_tasks(val_tasks, seed=2)
+        )
     console.print()  # the live training display ends without a line break
     _report(console, result, name, steps, val_tasks, time.perf_counter() - t0)
+    console.print(_memory_line(peak))
     console.print(f"plot: {result.plot}   metrics: {result.metrics_file}   run: {run_dir}")
+
+
+def _memory_line(peak: Any) -> str:
+    """The demo's peak memory, all its processes (engine, trainer, runners) counted."""
+    if peak.peak_gb is None:
+        return "peak memory: not measured (needs Linux /proc/<pid>/smaps_rollup)"
+    return (
+        f"peak memory: {peak.peak_gb:.2f} GB (whole process tree; PSS, so pages the processes "
+        f"share are counted once; sampled every {peak.interval:g} s)"
+    )
 
 
 def _report(console: Console, result: Any, name: str, steps: int, val_tasks: int, seconds: float) -> None:

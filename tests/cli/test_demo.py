@@ -119,6 +119,9 @@ def test_demo_chain_runs_gigpo_end_to_end_on_a_tiny_model(tiny: Path, tmp_path: 
     assert done.returncode == 0, done.stdout + done.stderr
     assert "task chain" in done.stdout and "advantage gigpo" in done.stdout
     assert "sampled (temperature 1)" in done.stdout and "greedy (temperature 0)" in done.stdout
+    memory = next(line for line in done.stdout.splitlines() if line.startswith("peak memory: "))
+    gb = float(memory.split()[2])
+    assert 0.1 < gb < 20 and "GB (whole process tree" in memory  # the engine alone is over 0.1 GB
     steps = _steps(run_dir / "metrics.jsonl")
     assert [s["step"] for s in steps] == [0, 1]
     assert {"turns_mean", "step_reward_mean", "anchor_groups", "val_greedy"} <= set(steps[1])

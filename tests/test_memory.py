@@ -1,0 +1,70 @@
+"""The whole-tree memory figure: PSS over a process and its descendants, shared pages once."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from agentbolt.memory import PeakMemory, descendants, pss_bytes, tree_pss_bytes
+
+pytestmark = pytest.mark.skipif(
+    pss_bytes(os.getpid()) is None, reason="needs /proc/<pid>/smaps_rollup (Linux)"
+)
+
+HOLD = "import sys; b = bytearray({n}); b[::4096] = b'x' * len(b[::4096]); print('ready', flush=True); sys.stdin.read()"
+
+
+def _holder(megabytes: int) -> subprocess.Popen[str]:
+    """A child holding ``megabytes`` of touched memory until its stdin closes."""
+    code = HOLD.format(n=megabytes * 2**20)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    return proc
+
+
+def test_the_tree_counts_the_children() -> None:
+    before = tree_pss_bytes()
+    assert before is not None and before > 0
+    with PeakMemory(interval=0.05) as peak:
+        child = _holder(200)
+        try:
+            assert child.pid in descendants(os.getpid())
+            held, child_pss = tree_pss_bytes(), pss_bytes(child.pid)
+            peak.sample()
+        finally:
+            assert child.stdin is not None
+            child.stdin.close()
+            child.wait(10)
+    after = tree_pss_bytes()
+    assert child_pss is not None and child_pss > 200 * 2**20
+    assert held is not None and after is not None and held - after > 190 * 2**20
+    assert peak.peak_bytes is not None and peak.peak_bytes > held - 2**20  # sampled a moment apart
+    assert peak.describe().startswith("peak memory: ") and "GB (whole process tree" in peak.describe()
+
+
+def test_pages_shared_after_fork_count_once() -> None:
+    """A forked child that only reads its parent's 300 MB adds little; an RSS sum would double it."""
+    data = bytearray(300 * 2**20)
+    data[::4096] = b"x" * len(data[::4096])
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: touch nothing, wait to be told to go
+        os.close(write)
+        os.read(read, 1)
+        os._exit(0)
+    os.close(read)
+    try:
+        own = pss_bytes(os.getpid())
+        tree = tree_pss_bytes()
+        rss_child = int(open(f"/proc/{pid}/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    finally:
+        os.write(write, b"x")
+        os.waitpid(pid, 0)
+    assert own is not None and tree is not None
+    assert rss_child > 250e6  # the child maps the shared pages ...
+    assert tree < own + 2 * rss_child / 3 and tree > 300e6  # ... yet they are counted once over the tree
