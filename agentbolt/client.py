@@ -18,14 +18,19 @@ the two clients cannot drift apart. :meth:`Client.pages` follows a paged endpoin
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import random
+import ssl
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
+from urllib.parse import urlsplit
 
 import httpx
+import orjson
 from pydantic import TypeAdapter
 
 from agentbolt.errors import (
@@ -175,6 +180,27 @@ _reward_scores = _adapter(list[RewardScore])
 
 def _identity(x: Any) -> Any:
     return x
+
+
+_USER_AGENT = b"agentbolt-client"
+
+
+def _json_bytes(value: Any) -> bytes:
+    """``value`` as JSON (what httpx's ``json=`` sends; orjson where it can: integers beyond
+    64 bits and other types it refuses go through the standard library)."""
+    if value is None:
+        return b"null"
+    try:
+        return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS)
+    except TypeError:
+        return json.dumps(value).encode()
+
+
+@functools.cache
+def _ssl_context() -> ssl.SSLContext:
+    """One TLS context per process, as httpx makes by default (``SSL_CERT_FILE`` and
+    ``SSL_CERT_DIR`` honoured): each client building its own costs tens of milliseconds."""
+    return httpx.create_ssl_context()
 
 
 @dataclass(frozen=True)
@@ -553,7 +579,8 @@ class AsyncClient(_Base):
         # Plain http (loopback, cluster network) goes through the lean keep-alive transport
         # (``max_connections`` caps its open connections too); https keeps httpx's own (TLS,
         # proxies).
-        mounts = lean_mounts(Http1Transport(max_connections=max_connections)) if transport is None else None
+        lean = Http1Transport(max_connections=max_connections)
+        mounts = lean_mounts(lean) if transport is None else None
         self.http = httpx.AsyncClient(
             base_url=self.url,
             headers=self.headers,
@@ -561,6 +588,16 @@ class AsyncClient(_Base):
             transport=transport,
             limits=limits,
             mounts=mounts,
+            verify=_ssl_context(),
+        )
+        # Calls without query parameters to a plain-http server skip httpx's client and its
+        # request and response objects (URL merging, cookies, header models cost several
+        # times the exchange itself): straight through the lean transport's ``request``.
+        parts = urlsplit(self.url)
+        self._lean = (
+            (lean, (parts.hostname or "", parts.port or 80), parts.path.rstrip("/").encode())
+            if mounts is not None and parts.scheme == "http"
+            else None
         )
 
     async def aclose(self) -> None:
@@ -570,6 +607,8 @@ class AsyncClient(_Base):
         attempt = 0
         while True:
             try:
+                if self._lean is not None and not call.params:
+                    return await self._send_lean(call, self._lean)
                 response = await self.http.request(
                     call.method,
                     call.path,
@@ -586,6 +625,31 @@ class AsyncClient(_Base):
                     raise self._give_up(call, exc) from exc
                 await asyncio.sleep(self.retry.delay(attempt))
                 attempt += 1
+
+    async def _send_lean(self, call: _Request[T], lean: tuple[Http1Transport, tuple[str, int], bytes]) -> T:
+        """One try of ``call`` through the lean transport; answers and errors as :meth:`_send`'s
+        httpx path gives them."""
+        transport, origin, base = lean
+        headers = [(b"accept", b"application/json"), (b"user-agent", _USER_AGENT)]
+        if self.token:
+            headers.append((b"authorization", b"Bearer " + self.token.encode()))
+        if call.key:
+            headers.append((b"idempotency-key", call.key.encode()))
+        content = b""
+        if call.json is not None or call.method == "POST":
+            headers.append((b"content-type", b"application/json"))
+            content = _json_bytes(call.json)
+        seconds = call.timeout or self.timeout
+        timeouts = {"connect": seconds, "read": seconds, "write": seconds, "pool": seconds}
+        answer = await transport.request(
+            call.method, origin, base + call.path.encode(), headers, content, timeouts, call.key is not None
+        )
+        if answer.status_code >= 400:  # rare: httpx's response for the error paths
+            response = httpx.Response(answer.status_code, headers=answer.headers, content=answer.content)
+            if answer.status_code >= 500:
+                raise _ServerError(answer.status_code, response.text)
+            _raise_for(response)
+        return call.parse(orjson.loads(answer.content))
 
     async def health(self) -> dict[str, Any]:
         return await self._send(_Request("GET", "/health", _identity))

@@ -32,6 +32,7 @@ from agentbolt.server.routes import (
     queue,
     resources,
     rewards,
+    runner_fast,
     status,
     workers,
 )
@@ -80,7 +81,7 @@ def create_app(config: ServerConfig | None = None, store: SqlStore | None = None
     install_error_handlers(app)
     _include_routes(app, call, wake, gateway, config)
     document(app, auth=bool(config.tokens))
-    _add_middleware(app, gateway, config)
+    _add_middleware(app, gateway, call, wake, config)
     return app
 
 
@@ -109,9 +110,13 @@ def _include_routes(
         app.mount("/static", dashboard.static_files(), name="static")
 
 
-def _add_middleware(app: FastAPI, gateway: Gateway, config: ServerConfig) -> None:
-    """Innermost first: a request passes CORS, the body limit, auth, then the gateway's fast
-    path, so gateway calls are limited and authenticated like every route."""
+def _add_middleware(
+    app: FastAPI, gateway: Gateway, call: StoreCaller, wake: WakeUp, config: ServerConfig
+) -> None:
+    """Innermost first: a request passes CORS, the body limit, auth, then the fast paths of
+    the runner's calls and the gateway's, so those are limited and authenticated like every
+    route."""
+    app.add_middleware(runner_fast.RunnerFastPath, call=call, wake=wake)
     app.add_middleware(gateway_routes.GatewayFastPath, gateway=gateway)
     app.add_middleware(AuthMiddleware, tokens=config.tokens, call=gateway.call, names=config.token_names)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)

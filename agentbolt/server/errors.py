@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException
 from agentbolt.errors import AgentboltError
 from agentbolt.web import error_response
 
-__all__ = ["install_error_handlers"]
+__all__ = ["error_answer", "install_error_handlers"]
 
 log = logging.getLogger("agentbolt.server")
 
@@ -29,6 +29,17 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
     app.add_exception_handler(ValueError, _value_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _unexpected)
+
+
+async def error_answer(
+    request: Request, exc: AgentboltError | RequestValidationError | ValueError
+) -> JSONResponse:
+    """The answer the handlers above give ``exc`` (for routes served outside FastAPI's router)."""
+    if isinstance(exc, AgentboltError):
+        return await _agentbolt_error(request, exc)
+    if isinstance(exc, RequestValidationError):
+        return await _validation_error(request, exc)
+    return await _value_error(request, exc)
 
 
 async def _agentbolt_error(request: Request, exc: AgentboltError) -> JSONResponse:

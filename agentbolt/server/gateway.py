@@ -571,7 +571,8 @@ class Gateway:
     async def _record(self, call: ForwardedCall, data: dict[str, Any]) -> int | None:
         """Record the call; the id of its record (the call id the agent gets), or ``None``
         when the store failed (the agent still gets its answer; the lost record is logged)."""
-        event = EventCreate(type=EventType.LLM_CALL, timestamp=call.started, data=data)
+        # built by the gateway itself from parsed JSON: nothing for validation to catch
+        event = EventCreate.model_construct(type=EventType.LLM_CALL.value, timestamp=call.started, data=data)
         tried = call.try_of
         try:
             recorded = await self.call(

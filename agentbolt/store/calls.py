@@ -130,16 +130,13 @@ def record_new_call(
         joins = [f"{settled}:retried"]  # a record made by its retry, waiting for it
     else:
         joins = []  # nothing says it is a try of an earlier call
-    earlier = (
-        f" AND NOT EXISTS (SELECT 1 FROM events WHERE attempt_id = ? AND call_key IN "
-        f"({', '.join('?' * len(joins))}))"
-        if joins
-        else ""
-    )
+    marks = ", ".join("?" * len(joins))
+    where = f" AND NOT EXISTS (SELECT 1 FROM events WHERE attempt_id = ? AND call_key IN ({marks}))"
+    where = where if joins else ""
     data = {**event.data, "retries": 0, "tries": [retry or 0]}
     added = tx.one(
         "INSERT INTO events (rollout_id, attempt_id, type, timestamp, data, call_key) "
-        f"SELECT rollout_id, id, ?, ?, ?, ? FROM attempts WHERE id = ?{earlier} RETURNING id",
+        f"SELECT rollout_id, id, ?, ?, ?, ? FROM attempts WHERE id = ?{where} RETURNING id",
         (
             event.type,
             event.timestamp,
