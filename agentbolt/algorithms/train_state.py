@@ -30,6 +30,7 @@ __all__ = [
     "TrainState",
     "capture_rng_state",
     "export_weights",
+    "fast_bf16",
     "load_adapter",
     "load_checkpoint",
     "make_train_state",
@@ -106,6 +107,23 @@ def make_trainable(model: nn.Module, config: TrainConfig) -> nn.Module:
     )
     with _quiet_peft():
         return get_peft_model(model, lora)  # type: ignore[arg-type]
+
+
+def fast_bf16(device: str | torch.device = "cpu") -> bool:
+    """Whether bfloat16 matrix products are fast on ``device``: a GPU that supports them, or a
+    CPU with native bfloat16 instructions (AVX512-BF16 or AMX). On an AVX2-only CPU PyTorch
+    emulates them, measured here at 1.2 against 53 GFLOP/s for float32 on one core: train and
+    serve in float32 there."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    if device.type != "cpu":
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: not known, so no
+        return False
+    return any(f" {flag}" in flags for flag in ("avx512_bf16", "amx_bf16"))
 
 
 def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
