@@ -225,9 +225,13 @@ def report(runs: list[dict[str, Any]]) -> None:
         line = f"  {metric:16} " + " | ".join(cells)
         if stats["sync"] and stats["async"]:
             diff = stats["async"][0] - stats["sync"][0]
-            spread = max(stats["sync"][1], stats["async"][1])
-            inside = "inside" if abs(diff) <= spread else "OUTSIDE"
-            line += f" | async - sync {diff:+{spec}} ({inside} the seeds' spread {spread:{spec}})"
+            line += f" | async - sync {diff:+{spec}}"
+            if min(len(by_mode["sync"]), len(by_mode["async"])) < 2:
+                line += " (one seed: no spread to compare with)"
+            else:
+                spread = max(stats["sync"][1], stats["async"][1])  # the larger of the two modes' sd
+                inside = "inside" if abs(diff) <= spread else "OUTSIDE"
+                line += f" ({inside} the seeds' spread {spread:{spec}})"
         print(line)
     sync_rate = [r["steps_per_hour"] for r in by_mode["sync"] if r["steps_per_hour"]]
     async_rate = [r["steps_per_hour"] for r in by_mode["async"] if r["steps_per_hour"]]
