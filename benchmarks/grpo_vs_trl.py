@@ -3,10 +3,16 @@
 Same single-turn task, model, group size, batch, completion length, LoRA (r=16, all linear
 projections) and learning rate. agentbolt runs its whole machinery — embedded server, a runner
 process, the gateway, the batched engine, weight sync — while TRL runs its single-process
-trainer (generation with ``model.generate`` inside the trainer). Prints seconds per iteration
-for both and the ratio (agentbolt / TRL; <= 1.0 means agentbolt is no slower).
+trainer (generation with ``model.generate`` inside the trainer). Both generate and train in
+the same dtype (``--dtype``; default bfloat16 where the CPU has native bfloat16, float32 where it
+would be emulated), and the runs alternate, ``--rounds`` times each, so that a change of load hits
+both. Prints seconds per iteration for both (the first iteration of each run, a warm-up, left
+out) and the ratio (agentbolt / TRL; <= 1.0 means agentbolt is no slower).
 
-    python benchmarks/grpo_vs_trl.py [--model smollm2|tiny] [--steps 3]
+    python benchmarks/grpo_vs_trl.py [--model smollm2|tiny] [--steps 3] [--rounds 2] [--quick]
+
+Differences that remain: agentbolt serves rollouts over HTTP from its engine to a runner process
+and records every call in its store; TRL calls ``generate`` in-process on one padded batch.
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from agentbolt import LitAgent, Task
+from agentbolt.schemas import LLM
+
 PROMPTS = [f"Write one short sentence about the number {i}." for i in range(16)]
 
 
@@ -26,28 +35,29 @@ def reward_text(text: str) -> float:
     return letters.count("a") / len(letters) if letters else 0.0
 
 
-def _agent(max_tokens: int):
-    from agentbolt import LitAgent, Task
-    from agentbolt.runner.llm import async_openai
-    from agentbolt.schemas import LLM
+class SingleTurn(LitAgent):
+    """At module level, so it pickles and the Trainer starts its runner with forkserver."""
 
-    class SingleTurn(LitAgent):
-        async def execute_rollout(self, task: Task) -> float:
-            llm: LLM = self.get_resource("llm")
-            client = async_openai(llm, timeout=600)
-            r = await client.chat.completions.create(
-                model=llm.model,
-                messages=[{"role": "user", "content": task.data["prompt"]}],
-                max_tokens=max_tokens,
-                temperature=1.0,
-            )
-            return reward_text(r.choices[0].message.content or "")
+    def __init__(self, max_tokens: int) -> None:
+        super().__init__()
+        self.max_tokens = max_tokens
 
-    return SingleTurn()
+    async def execute_rollout(self, task: Task) -> float:
+        from agentbolt.runner.llm import async_openai
+
+        llm: LLM = self.get_resource("llm")
+        client = async_openai(llm, timeout=600)
+        r = await client.chat.completions.create(
+            model=llm.model,
+            messages=[{"role": "user", "content": task.data["prompt"]}],
+            max_tokens=self.max_tokens,
+            temperature=1.0,
+        )
+        return reward_text(r.choices[0].message.content or "")
 
 
 def run_agentbolt(
-    model: str, steps: int, group: int, prompts: int, max_tokens: int, lr: float
+    model: str, steps: int, group: int, prompts: int, max_tokens: int, lr: float, dtype: str
 ) -> list[float]:
     from agentbolt import Trainer
     from agentbolt.algorithms.grpo import GRPO
@@ -62,11 +72,13 @@ def run_agentbolt(
         checkpoint_every=0,
         plot=False,
         success_threshold=0.5,
+        bf16=dtype == "bfloat16",
+        engine_dtype=dtype,
     )
     tasks = [{"id": f"p{i}", "prompt": p} for i, p in enumerate(PROMPTS)]
     run_dir = Path(tempfile.mkdtemp(prefix="bench-grpo-"))
     result = Trainer(algo, n_runners=1, runner_concurrency=group * prompts, run_dir=run_dir).fit(
-        _agent(max_tokens), tasks, []
+        SingleTurn(max_tokens), tasks, []
     )
     steps_ = [h for h in result.history if h.get("step", 0) > 0]
     for h in steps_:
@@ -77,7 +89,9 @@ def run_agentbolt(
     return [h["t_step"] for h in steps_]
 
 
-def run_trl(path: str, steps: int, group: int, prompts: int, max_tokens: int, lr: float) -> list[float]:
+def run_trl(
+    path: str, steps: int, group: int, prompts: int, max_tokens: int, lr: float, dtype: str
+) -> list[float]:
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -107,7 +121,7 @@ def run_trl(path: str, steps: int, group: int, prompts: int, max_tokens: int, lr
         logging_steps=1,
         report_to=[],
         use_cpu=True,
-        bf16=True,
+        bf16=dtype == "bfloat16",
         save_strategy="no",
         temperature=1.0,
         beta=0.0,
@@ -141,24 +155,45 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--rounds", type=int, default=2, help="alternating runs of each system")
+    ap.add_argument(
+        "--dtype", choices=["bfloat16", "float32"], help="generation and training dtype, both sides"
+    )
+    ap.add_argument("--quick", action="store_true", help="one round of 2 steps, 2 prompts x 4")
     args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.steps, args.prompts, args.group = 1, 2, 2, 4
+    from agentbolt.algorithms.train_state import fast_bf16
     from agentbolt.engine import ensure_model, tiny_model_dir
 
+    dtype = args.dtype or ("bfloat16" if fast_bf16() else "float32")
     path = str(tiny_model_dir(tempfile.mkdtemp()) if args.model == "tiny" else ensure_model(args.model))
-    shape = (args.steps, args.group, args.prompts, args.max_tokens, args.lr)
-    ours = run_agentbolt(path, *shape)
-    print(f"agentbolt: {[round(t, 1) for t in ours]} s/iteration")
+    shape = (args.steps, args.group, args.prompts, args.max_tokens, args.lr, dtype)
     try:
         import trl  # noqa: F401
     except ImportError:
+        trl = None
         print("TRL is not installed: pip install 'agentbolt[compare]' (or pip install trl) to compare")
+    ours: list[float] = []
+    theirs: list[float] = []
+    for r in range(args.rounds):
+        # the first iteration of each run warms up (allocations, kernels); compare the rest
+        run = run_agentbolt(path, *shape)
+        print(f"round {r + 1} agentbolt: {[round(t, 2) for t in run]} s/iteration", flush=True)
+        ours += run[1:] or run
+        if trl is not None:
+            run = run_trl(path, *shape)
+            print(f"round {r + 1} TRL GRPOTrainer: {[round(t, 2) for t in run]} s/iteration", flush=True)
+            theirs += run[1:] or run
+    print(
+        f"model={args.model} dtype={dtype} group={args.group} prompts/step={args.prompts} "
+        f"max_tokens={args.max_tokens} steps={args.steps} rounds={args.rounds}"
+    )
+    a = statistics.median(ours)
+    if not theirs:
+        print(f"median s/iteration: agentbolt {a:.2f}")
         return
-    theirs = run_trl(path, *shape)
-    print(f"TRL GRPOTrainer: {[round(t, 1) for t in theirs]} s/iteration")
-    # the first iteration of each warms up (allocations, compilation of kernels); compare the rest
-    a = statistics.median(ours[1:] or ours)
-    b = statistics.median(theirs[1:] or theirs)
-    print(f"model={args.model} group={args.group} prompts/step={args.prompts} max_tokens={args.max_tokens}")
+    b = statistics.median(theirs)
     print(
         f"median s/iteration: agentbolt {a:.2f}  TRL {b:.2f}  ratio {a / b:.2f} (<= 1.0: agentbolt no slower)"
     )
