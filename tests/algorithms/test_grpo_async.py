@@ -170,3 +170,20 @@ def test_synchronous_is_the_default() -> None:
     algo = GRPO()
     assert algo.asynchronous is False and algo.max_staleness == 1 and algo.importance == "token"
     assert algo.importance_cap == 2.0 and algo.groups_in_flight == 2 * algo.tasks_per_step
+
+
+def test_an_async_run_resumes_from_its_checkpoint(tiny, tmp_path) -> None:
+    """Resume continues the steps and the count of groups enqueued (the task order follows it)."""
+
+    def fit(steps: int, resume: bool) -> Any:
+        algo = tiny_grpo(tiny, steps=steps, asynchronous=True, checkpoint_every=1, resume=resume)
+        trainer = Trainer(algo, n_runners=1, runner_concurrency=16, run_dir=tmp_path / "run")
+        return trainer.fit(SleepyAgent(), _tasks(slow=0.0), [])
+
+    first = fit(2, resume=False)
+    assert [h["groups_enqueued"] for h in first.history[1:]] == [4, 4]  # none enqueued past the run's needs
+    resumed = fit(3, resume=True)
+    assert [h["step"] for h in resumed.history] == [0, 1, 2, 3]
+    assert resumed.history[:3] == first.history[:3]
+    assert resumed.history[3]["groups_enqueued"] == 6 and resumed.history[3]["rollouts"] == 8
+    assert _unfinished(tmp_path / "run") == []
