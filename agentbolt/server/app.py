@@ -13,6 +13,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -40,7 +41,7 @@ from agentbolt.server.routes import gateway as gateway_routes
 from agentbolt.server.routes import otlp as otlp_routes
 from agentbolt.server.store_caller import StoreCaller, WakeUp
 from agentbolt.store import SqlStore, open_store
-from agentbolt.web import FASTAPI_TELEMETRY_OFF
+from agentbolt.web import FASTAPI_TELEMETRY_OFF, error_response
 
 __all__ = ["create_app"]
 
@@ -70,7 +71,7 @@ def create_app(config: ServerConfig | None = None, store: SqlStore | None = None
             if owned:
                 store.close()
 
-    app = FastAPI(
+    app = _App(
         title="agentbolt",
         version=_version(),
         description="Task queue, resources and run records for training agents from their real runs.",
@@ -82,7 +83,46 @@ def create_app(config: ServerConfig | None = None, store: SqlStore | None = None
     _include_routes(app, call, wake, gateway, config)
     document(app, auth=bool(config.tokens))
     _add_middleware(app, gateway, call, wake, config)
+    if not config.cors_origins:  # with CORS, every request takes the whole stack
+        app.front = _front(app, gateway, call, wake, config)
     return app
+
+
+# the POSTs the fast paths serve (the gateway's; the runner's dequeue, events and finish)
+_FAST = ("/gateway/", "/api/dequeue", "/api/attempts/")
+
+
+class _App(FastAPI):
+    """The app, with the hot POSTs (``_FAST``) taken in front of Starlette's middleware stack:
+    the same body limit, auth and fast paths as in the stack, without the layers between
+    (error, telemetry and body-limit middleware, each a coroutine per request). What a fast
+    path passes on (a body FastAPI should answer) takes the whole stack."""
+
+    front: Any = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if self.front is None or scope["type"] != "http" or scope["method"] != "POST":
+            return await super().__call__(scope, receive, send)
+        if not scope["path"].startswith(_FAST):
+            return await super().__call__(scope, receive, send)
+        scope["app"] = self
+        try:
+            await self.front(scope, receive, send)
+        except Exception:  # as the stack's error middleware does (a started answer: uvicorn's)
+            log.exception("unhandled error on %s %s", scope["method"], scope["path"])
+            answer = error_response(500, "internal server error (see the server log)", "internal_error")
+            await answer(scope, receive, send)
+
+    async def stack(self, scope: Any, receive: Any, send: Any) -> None:
+        await super().__call__(scope, receive, send)
+
+
+def _front(app: _App, gateway: Gateway, call: StoreCaller, wake: WakeUp, config: ServerConfig) -> Any:
+    """The middleware of ``_add_middleware``, in the same order, over the whole stack."""
+    inner: Any = runner_fast.RunnerFastPath(app.stack, call=call, wake=wake)
+    inner = gateway_routes.GatewayFastPath(inner, gateway=gateway)
+    auth = AuthMiddleware(inner, tokens=config.tokens, call=gateway.call, names=config.token_names)
+    return BodyLimitMiddleware(auth, max_bytes=config.max_body_bytes)
 
 
 def _include_routes(
