@@ -636,7 +636,7 @@ class AsyncClient(_Base):
         if call.key:
             headers.append((b"idempotency-key", call.key.encode()))
         content = b""
-        if call.json is not None or call.method == "POST":
+        if call.json is not None:  # as httpx's ``json=``: no body at all without one
             headers.append((b"content-type", b"application/json"))
             content = _json_bytes(call.json)
         seconds = call.timeout or self.timeout

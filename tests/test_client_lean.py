@@ -166,3 +166,18 @@ async def _chunked_and_timeout() -> None:
 
 def test_the_lean_request_reads_chunked_answers_and_keeps_its_read_timeout():
     asyncio.run(_chunked_and_timeout())
+
+
+async def _cancel(url: str, rollout_id: str) -> RolloutStatus:
+    client = AsyncClient(url, token=TOKEN)
+    try:
+        return (await client.cancel(rollout_id)).status  # a POST without a body
+    finally:
+        await client.aclose()
+
+
+def test_a_write_without_a_body_goes_through_the_lean_path(secured):
+    with Client(secured.url, token=TOKEN) as admin:
+        [queued] = admin.enqueue([RolloutCreate(task=Task(data={"q": 3}))])
+        assert asyncio.run(_cancel(secured.url, queued.id)) == RolloutStatus.CANCELLED
+        assert admin.get_rollout(queued.id).status == RolloutStatus.CANCELLED
