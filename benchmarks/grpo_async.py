@@ -129,6 +129,7 @@ def run_one(args: argparse.Namespace, mode: str, seed: int) -> dict[str, Any]:
     from agentbolt.algorithms.grpo import GRPO
     from agentbolt.tasks import TASKS
 
+    bf16 = _bf16()
     task = TASKS["calculator"]
     median = args.median if args.task == "slow-tools" else 0.0
     agent = SlowToolAgent(task.episode, task.worked, median=median)
@@ -147,6 +148,8 @@ def run_one(args: argparse.Namespace, mode: str, seed: int) -> dict[str, Any]:
         checkpoint_every=0,
         plot=False,
         max_tokens_per_micro_batch=args.micro_batch_tokens,
+        bf16=bf16,
+        engine_dtype="bfloat16" if bf16 else "float32",
     )
     log = (run_dir / "log.txt").open("w")
     t0 = time.perf_counter()
@@ -180,6 +183,16 @@ def run_one(args: argparse.Namespace, mode: str, seed: int) -> dict[str, Any]:
         "carried_groups": sum(h.get("carried_groups", 0) for h in steps),
         "run_dir": str(run_dir),
     }
+
+
+def _bf16() -> bool:
+    """bfloat16 only where the hardware has it, as the demo does (emulated on an AVX2-only CPU
+    it is tens of times slower than float32)."""
+    import torch
+
+    from agentbolt.algorithms.train_state import fast_bf16
+
+    return fast_bf16("cuda" if torch.cuda.is_available() else "cpu")
 
 
 # ---------------------------------------------------------------------------- report
@@ -261,7 +274,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--median", type=float, default=0.5, help="median tool latency, seconds")
     p.add_argument("--max-staleness", type=int, default=1)
     p.add_argument("--importance", choices=("token", "sequence", "off"), default="token")
-    p.add_argument("--micro-batch-tokens", type=int, default=4096)
+    p.add_argument("--micro-batch-tokens", type=int, default=512, help="as the demo (memory)")
     p.add_argument("--modes", default="sync,async")
     p.add_argument("--quick", action="store_true", help="2 updates, 1 seed, 2 x 4 rollouts, 16 held-out")
     p.add_argument("--json", type=Path, help="write every run's figures here")
@@ -273,7 +286,6 @@ def main() -> None:
     args = _parser().parse_args()
     if args.quick:
         args.updates, args.seeds, args.tasks_per_step, args.group_size, args.val_tasks = 2, "0", 2, 4, 16
-        args.micro_batch_tokens = 2048
     if args.one:
         mode, seed, out = args.one.split(":", 2)
         Path(out).write_text(json.dumps(run_one(args, mode, int(seed))))
@@ -289,7 +301,7 @@ def main() -> None:
         )
         + f": {args.updates} updates of {args.tasks_per_step} x {args.group_size} rollouts,"
         f" seeds {seeds}, {args.val_tasks} held-out tasks, max_staleness {args.max_staleness},"
-        f" importance {args.importance}",
+        f" importance {args.importance}, {'bfloat16' if _bf16() else 'float32'} training and serving",
         flush=True,
     )
     runs: list[dict[str, Any]] = []
