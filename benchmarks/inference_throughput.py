@@ -177,7 +177,7 @@ def bench_engine(texts: list[str], args, cpu_matmul: str = "auto") -> tuple[Resu
 class HFBaseline:
     """The same weights and dtype in this process, for the ``generate`` baselines."""
 
-    def __init__(self, args) -> None:
+    def __init__(self, args, dtype: str | None = None) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -188,7 +188,8 @@ class HFBaseline:
         self.tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(args.dtype)).eval()
+        self.dtype = dtype or args.dtype
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(self.dtype)).eval()
         eos = self.model.generation_config.eos_token_id
         self.eos = {eos} if isinstance(eos, int) else set(eos or [])
         self.torch, self.args = torch, args
@@ -231,8 +232,11 @@ def bench_static(baseline: HFBaseline, texts: list[str], args) -> tuple[Result, 
             runs[threads] = baseline.static_batch(texts, threads)
     best = max(counts, key=lambda t: runs[t][0] / runs[t][1])
     tried = ", ".join(f"{t} thread(s): {runs[t][0] / runs[t][1]:.1f}" for t in counts)
-    note = f"{args.dtype}, one left-padded batch of {len(texts)}, greedy; best of [{tried}] tok/s"
-    return Result("static-batch model.generate", len(texts), *runs[best], note), rss.peak
+    note = f"{baseline.dtype}, one left-padded batch of {len(texts)}, greedy; best of [{tried}] tok/s"
+    name = "static-batch model.generate"
+    if baseline.dtype != args.dtype:
+        name += f" ({baseline.dtype})"
+    return Result(name, len(texts), *runs[best], note), rss.peak
 
 
 def bench_sequential(baseline: HFBaseline, texts: list[str], args) -> Result:
@@ -336,6 +340,11 @@ def main() -> None:
     parser.add_argument("--skip-llama-cpp", action="store_true")
     parser.add_argument("--skip-static", action="store_true", help="leave out static-batch generate")
     parser.add_argument(
+        "--static-float32",
+        action="store_true",
+        help="also run static-batch generate with float32 weights (on CPUs without bfloat16 units it is faster)",
+    )
+    parser.add_argument(
         "--engine-variants",
         default="auto",
         help="comma-separated --cpu-matmul settings of the engine to run each round (auto,native,float32)",
@@ -364,12 +373,10 @@ def main() -> None:
         memory[key] = max(memory.get(key, 0), peak)
         return result
 
-    def run_static() -> Result:
-        assert baseline is not None
-        result, peak = bench_static(baseline, texts, args)
-        memory["this process, static-batch generate"] = max(
-            memory.get("this process, static-batch generate", 0), peak
-        )
+    def run_static(model: HFBaseline) -> Result:
+        result, peak = bench_static(model, texts, args)
+        key = f"this process, static-batch generate ({model.dtype})"
+        memory[key] = max(memory.get(key, 0), peak)
         return result
 
     def run_llama() -> Result | None:
@@ -383,7 +390,10 @@ def main() -> None:
         (f"engine {v}", partial(run_engine, v)) for v in args.engine_variants.split(",")
     ]
     if not args.skip_static:
-        systems.append(("static", run_static))
+        assert baseline is not None
+        systems.append(("static", partial(run_static, baseline)))
+    if args.static_float32 and args.dtype not in ("float32", "fp32"):
+        systems.append(("static float32", partial(run_static, HFBaseline(args, "float32"))))
     if args.skip_llama_cpp:
         skipped.append("llama-cpp-python: --skip-llama-cpp given")
     else:

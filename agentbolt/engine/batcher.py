@@ -20,6 +20,9 @@ GRPO groups) and their cache rows copied.
 
 On CPU the thread count of the forward passes is re-chosen from measured step times
 (:mod:`agentbolt.engine.threads`): on a shared machine one thread can beat two by several times.
+A bfloat16 model on a CPU without bfloat16 units has its matrix products computed in float32
+(:mod:`agentbolt.engine.matmul`, ``float32_matmul``): PyTorch's own bfloat16 kernels are 4-5x
+slower there, and they are most of a decode step.
 
 Weight updates are applied between steps: the loop stops admitting, lets running sequences finish
 on the old weights (up to ``drain_timeout_s``), swaps, and resumes. Sequences still running at the

@@ -48,7 +48,7 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
     port: int = typer.Option(8001, help="TCP port."),
     dtype: str = typer.Option(
-        "bfloat16", help="bfloat16 (fast on CPU), float32 (exact logprobs) or float16."
+        "bfloat16", help="bfloat16 (half the memory), float32 (exact logprobs) or float16."
     ),
     max_batch: int = typer.Option(32, help="Most sequences decoded together."),
     cpu_matmul: str = typer.Option(

@@ -110,8 +110,10 @@ class ModelEngine:
     ) -> ModelEngine:
         """Load ``path_or_name`` (a local HF directory or ``"smollm2"``, converted on first use).
 
-        ``dtype`` defaults to bfloat16 (1.5-2x faster than float32 on CPU); pass ``"float32"`` when
-        log-probabilities must match a float32 training pass to 1e-4.
+        ``dtype`` defaults to bfloat16 (half the memory of float32; faster on CPUs with bfloat16
+        units, and on others the engine multiplies in float32, see ``EngineConfig.cpu_matmul``);
+        pass ``"float32"`` when log-probabilities must match a float32 training pass to 1e-4 (in
+        bfloat16 they differ by up to about 0.25 nats per token, 0.03 on average, on SmolLM2).
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -134,3 +134,15 @@ async def test_bfloat16_engine_with_float32_products_matches_its_teacher_forced_
 
 
 BF16_BOUND = 0.25
+
+
+def test_float32_matmul_runs_bfloat16_attention_in_float32() -> None:
+    torch.manual_seed(1)
+    q, k, v = _bf16(2, 4, 1, 16), _bf16(2, 2, 7, 16), _bf16(2, 2, 7, 16)
+    mask = torch.ones(2, 1, 1, 7, dtype=torch.bool)
+    mask[0, :, :, :3] = False  # a left-padded row
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    expected = sdpa(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True).bfloat16()
+    with Float32Matmul():
+        got = sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
