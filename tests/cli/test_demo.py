@@ -76,7 +76,7 @@ def test_demo_off_a_terminal_prints_a_flushed_line_per_step(tiny: Path, tmp_path
     assert [s["step"] for s in steps] == [0, 1, 2]
     for line, row in zip((first, second), steps[1:], strict=True):
         assert f"| success {row['success']:.0%} | reward mean {row['reward_mean']:.3f} |" in line
-        assert f"| retried {row['retried']} | t rollouts {row['t_rollouts']:.1f}s |" in line
+        assert f"| retried {row['retried']} |" in line and f"| t rollouts {row['t_rollouts']:.1f}s |" in line
 
 
 def _demo(*args: str) -> subprocess.CompletedProcess[str]:
