@@ -11,7 +11,9 @@ CPU:
 2. **static-batch generate** - ``model.generate`` on ONE left-padded batch of the same prompts,
    same dtype, same ``max_new_tokens``, greedy, in this process: what a user writes in ten lines.
    Tokens are counted per row up to and including its end-of-sequence token, like the engine's
-   ``usage``; the wall time includes the prefill, as the engine's does.
+   ``usage``; the wall time includes the prefill, as the engine's does. ``--static-float32``
+   adds the same with float32 weights: on CPUs without bfloat16 units (AVX2 only) PyTorch's
+   bfloat16 kernels are slow, and float32 is what a user there should compare against.
 3. **sequential generate** - ``model.generate`` one request after another (the first
    ``--sequential`` prompts: it is a rate, and slow).
 4. **llama-cpp-python** - its OpenAI server on the GGUF file the model was converted from

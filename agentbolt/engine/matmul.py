@@ -8,12 +8,16 @@ back to a generic kernel: on a 2-core AVX2 machine a batch-32 decode step of Smo
 ``Float32Matmul`` is a ``TorchFunctionMode`` the engine thread enters around its forward passes:
 every ``linear`` whose weight is bfloat16 on the CPU is computed as ``x.float() @ W.float().T``
 (weights converted block by block into one reused scratch buffer, so memory does not grow), with
-the result rounded to bfloat16; ``scaled_dot_product_attention`` on bfloat16 tensors likewise runs
-in float32 (PyTorch's CPU attention kernel took 2.3x longer in bfloat16, 17% of a decode step, and
-the conversion of the step's keys and values costs less than that). Products of bfloat16 values are exact in float32 and oneDNN's
-bfloat16 kernels also accumulate in float32, so the result is what a native bfloat16 product gives,
-up to summation order. The mode is thread-local: training or any other thread using the same
-model object is unaffected, and weight updates (in-place copies) are seen at the next step.
+the result rounded to bfloat16. ``scaled_dot_product_attention`` on bfloat16 tensors likewise runs
+in float32: PyTorch's CPU attention kernel took 2.3x longer in bfloat16 (17% of a decode step),
+more than converting the step's keys and values costs. Products of bfloat16 values are exact in
+float32 and PyTorch's bfloat16 kernels accumulate in float32 too, so the result is what a native
+bfloat16 product gives, up to summation order. Measured, interleaved, on a loaded 2-core AVX2
+machine: a batch-32 decode step of SmolLM2 in bfloat16 went from 1.1 s of CPU to 0.42 s with the
+float32 products and to about 0.31 s with float32 attention as well (float32 weights: 0.27 s).
+The mode is thread-local: training or any other thread using the same model object is
+unaffected, and weight updates (in-place copies) are seen at the next step. float16 models are
+left to PyTorch's own kernels.
 """
 
 from __future__ import annotations
