@@ -35,9 +35,7 @@ def router(call: StoreCaller, wake: WakeUp) -> APIRouter:
     @api.post("/events")
     async def add_events(attempt_id: str, body: EventsRequest, request: Request) -> Response:
         """Append events; ones whose (attempt, sequence) is already stored are skipped."""
-        worker = _holder_named(request, body.worker_id)
-        added = await call(store.add_events, attempt_id, body.events, worker)
-        return json_response({"added": added})
+        return await append_events(call, attempt_id, body, request)
 
     @api.post("/finish", response_model=Rollout)
     async def finish(
@@ -46,13 +44,29 @@ def router(call: StoreCaller, wake: WakeUp) -> APIRouter:
         """End the attempt: ``succeeded`` ends the rollout, ``failed`` fails it, ``released``
         requeues it. A retry of the finish that ended it (same ``Idempotency-Key``) gets the
         rollout again; any other write to an ended attempt is a 409 naming its state."""
-        worker = _holder_named(request, body.worker_id)
-        finish = AttemptFinish(**body.model_dump(exclude={"worker_id"}))
-        rollout = await call(store.finish_attempt, attempt_id, finish, worker, key)
-        wake.notify()  # a requeue is new work; a final rollout ends someone's wait
-        return json_response(rollout)
+        return await finish_attempt(call, wake, attempt_id, body, key, request)
 
     return api
+
+
+async def append_events(
+    call: StoreCaller, attempt_id: str, body: EventsRequest, request: Request
+) -> Response:
+    """The events call's work (the route's and the runner fast path's)."""
+    worker = _holder_named(request, body.worker_id)
+    added = await call(call.store.add_events, attempt_id, body.events, worker)
+    return json_response({"added": added})
+
+
+async def finish_attempt(
+    call: StoreCaller, wake: WakeUp, attempt_id: str, body: FinishRequest, key: str | None, request: Request
+) -> Response:
+    """The finish call's work (the route's and the runner fast path's)."""
+    worker = _holder_named(request, body.worker_id)
+    finish = AttemptFinish(**body.model_dump(exclude={"worker_id"}))
+    rollout = await call(call.store.finish_attempt, attempt_id, finish, worker, key)
+    wake.notify()  # a requeue is new work; a final rollout ends someone's wait
+    return json_response(rollout)
 
 
 def _holder_named(request: Request, named: str | None) -> str | None:

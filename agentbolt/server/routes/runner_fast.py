@@ -16,21 +16,18 @@ as the app's error handlers give them.
 
 from __future__ import annotations
 
-import asyncio
 import re
 from typing import Any
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
 from agentbolt.errors import AgentboltError
-from agentbolt.schemas import AttemptFinish, DequeueRequest, EventsRequest, FinishRequest
+from agentbolt.schemas import DequeueRequest, EventsRequest, FinishRequest
 from agentbolt.server.errors import error_answer
-from agentbolt.server.routes.attempts import _holder_named
-from agentbolt.server.routes.common import acting_worker, json_response
-from agentbolt.server.routes.queue import POLL_SECONDS, _for_the_runner
+from agentbolt.server.routes.attempts import append_events, finish_attempt
+from agentbolt.server.routes.queue import claim_work
 from agentbolt.server.store_caller import StoreCaller, WakeUp
 
 __all__ = ["RunnerFastPath"]
@@ -41,7 +38,7 @@ _ATTEMPT_CALLS: dict[str, type[BaseModel]] = {"events": EventsRequest, "finish":
 
 class RunnerFastPath:
     def __init__(self, app: Any, call: StoreCaller, wake: WakeUp) -> None:
-        self.app, self.call, self.wake, self.store = app, call, wake, call.store
+        self.app, self.call, self.wake = app, call, wake
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         what = _runner_post(scope)
@@ -66,33 +63,14 @@ class RunnerFastPath:
         request = Request(scope, receive)
         try:
             if kind == "dequeue":
-                response = await self._dequeue(body, key, request)
+                response = await claim_work(self.call, self.wake, body, key, request)
             elif kind == "events":
-                worker = _holder_named(request, body.worker_id)
-                added = await self.call(self.store.add_events, attempt_id, body.events, worker)
-                response = json_response({"added": added})
+                response = await append_events(self.call, attempt_id, body, request)
             else:
-                worker = _holder_named(request, body.worker_id)
-                finish = AttemptFinish(**body.model_dump(exclude={"worker_id"}))
-                rollout = await self.call(self.store.finish_attempt, attempt_id, finish, worker, key)
-                self.wake.notify()  # a requeue is new work; a final rollout ends someone's wait
-                response = json_response(rollout)
+                response = await finish_attempt(self.call, self.wake, attempt_id, body, key, request)
         except (AgentboltError, RequestValidationError, ValueError) as exc:
             response = await error_answer(request, exc)
         await response(scope, receive, send)
-
-    async def _dequeue(self, body: DequeueRequest, key: str | None, request: Request) -> Response:
-        """As the route does (see ``routes.queue``)."""
-        acting_worker(request, body.worker_id)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + body.wait
-        while (claim := await self.call(self.store.dequeue, body.worker_id, body.lease_seconds, key)) is None:
-            if loop.time() >= deadline:
-                return json_response(None)
-            await self.wake.wait(min(POLL_SECONDS, max(0.0, deadline - loop.time())))
-            if await request.is_disconnected():  # a dead runner's poll must not take the work
-                return json_response(None)
-        return json_response(_for_the_runner(claim, request))
 
 
 def _runner_post(scope: dict[str, Any]) -> tuple[str, str] | None:
