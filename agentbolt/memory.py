@@ -9,12 +9,14 @@ elsewhere :func:`tree_pss_bytes` returns None and :class:`PeakMemory` reports no
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import threading
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["PeakMemory", "descendants", "pss_bytes", "tree_pss_bytes"]
+__all__ = ["PeakMemory", "descendants", "pss_bytes", "release_free_memory", "tree_pss_bytes"]
 
 
 def descendants(pid: int) -> list[int]:
@@ -109,3 +111,18 @@ class PeakMemory:
         if self.peak_gb is None:
             return "peak memory: not measured (needs Linux /proc/<pid>/smaps_rollup)"
         return f"peak memory: {self.peak_gb:.2f} GB (whole process tree, PSS)"
+
+
+def release_free_memory() -> bool:
+    """Hand the heap's free pages back to the system (glibc's ``malloc_trim``); False where there
+    is no glibc. A training pass frees its activations into the heap, which glibc otherwise keeps
+    mapped: the process would hold them through the next rollouts and validation."""
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim(0)
+    return True

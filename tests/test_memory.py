@@ -68,3 +68,22 @@ def test_pages_shared_after_fork_count_once() -> None:
     assert own is not None and tree is not None
     assert rss_child > 250e6  # the child maps the shared pages ...
     assert tree < own + 2 * rss_child / 3 and tree > 300e6  # ... yet they are counted once over the tree
+
+
+def test_free_heap_pages_go_back_to_the_system():
+    """Freed small allocations stay in glibc's heap until trimmed; trimming gives them back."""
+    import gc
+
+    from agentbolt.memory import pss_bytes, release_free_memory
+
+    blocks = [bytearray(1000) for _ in range(200_000)]  # ~200 MB of small heap blocks
+    pin = [bytearray(1000) for _ in range(100)]  # above them: the heap's top cannot shrink by itself
+    held = pss_bytes(os.getpid())
+    del blocks
+    gc.collect()
+    kept = pss_bytes(os.getpid())
+    assert held is not None and kept is not None and held - kept < 100 * 2**20  # glibc kept them
+    assert release_free_memory() is True
+    after = pss_bytes(os.getpid())
+    assert after is not None and kept - after > 100 * 2**20
+    assert len(pin) == 100

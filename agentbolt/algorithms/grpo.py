@@ -70,6 +70,7 @@ from agentbolt.algorithms.rewards import RewardOptions, RewardPlan, tally
 from agentbolt.algorithms.train_state import (
     TrainConfig,
     TrainState,
+    fast_bf16,
     load_checkpoint,
     make_train_state,
     optimizer_step,
@@ -77,6 +78,7 @@ from agentbolt.algorithms.train_state import (
 )
 from agentbolt.console import print_line, task_bars
 from agentbolt.errors import ConfigError
+from agentbolt.memory import release_free_memory
 from agentbolt.schemas import Event, Mode, ModelWeights, Rollout, Task
 
 __all__ = ["GRPO", "GRPOResult", "success_rate"]
@@ -125,9 +127,14 @@ class GRPO(RewardOptions, Algorithm):
     """Weight of the k3 KL penalty to the initial policy (0: off, no reference pass)."""
     max_tokens_per_micro_batch: int = 4096
     """Gradient accumulation: padded tokens per forward/backward pass."""
-    bf16: bool = True
-    """Train under bfloat16 autocast (fp32 master weights); 1.5-2x faster on CPU."""
+    bf16: bool | None = None
+    """Train under bfloat16 autocast (fp32 master weights). None: where bfloat16 is native
+    (a GPU that has it, a CPU with AVX512-BF16 or AMX: :func:`~agentbolt.algorithms.train_state.fast_bf16`);
+    on an AVX2-only CPU PyTorch emulates it and a linear layer runs 6-8x slower than in float32."""
     engine_dtype: str = "bfloat16"
+    """The embedded engine's weights. On a CPU without native bfloat16 the engine computes
+    bfloat16 products in float32 (``EngineConfig.cpu_matmul="auto"``): close to float32's speed
+    at half its memory."""
     val_every: int = 5
     """Validate every K steps (and before the first and after the last); 0: only before/after."""
     checkpoint_every: int = 5
@@ -256,6 +263,9 @@ class GRPO(RewardOptions, Algorithm):
         config = TrainConfig(lora=self.lora, lora_r=self.lora_r, lora_alpha=2 * self.lora_r, lr=self.lr)
         # full fine-tuning with KL keeps a frozen copy of the initial weights beside the trained ones
         return make_train_state(model, config, reference=bool(self.kl_coef))
+
+    def _bf16(self) -> bool:
+        return fast_bf16(self._device()) if self.bf16 is None else self.bf16
 
     def _device(self) -> torch.device:
         """Where training runs: the GPU when there is one (the engine picks its device the same way)."""
@@ -659,12 +669,14 @@ class GRPO(RewardOptions, Algorithm):
             return value, metrics
 
         autocast = (
-            torch.autocast(device.type, dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
+            torch.autocast(device.type, dtype=torch.bfloat16) if self._bf16() else contextlib.nullcontext()
         )
         with autocast:
             if self.kl_coef:  # under the same autocast as the update: KL is 0 before the first one
                 batches = [_with_ref(b, reference_logprobs(state.reference_model, b)) for b in batches]
             out = optimizer_step(state, batches, cast(LossFn, loss))
+        del batches
+        release_free_memory()  # the pass's activations, not held through the next rollouts
         # the step averages metrics over micro-batches by tokens: extremes are taken over them
         for name, pick in (("is_weight_min", min), ("is_weight_max", max)):
             values = [m[name] for m in seen if name in m]

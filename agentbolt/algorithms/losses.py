@@ -462,7 +462,7 @@ class PolicyLoss:
     clip_high: float = 0.28
     kl_coef: float = 0.0
     entropy: bool = True
-    """Report the policy entropy (one more B x T x V pass, without gradient)."""
+    """Report the policy entropy (from the same chunks as the log-probs, without gradient)."""
     share_prefix: bool = True
     """Compute a prefix shared by every row of a micro-batch once (:func:`suffix_logits`)."""
     proximal: bool = False

@@ -119,11 +119,9 @@ def fast_bf16(device: str | torch.device = "cpu") -> bool:
         return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
     if device.type != "cpu":
         return False
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:  # not Linux: not known, so no
-        return False
-    return any(f" {flag}" in flags for flag in ("avx512_bf16", "amx_bf16"))
+    from agentbolt.engine.matmul import native_bf16_matmul  # one check for engine and trainer
+
+    return native_bf16_matmul()
 
 
 def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

@@ -17,6 +17,7 @@ from rich.console import Console
 from agentbolt import LitAgent, Task, Trainer
 from agentbolt.algorithms.grpo import GRPO
 from agentbolt.engine import tiny_model_dir
+from agentbolt.memory import descendants
 from agentbolt.runner.llm import async_openai
 from agentbolt.schemas import LLM
 from tests.conftest import tiny_grpo
@@ -148,18 +149,16 @@ class VictimAgent(VowelAgent):
 
 
 def _kill_the_victim(folder: Path, killed: list[int], stop: threading.Event) -> None:
-    """SIGKILL the runner process named in ``victim.pid`` once it appears (a child of this test
-    process, never the test itself)."""
+    """SIGKILL the runner process named in ``victim.pid`` once it appears (a descendant of this
+    test process, never the test itself)."""
     pid_file = folder / "victim.pid"
     while not stop.is_set() and not pid_file.exists():
         time.sleep(0.05)
     if stop.is_set():
         return
     pid = int(pid_file.read_text())
-    parent = next(
-        line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("PPid")
-    )
-    assert pid != os.getpid() and int(parent.split()[1]) == os.getpid()
+    # runners start through the forkserver: a descendant of this process, not always a child
+    assert pid != os.getpid() and pid in descendants(os.getpid())
     os.kill(pid, signal.SIGKILL)
     killed.append(pid)
 
