@@ -21,6 +21,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import pickletools
 import secrets
 import signal
 import sys
@@ -112,11 +113,43 @@ def _how_to_start(agent: LitAgent) -> tuple[str, LitAgent | _AgentByName]:
             payload = agent
         except Exception:  # noqa: BLE001 - whatever stops pickling means: fork
             return fallback, agent
-    # an object of an interactive __main__ (python -c, a notebook) is pickled under a name that
-    # a child interpreter cannot import
-    if b"__main__" in pickle.dumps(payload) and not getattr(sys.modules.get("__main__"), "__file__", None):
+    # what a child interpreter must import to rebuild the agent: an interactive __main__ (python
+    # -c, a notebook) or a module loaded from a file path (``--agent path/agent.py:agent``) that
+    # is not on sys.path cannot be imported there
+    modules = _modules_of(pickle.dumps(payload))
+    if isinstance(payload, _AgentByName):
+        modules.add(payload.module)  # imported by name in the runner
+    if not all(_importable(name) for name in modules):
         return fallback, agent
     return fresh, payload
+
+
+def _modules_of(data: bytes) -> set[str]:
+    """The modules a pickle refers to (its GLOBAL and STACK_GLOBAL opcodes)."""
+    modules: set[str] = set()
+    strings: list[str] = []
+    for op, arg, _ in pickletools.genops(data):
+        if op.name == "GLOBAL":
+            modules.add(str(arg).split(" ", 1)[0])
+        elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+            modules.add(strings[-2])
+        elif isinstance(arg, str):
+            strings.append(arg)
+    return modules
+
+
+def _importable(module: str) -> bool:
+    """Whether a fresh interpreter with this process's sys.path finds ``module``'s top package
+    (the finders are asked directly: ``importlib.util.find_spec`` would answer from sys.modules)."""
+    top = module.split(".", 1)[0]
+    if top == "__main__":
+        return bool(getattr(sys.modules.get("__main__"), "__file__", None))
+    if top in sys.builtin_module_names:
+        return True
+    return any(
+        getattr(finder, "find_spec", None) and finder.find_spec(top, None) is not None  # type: ignore[union-attr]
+        for finder in sys.meta_path
+    )
 
 
 def _with_rewards(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -121,3 +122,22 @@ def test_a_runner_that_never_registers_is_a_clear_error(
 def test_runner_start_timeout_must_be_positive() -> None:
     with pytest.raises(ConfigError, match="runner_start_timeout"):
         Trainer(Evaluate(), runner_start_timeout=0)
+
+
+def test_an_agent_loaded_from_a_file_path_starts_its_runners_where_they_can_import_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--agent path/agent.py:agent``: a child interpreter finds that module only when its folder
+    is on sys.path; otherwise the runners fork (they would fail to import it)."""
+    from agentbolt.runner.worker import load_agent
+    from agentbolt.trainer import _how_to_start
+
+    folder = tmp_path / "agents"
+    folder.mkdir()
+    (folder / "file_agent_mod.py").write_text(
+        "from agentbolt import rollout\n\n\n@rollout\ndef agent(task):\n    return 1.0\n"
+    )
+    monkeypatch.delitem(sys.modules, "file_agent_mod", raising=False)
+    assert _how_to_start(load_agent(f"{folder}/file_agent_mod.py:agent"))[0] == "fork"
+    monkeypatch.syspath_prepend(str(folder))
+    assert _how_to_start(load_agent(f"{folder}/file_agent_mod.py:agent"))[0] in ("forkserver", "spawn")
