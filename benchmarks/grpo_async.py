@@ -49,42 +49,10 @@ class SlowToolAgent(TextGameAgent):
         super().__init__(*args, **kwargs)
         self.median, self.sigma = median, sigma
 
-    async def execute_rollout(self, task: Any) -> float:  # type: ignore[override]
-        from agentbolt.runner.agent import emit_state, emit_tool_call
-        from agentbolt.runner.llm import async_openai
-
-        llm = self.get_resource("llm")
-        prompt = self.get_resource("system_prompt")
-        client = async_openai(llm, timeout=600)
-        episode = self.episode(task.data)
-        messages = [
-            {"role": "system", "content": prompt},
-            *self.worked,
-            {"role": "user", "content": episode.opening()},
-        ]
-        for _turn in range(episode.max_turns):
-            state = episode.state()
-            response = await client.chat.completions.create(
-                model=llm.model,
-                messages=messages,
-                max_tokens=self.max_tokens,
-                **{"temperature": 1.0, **llm.sampling_parameters},
-            )
-            reply = (response.choices[0].message.content or "").strip()
-            emit_state(state, call=response)
-            turn = episode.step(reply)
-            if turn.tool is not None:
-                use = turn.tool
-                latency = random.lognormvariate(math.log(self.median), self.sigma) if self.median else 0.0
-                await asyncio.sleep(latency)  # the slow tool
-                emit_tool_call(
-                    use.name, {"expression": use.expression}, use.result, use.error, latency * 1000
-                )
-            messages.append({"role": "assistant", "content": reply})
-            if turn.observation is None:
-                break
-            messages.append({"role": "user", "content": turn.observation})
-        return episode.outcome()
+    async def tool_latency(self, use: Any) -> float:
+        latency = random.lognormvariate(math.log(self.median), self.sigma) if self.median else 0.0
+        await asyncio.sleep(latency)  # the slow tool
+        return latency * 1000
 
 
 # ---------------------------------------------------------------------------- one run

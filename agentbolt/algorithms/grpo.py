@@ -432,12 +432,36 @@ class GRPO(RewardOptions, Algorithm):
         tasks, batch = self._sample(ctx, step, version, progress)
         t_rollouts = time.perf_counter() - t0
         rows, gen_tokens, data = self._rows(ctx, batch, tasks)
+        return self._train_and_publish(
+            ctx, policy, state, step, batch, rows, gen_tokens, data, t0, t_rollouts
+        )
+
+    def _train_and_publish(
+        self,
+        ctx: TrainContext,
+        policy: PolicyServer,
+        state: TrainState,
+        step: int,
+        batch: BatchResult,
+        rows: list[TrainRow],
+        gen_tokens: int,
+        data: dict[str, Any],
+        t0: float,
+        t_rollouts: float,
+        extra: dict[str, Any] | None = None,
+        synced: list[int] | None = None,
+    ) -> tuple[dict[str, Any], int]:
+        """Update on ``rows``, sync the engine when anything trained, publish, and the step's row
+        (``synced``, asynchronous mode: the proximal ratio with importance weights, and the step
+        recorded among the engine's versions)."""
         t1 = time.perf_counter()
-        metrics = self._update(state, rows)
+        metrics = self._update(state, rows, proximal=synced is not None)
         t_update = time.perf_counter() - t1
         t2 = time.perf_counter()
         if metrics.get("num_tokens"):
             policy.sync(state.model, step)
+            if synced is not None:
+                synced.append(step)
         version = self._publish(ctx, policy, step, metrics)
         t_sync = time.perf_counter() - t2
         train_tokens = metrics.get("num_tokens", 0.0)
@@ -450,6 +474,7 @@ class GRPO(RewardOptions, Algorithm):
             "train_tokens": train_tokens,
             "gen_tokens_per_s": gen_tokens / max(t_rollouts, 1e-9),
             "train_tokens_per_s": train_tokens / max(t_update, 1e-9),
+            **(extra or {}),
             "t_rollouts": t_rollouts,
             "t_update": t_update,
             "t_sync": t_sync,
@@ -509,34 +534,10 @@ class GRPO(RewardOptions, Algorithm):
         t_rollouts = time.perf_counter() - t0
         batch = _batch_of(taken, self.reward_plan())
         rows, gen_tokens, data = self._async_rows(ctx, batch, taken, synced)
-        t1 = time.perf_counter()
-        metrics = self._update(state, rows, proximal=True)
-        t_update = time.perf_counter() - t1
-        t2 = time.perf_counter()
-        if metrics.get("num_tokens"):
-            policy.sync(state.model, step)
-            synced.append(step)
-        version = self._publish(ctx, policy, step, metrics)
-        t_sync = time.perf_counter() - t2
-        train_tokens = metrics.get("num_tokens", 0.0)
-        row = {
-            "step": step,
-            "resources_version": version,
-            **_reward_stats(batch, self.success_threshold),
-            **data,
-            **{k: v for k, v in metrics.items() if k != "num_tokens"},
-            "train_tokens": train_tokens,
-            "gen_tokens_per_s": gen_tokens / max(t_rollouts, 1e-9),
-            "train_tokens_per_s": train_tokens / max(t_update, 1e-9),
-            "carried_groups": carried,
-            "groups_enqueued": pool.next_index,
-            "t_trainer_wait": t_wait,
-            "t_rollouts": t_rollouts,
-            "t_update": t_update,
-            "t_sync": t_sync,
-            "t_step": time.perf_counter() - t0,
-        }
-        return row, version
+        extra = {"carried_groups": carried, "groups_enqueued": pool.next_index, "t_trainer_wait": t_wait}
+        return self._train_and_publish(
+            ctx, policy, state, step, batch, rows, gen_tokens, data, t0, t_rollouts, extra, synced
+        )
 
     def _async_rows(
         self, ctx: TrainContext, batch: BatchResult, taken: list[InFlightGroup], synced: list[int]

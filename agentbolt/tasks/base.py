@@ -139,6 +139,11 @@ class TextGameAgent(LitAgent):
         self.episode = episode
         self.worked = worked
 
+    async def tool_latency(self, use: Any) -> float:
+        """The tool call's duration in milliseconds; the game computes the answer at once. A
+        subclass may wait here to stand in for a slow tool (``benchmarks/grpo_async.py``)."""
+        return float(use.duration_ms)
+
     async def execute_rollout(self, task: Task) -> float:  # type: ignore[override]
         llm: LLM = self.get_resource("llm")
         prompt = self.get_resource("system_prompt")
@@ -162,9 +167,8 @@ class TextGameAgent(LitAgent):
             turn = episode.step(reply)
             if turn.tool is not None:
                 use = turn.tool
-                emit_tool_call(
-                    use.name, {"expression": use.expression}, use.result, use.error, use.duration_ms
-                )
+                duration_ms = await self.tool_latency(use)
+                emit_tool_call(use.name, {"expression": use.expression}, use.result, use.error, duration_ms)
             if turn.step_reward:
                 emit_reward(turn.step_reward, name="step", call=response)
             messages.append({"role": "assistant", "content": reply})
