@@ -65,7 +65,8 @@ class Setting:
 
     @property
     def is_bool(self) -> bool:
-        return self.kind is bool
+        """A flag pair ``--x/--no-x``: a bool, or a bool that None leaves to the code (unset)."""
+        return self.kind is bool or set(union_members(self.kind)) == {bool, type(None)}
 
     def shown_default(self) -> str:
         if self.default is dataclasses.MISSING:
