@@ -23,7 +23,6 @@ from agentbolt.schemas import PromptTemplate
 __all__ = ["demo_command"]
 
 _DEFAULT_STEPS = {"calculator": 8, "chain": 30, "guess": 30}
-_MICRO_BATCH_TOKENS = 256
 
 
 @needs_extra("agentbolt demo", "server", "train")
@@ -125,9 +124,6 @@ def _run(
         # bfloat16 weights in the engine in any case: without native bfloat16 it computes their
         # products in float32 (EngineConfig.cpu_matmul), near float32's speed at half the memory
         engine_dtype="bfloat16",
-        # activations grow with the tokens of a micro-batch (~1-2 MB per token for SmolLM2):
-        # 256 keeps the training pass around half a gigabyte, at little cost in speed on a CPU
-        max_tokens_per_micro_batch=_MICRO_BATCH_TOKENS,
     )
     trainer = Trainer(
         algo,
