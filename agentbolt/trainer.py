@@ -6,10 +6,12 @@ without ``server_url`` it starts an embedded server (SQLite file in the run dire
 algorithm a :class:`TrainContext`.
 
 Runner processes start *before* the server thread and any model, with ``forkserver`` (or
-``spawn``) when the agent can be pickled: an agent defined at module level, in a script's
-``__main__`` too. A child forked while another thread of the parent holds a lock can hang
-for ever, and users' processes often have threads. An agent that does not pickle (a closure, a
-class defined inside a function) falls back to ``fork``. Either way each runner must register
+``spawn``) when the agent can be pickled and a fresh interpreter can import its module: an
+agent defined at module level of an importable module. A child forked while another thread
+of the parent holds a lock can hang for ever, and users' processes often have threads. An
+agent that does not pickle (a closure, a class defined inside a function), one defined in the
+``__main__`` script (a fresh interpreter would run the script's top level again) or in a file
+loaded by path outside ``sys.path`` falls back to ``fork``. Either way each runner must register
 with the server within ``runner_start_timeout`` seconds, or the run stops with an error that
 names the runner.
 """
@@ -113,8 +115,8 @@ def _how_to_start(agent: LitAgent) -> tuple[str, LitAgent | _AgentByName]:
             payload = agent
         except Exception:  # noqa: BLE001 - whatever stops pickling means: fork
             return fallback, agent
-    # what a child interpreter must import to rebuild the agent: an interactive __main__ (python
-    # -c, a notebook) or a module loaded from a file path (``--agent path/agent.py:agent``) that
+    # what a child interpreter must import to rebuild the agent: the __main__ module (a script,
+    # python -c, a notebook) or a module loaded from a file path (``--agent path/agent.py:agent``) that
     # is not on sys.path cannot be imported there
     modules = _modules_of(pickle.dumps(payload))
     if isinstance(payload, _AgentByName):
@@ -143,7 +145,10 @@ def _importable(module: str) -> bool:
     (the finders are asked directly: ``importlib.util.find_spec`` would answer from sys.modules)."""
     top = module.split(".", 1)[0]
     if top == "__main__":
-        return bool(getattr(sys.modules.get("__main__"), "__file__", None))
+        # a fresh interpreter would run the script's top level again (multiprocessing imports it
+        # as __mp_main__): a script without an ``if __name__ == "__main__":`` guard, as in the
+        # README's quick start, would start a second training there; such agents fork
+        return False
     if top in sys.builtin_module_names:
         return True
     return any(

@@ -141,3 +141,20 @@ def test_an_agent_loaded_from_a_file_path_starts_its_runners_where_they_can_impo
     assert _how_to_start(load_agent(f"{folder}/file_agent_mod.py:agent"))[0] == "fork"
     monkeypatch.syspath_prepend(str(folder))
     assert _how_to_start(load_agent(f"{folder}/file_agent_mod.py:agent"))[0] in ("forkserver", "spawn")
+
+
+def test_an_agent_of_the_main_script_forks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh interpreter would run the script's top level again (an unguarded
+    ``Trainer(...).fit(...)`` as in the README's quick start would train twice): fork."""
+    from agentbolt.trainer import _how_to_start
+
+    main = sys.modules["__main__"]
+
+    @rollout
+    def main_agent(task: Any) -> float:
+        return 1.0
+
+    main_agent.__module__ = "__main__"  # type: ignore[attr-defined]
+    vars(main_agent)["__qualname__"] = "main_agent"
+    monkeypatch.setattr(main, "main_agent", main_agent, raising=False)
+    assert _how_to_start(main_agent)[0] == "fork"
