@@ -247,3 +247,16 @@ def _refusal(caller: Caller, method: str, path: str) -> str:
             f"/agent/{caller.rollout_id}/{caller.attempt_id}/events), not {method} {path}"
         )
     return f"role {caller.role.value!r} may not {method} {path}"
+
+
+async def read_body(receive: Any) -> bytes | None:
+    """A request's whole body straight from ASGI (the fast paths'); None when the client went
+    away before sending it."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(chunks)

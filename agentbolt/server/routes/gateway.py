@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from agentbolt.server.gateway import Gateway
+from agentbolt.server.middleware import read_body
 from agentbolt.server.openai_format import CHAT, COMPLETIONS, REQUEST_SCHEMAS, RESPONSES
 from agentbolt.server.responses import REQUEST_SCHEMA as RESPONSES_SCHEMA
 from agentbolt.web import error_response
@@ -87,14 +88,9 @@ class GatewayFastPath:
         started, t0 = time.time(), time.perf_counter()
         # the body and the two headers a call reads, straight from ASGI: Starlette's request
         # object costs more than they do
-        chunks = []
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return  # the agent went away before its call was sent: nothing to answer
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body"):
-                break
+        body = await read_body(receive)
+        if body is None:
+            return  # the agent went away before its call was sent: nothing to answer
         headers = {
             name.decode("latin-1"): value.decode("latin-1")
             for name, value in scope["headers"]
@@ -102,7 +98,7 @@ class GatewayFastPath:
         }
         try:
             response = await self.gateway.forward_raw(
-                b"".join(chunks), headers, rollout_id, attempt_id, endpoint, started, t0
+                body, headers, rollout_id, attempt_id, endpoint, started, t0
             )
         except Exception:
             log.exception("gateway call on %s failed", scope["path"])

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ValidationError
 from agentbolt.errors import AgentboltError
 from agentbolt.schemas import DequeueRequest, EventsRequest, FinishRequest
 from agentbolt.server.errors import error_answer
+from agentbolt.server.middleware import read_body
 from agentbolt.server.routes.attempts import append_events, finish_attempt
 from agentbolt.server.routes.queue import claim_work
 from agentbolt.server.store_caller import StoreCaller, WakeUp
@@ -46,15 +47,9 @@ class RunnerFastPath:
             await self.app(scope, receive, send)
             return
         kind, attempt_id = what
-        chunks = []
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return  # the runner went away before its call was read: nothing to answer
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body"):
-                break
-        raw = b"".join(chunks)
+        raw = await read_body(receive)
+        if raw is None:
+            return  # the runner went away before its call was read: nothing to answer
         parsed = _parse(scope, kind, raw)
         if parsed is None:  # FastAPI's answer, as if this path were not here
             await self.app(scope, _replay(raw, receive), send)
