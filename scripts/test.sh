@@ -4,7 +4,8 @@
 #   bash scripts/test.sh --lint    # ruff (lint + format check) and mypy first, then tests
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source scripts/install.sh test
+# the tests also need the scale-out extras (a real local Ray cluster, the Kubernetes client)
+source scripts/install.sh test,ray,kubernetes
 if [ "${1:-}" = "--lint" ]; then
   shift
   .venv/bin/ruff check agentbolt tests benchmarks examples
