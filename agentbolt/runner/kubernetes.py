@@ -1,0 +1,835 @@
+"""One Kubernetes Job per rollout: program agents isolated in pods of their own.
+
+:class:`JobLauncher` claims attempts from the store like a runner and runs each as a Job made
+from the user's template (:mod:`agentbolt.runner.kube_template`), its agent container given
+the attempt's variables: the program runner's contract (docs/agents.md), with the task in
+``AGENTBOLT_TASK`` (there is no shared file system) and every URL on the server's
+cluster-reachable address (``public_url``). It talks to the cluster with the official
+``kubernetes`` client (the ``kubernetes`` extra) and keeps the two in step with a reconcile
+loop; the store stays the source of truth:
+
+* a claimed attempt gets one Job, named after the attempt (so a second create for it is
+  answered 409 by the API server, and taken as the Job it already has), labelled with the
+  launcher, rollout and attempt; ``backoffLimit: 0`` (one pod: retrying is the store's
+  decision), ``activeDeadlineSeconds`` from the timeout, ``ttlSecondsAfterFinished``;
+* while the Job runs, the launcher heartbeats the attempt's lease;
+* a Job that completes finishes the attempt with its reward: what the program posted to its
+  events URL, else the scorer's (as for a program run by a runner); the pod's log is recorded;
+* a Job that fails (its deadline, its pod's exit, an image that cannot be pulled) fails the
+  attempt with the reason;
+* a Job whose attempt is no longer running in the store (cancelled, lease lost, finished) is
+  deleted, and so is each Job once its attempt is reported;
+* after a restart the launcher lists its Jobs by label and adopts those whose attempts it
+  still holds (it acts under a stable worker id, ``worker_id``, for that reason).
+
+Stopping the launcher (SIGTERM, Ctrl-C) stops claiming and leaves the running Jobs alone: the
+next launcher of the same name adopts them; if none comes within the lease, the store retries
+their rollouts and the next launcher deletes the stale Jobs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from agentbolt.client import AsyncClient, Client, RetryPolicy
+from agentbolt.errors import AgentboltError, ConfigError, LeaseLost, MissingExtra, NotFound
+from agentbolt.runner.agent import RolloutContext
+from agentbolt.runner.kube_template import (
+    ATTEMPT_ANNOTATION,
+    LAUNCHER_LABEL,
+    ROLLOUT_ANNOTATION,
+    JobTemplate,
+    label_value,
+    schema_problem,
+)
+from agentbolt.runner.outcome import clip, content_at_fault, judge, record_failure
+from agentbolt.runner.program import PLACEHOLDER_KEY
+from agentbolt.runner.program_io import OUTPUT_LIMIT, CappedOutput, ProgramFailed
+from agentbolt.runner.program_reward import AttemptAccess, ProgramRun, Scorer, choose_reward
+from agentbolt.schemas import LLM, AttemptStatus, Claim, EventType
+
+__all__ = ["JobLauncher", "KubeApi", "KubeError", "kube_api_client", "launch_from_cli"]
+
+log = logging.getLogger("agentbolt.kubernetes")
+
+IMAGE_ERRORS = frozenset(
+    {"ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull", "CreateContainerConfigError"}
+)
+"""Waiting reasons of the agent's container that fail the attempt at once: Kubernetes would go
+on retrying them until the Job's deadline (``ErrImagePull`` is left one retry: it turns into
+``ImagePullBackOff`` when the pull fails again)."""
+
+LOG_READ_LIMIT = 16 * 1024 * 1024
+"""Bytes of a pod's log read back (of which ``output_limit`` are recorded, head and tail)."""
+
+_NO_RESULT = Path("/nonexistent/agentbolt-result.json")
+"""A Job has no result file the launcher can read: its reward comes from events or a scorer."""
+
+
+def _missing() -> MissingExtra:
+    return MissingExtra("agentbolt runner --kubernetes", ("kubernetes",), "kubernetes")
+
+
+def kube_api_client(context: str | None = None) -> Any:
+    """An API client for the cluster this process is in (its service account), else the
+    kubeconfig's (current or named ``context``) one."""
+    try:
+        from kubernetes import client, config
+    except ImportError:
+        raise _missing() from None
+    if context is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        config.load_incluster_config()
+        return client.ApiClient()
+    try:
+        return config.new_client_from_config(context=context)
+    except Exception as exc:  # the kubeconfig's own errors: no file, no such context
+        raise ConfigError(f"cannot load the Kubernetes configuration: {exc}") from None
+
+
+class KubeError(AgentboltError):
+    """The Kubernetes API refused a call (``status``: its HTTP status; 0: unreachable)."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(f"{status} {reason}: {message}" if status else message)
+        self.status, self.reason, self.message = status, reason, message
+
+    @property
+    def transient(self) -> bool:
+        return self.status == 0 or self.status == 429 or self.status >= 500
+
+
+class KubeApi:
+    """The calls the launcher makes, through the official client, on plain dicts in the API's
+    own field names (the client's models, serialised back)."""
+
+    def __init__(self, api_client: Any, namespace: str) -> None:
+        try:
+            from kubernetes import client
+        except ImportError:
+            raise _missing() from None
+        self.api_client, self.namespace = api_client, namespace
+        self.batch = client.BatchV1Api(api_client)
+        self.core = client.CoreV1Api(api_client)
+
+    def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        from kubernetes.client.exceptions import ApiException
+        from pydantic import ValidationError
+
+        try:
+            answer = fn(*args, _request_timeout=30, **kwargs)
+        except ApiException as exc:
+            raise _kube_error(exc) from None
+        except ValidationError as exc:  # the client's models refuse a field's type before sending
+            first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": str(exc)}
+            place = ".".join(str(p) for p in first["loc"][1:]) or "the object"
+            raise KubeError(
+                400, "ClientValidation", f"the client refused it: {place}: {first['msg']}"
+            ) from None
+        except (OSError, ValueError) as exc:  # urllib3's connection errors are OSErrors
+            raise KubeError(0, "Unreachable", f"the Kubernetes API is unreachable: {exc}") from None
+        except Exception as exc:
+            if type(exc).__module__.startswith("urllib3"):
+                raise KubeError(0, "Unreachable", f"the Kubernetes API is unreachable: {exc}") from None
+            raise
+        return self.api_client.sanitize_for_serialization(answer) if not isinstance(answer, str) else answer
+
+    def create_job(self, body: dict[str, Any]) -> dict[str, Any]:
+        result: dict[str, Any] = self._call(self.batch.create_namespaced_job, self.namespace, body)
+        return result
+
+    def read_job(self, name: str) -> dict[str, Any] | None:
+        try:
+            result: dict[str, Any] = self._call(self.batch.read_namespaced_job, name, self.namespace)
+            return result
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def list_jobs(self, selector: str) -> list[dict[str, Any]]:
+        return list(
+            self._call(self.batch.list_namespaced_job, self.namespace, label_selector=selector)["items"]
+        )
+
+    def list_pods(self, selector: str) -> list[dict[str, Any]]:
+        return list(
+            self._call(self.core.list_namespaced_pod, self.namespace, label_selector=selector)["items"]
+        )
+
+    def delete_job(self, name: str) -> bool:
+        """Delete the Job and (in the background) its pods; False when it was already gone."""
+        try:
+            self._call(
+                self.batch.delete_namespaced_job, name, self.namespace, propagation_policy="Background"
+            )
+            return True
+        except KubeError as exc:
+            if exc.status == 404:
+                return False
+            raise
+
+    def pod_log(self, pod: str, container: str | None, limit: int) -> str | None:
+        try:
+            text = self._call(
+                self.core.read_namespaced_pod_log, pod, self.namespace, container=container, limit_bytes=limit
+            )
+        except KubeError as exc:
+            if exc.status in (400, 404):  # the pod is gone, or its container never started
+                return None
+            raise
+        return str(text)
+
+
+def _kube_error(exc: Any) -> KubeError:
+    """The API's Status (reason, message) of a refused call."""
+    import json
+
+    reason, message = str(exc.reason or ""), ""
+    try:
+        status = json.loads(exc.body or "{}")
+        reason, message = status.get("reason") or reason, status.get("message") or ""
+    except (ValueError, AttributeError):
+        message = str(exc.body or "")[:500]
+    return KubeError(int(exc.status or 0), reason, message or reason)
+
+
+# ---------------------------------------------------------------------------- the launcher
+
+
+@dataclass
+class _Tracked:
+    """One attempt this launcher holds, and its Job."""
+
+    attempt_id: str
+    rollout_id: str
+    job: str
+    ctx: RolloutContext | None = None
+    lease_seconds: float | None = None
+    created: float | None = None
+    """When (monotonic) the Job was known to exist; None while it is being created."""
+    keeper: asyncio.Task[None] | None = None
+    ending: bool = False
+    """Being reported or deleted: the reconcile pass leaves it alone."""
+    adopted: bool = False
+
+
+class JobLauncher:
+    """Run each claimed attempt as a Kubernetes Job (see the module's text).
+
+    * ``template``: the :class:`JobTemplate` (its namespace is where the Jobs go);
+    * ``api``: a :class:`KubeApi`;
+    * ``public_url``: the server's address as pods reach it (default: ``server_url``);
+    * ``name``: this launcher (the label its Jobs carry; one launcher per name at a time);
+    * ``worker_id``: the identity it holds attempts under (default ``k8s-<namespace>-<name>``),
+      the same after a restart so that it can adopt its Jobs;
+    * ``max_jobs``: Jobs at a time; ``timeout``: each Job's ``activeDeadlineSeconds`` (default
+      the rollout's own timeout, if it has one);
+    * ``scorer`` / ``scorer_command`` / ``reward_later``: as :class:`~agentbolt.runner.Program`;
+    * ``resync``: seconds between reconcile passes (list Jobs and pods).
+    """
+
+    def __init__(
+        self,
+        template: JobTemplate,
+        api: KubeApi,
+        server_url: str,
+        *,
+        token: str | None = None,
+        public_url: str | None = None,
+        name: str = "default",
+        worker_id: str | None = None,
+        max_jobs: int = 10,
+        timeout: float | None = None,
+        scorer: Callable[[ProgramRun], Any] | None = None,
+        scorer_command: Sequence[str] | None = None,
+        reward_later: bool = False,
+        output_limit: int = OUTPUT_LIMIT,
+        llm: str | None = None,
+        lease_seconds: float | None = None,
+        poll_wait: float = 5.0,
+        resync: float = 2.0,
+        max_rollouts: int | None = None,
+    ) -> None:
+        if max_jobs < 1:
+            raise ConfigError(f"max_jobs must be at least 1, not {max_jobs}")
+        if timeout is not None and timeout <= 0:
+            raise ConfigError(f"timeout must be positive, not {timeout}")
+        self.template, self.api = template, api
+        self.namespace = api.namespace
+        self.public_url = (public_url or server_url).rstrip("/")
+        _check_public_url(self.public_url, public_url is None)
+        self.name = name
+        self.label = label_value(name)
+        self.selector = f"{LAUNCHER_LABEL}={self.label}"
+        self.worker_id = worker_id or f"k8s-{self.namespace}-{name}"
+        self.max_jobs, self.timeout, self.max_rollouts = max_jobs, timeout, max_rollouts
+        self.scorer = Scorer(scorer, scorer_command, timeout)
+        self.reward_later, self.output_limit, self.llm = reward_later, output_limit, llm
+        self.lease_seconds, self.poll_wait, self.resync = lease_seconds, poll_wait, resync
+        self._secrets: tuple[str, ...] = (token,) if token else ()
+        # Retry forever while the server is down (as a runner does): the Jobs go on meanwhile.
+        self.client = AsyncClient(
+            server_url, token, retry=RetryPolicy(attempts=0, base_delay=0.2, max_delay=5.0)
+        )
+        self._sync = Client(server_url, token, retry=RetryPolicy(attempts=5, base_delay=0.2, max_delay=5.0))
+        self.tracked: dict[str, _Tracked] = {}
+        self.completed = self.failed = self.lost = self.adopted = self.deleted = 0
+        self._stopping: asyncio.Event | None = None
+        self._room: asyncio.Event | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def run_sync(self, install_signals: bool = True) -> None:
+        asyncio.run(self.run(install_signals))
+
+    async def run(self, install_signals: bool = False) -> None:
+        """Reconcile and claim until stopped; the Jobs still running are left to run."""
+        self._stopping, self._room = asyncio.Event(), asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        if install_signals:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._loop.add_signal_handler(sig, self.stop)
+        log.info(
+            "launcher %s: up to %d Jobs in namespace %s, as worker %s; pods reach the server at %s",
+            self.name, self.max_jobs, self.namespace, self.worker_id, self.public_url,
+        )  # fmt: skip
+        try:
+            await self._reconcile()  # adopt first: what runs counts against max_jobs
+            claimer = asyncio.create_task(self._claim_loop())
+            while not self._done:
+                await self._sleep(self.resync)
+                if self._stopping.is_set():
+                    break
+                try:
+                    await self._reconcile()
+                except KubeError as exc:
+                    log.warning("reconcile: %s; trying again in %.0f s", exc, self.resync)
+                except Exception:
+                    log.exception("reconcile failed; trying again in %.0f s", self.resync)
+            claimer.cancel()
+            await asyncio.gather(claimer, return_exceptions=True)
+            await self._wind_down()
+        finally:
+            await self.client.aclose()
+            self._sync.close()
+
+    def stop(self) -> None:
+        """Stop claiming and return; running Jobs are left to the next launcher."""
+        if self._stopping is not None:
+            self._loop.call_soon_threadsafe(self._stopping.set)
+
+    @property
+    def _done(self) -> bool:
+        assert self._stopping is not None
+        if self.max_rollouts is not None and self.completed + self.failed >= self.max_rollouts:
+            return True
+        return self._stopping.is_set()
+
+    async def _sleep(self, seconds: float) -> None:
+        assert self._stopping is not None
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+
+    async def _wind_down(self) -> None:
+        """Let reports in flight end (briefly); stop the heartbeats."""
+        reports = [t for t in self._tasks if not t.done()]
+        if reports:
+            await asyncio.wait(reports, timeout=10)
+        for tracked in self.tracked.values():
+            if tracked.keeper is not None:
+                tracked.keeper.cancel()
+        for task in [*self._tasks, *(t.keeper for t in self.tracked.values() if t.keeper)]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _untrack(self, tracked: _Tracked) -> None:
+        self.tracked.pop(tracked.attempt_id, None)
+        if tracked.keeper is not None and tracked.keeper is not asyncio.current_task():
+            tracked.keeper.cancel()
+        assert self._room is not None
+        self._room.set()
+
+    # ------------------------------------------------------------------ claiming
+
+    async def _claim_loop(self) -> None:
+        assert self._stopping is not None and self._room is not None
+        while not self._done:
+            if len(self.tracked) >= self.max_jobs:
+                self._room.clear()
+                waits = [
+                    asyncio.ensure_future(self._room.wait()),
+                    asyncio.ensure_future(self._stopping.wait()),
+                ]
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                for wait in waits:
+                    wait.cancel()
+                continue
+            try:
+                claim = await self.client.dequeue(self.worker_id, self.lease_seconds, self.poll_wait)
+            except AgentboltError as exc:
+                log.error("dequeue failed: %s", exc)
+                await self._sleep(1.0)
+                continue
+            if claim is not None:
+                await self._launch(claim)
+
+    async def _launch(self, claim: Claim) -> None:
+        attempt_id = claim.attempt.id
+        ctx = RolloutContext(claim.rollout, claim.attempt, claim.resources)
+        tracked = _Tracked(attempt_id, claim.rollout.id, "", ctx, claim.lease_seconds)
+        self.tracked[attempt_id] = tracked
+        try:
+            body = self.template.render(
+                attempt_id=attempt_id,
+                rollout_id=claim.rollout.id,
+                launcher=self.label,
+                task=claim.rollout.task.data,
+                variables=self._variables(claim),
+                timeout=self.timeout or claim.rollout.timeout_seconds,
+            )
+        except ProgramFailed as exc:
+            self.tracked.pop(attempt_id, None)
+            await self._report_failure(tracked, exc.kind, str(exc))
+            return
+        tracked.job = body["metadata"]["name"]
+        try:
+            await self._create(tracked, body)
+        except KubeError as exc:
+            self.tracked.pop(attempt_id, None)
+            if exc.transient:  # not this attempt's fault: hand it back, try again later
+                log.warning("could not create Job %s (%s); attempt %s released", tracked.job, exc, attempt_id)
+                await self._finish(tracked, AttemptStatus.RELEASED, None, f"Kubernetes API: {exc}")
+                await self._sleep(2.0)
+            else:
+                await self._report_failure(
+                    tracked, "JobRejected", f"Kubernetes refused the Job {tracked.job}: {exc}"
+                )
+            return
+        tracked.created = time.monotonic()
+        tracked.keeper = asyncio.create_task(self._keep(tracked))
+        log.info("attempt %s: Job %s created", attempt_id, tracked.job)
+
+    async def _create(self, tracked: _Tracked, body: dict[str, Any]) -> None:
+        """Create the Job; a create whose answer was lost is tried again, and 409 AlreadyExists
+        for this attempt's own Job means it exists: taken as created, never a second one."""
+        for attempt in range(3):
+            try:
+                await asyncio.to_thread(self.api.create_job, body)
+                return
+            except KubeError as exc:
+                if exc.status == 409 and exc.reason == "AlreadyExists":
+                    existing = await asyncio.to_thread(self.api.read_job, tracked.job)
+                    notes = ((existing or {}).get("metadata") or {}).get("annotations") or {}
+                    if notes.get(ATTEMPT_ANNOTATION) == tracked.attempt_id:
+                        log.info(
+                            "Job %s already exists for attempt %s: adopted", tracked.job, tracked.attempt_id
+                        )
+                        return
+                    raise KubeError(
+                        409, "AlreadyExists", f"Job {tracked.job} exists for another attempt"
+                    ) from None
+                if not exc.transient or attempt == 2:
+                    raise
+                await asyncio.sleep(0.5 * (attempt + 1))
+
+    def _variables(self, claim: Claim) -> dict[str, str]:
+        """The contract's variables (docs/agents.md), on the public address."""
+        rollout_id, attempt_id = claim.rollout.id, claim.attempt.id
+        env: dict[str, str] = {}
+        llm = self._llm_resource(claim)
+        if llm is not None:
+            env.update(
+                OPENAI_BASE_URL=f"{self.public_url}/gateway/{rollout_id}/{attempt_id}/v1",
+                OPENAI_MODEL=llm.model,
+                AGENTBOLT_MODEL=llm.model,
+            )
+        env.update(
+            OPENAI_API_KEY=claim.agent_key or PLACEHOLDER_KEY,
+            AGENTBOLT_TASK_ID=claim.rollout.task.id,
+            AGENTBOLT_ROLLOUT_ID=rollout_id,
+            AGENTBOLT_ATTEMPT_ID=attempt_id,
+            AGENTBOLT_EVENTS_URL=f"{self.public_url}/agent/{rollout_id}/{attempt_id}/events",
+        )
+        return env
+
+    def _llm_resource(self, claim: Claim) -> LLM | None:
+        resources = claim.resources.resources if claim.resources else {}
+        if self.llm is not None:
+            chosen = resources.get(self.llm)
+            if not isinstance(chosen, LLM):
+                raise ProgramFailed("ConfigError", f"no LLM resource named {self.llm!r} in this rollout")
+            return chosen
+        named = resources.get("llm")
+        if isinstance(named, LLM):
+            return named
+        return next((r for r in resources.values() if isinstance(r, LLM)), None)
+
+    # ------------------------------------------------------------------ keeping the lease
+
+    async def _keep(self, tracked: _Tracked) -> None:
+        """Heartbeat the attempt while its Job runs; once the store says it is no longer ours
+        (cancelled, lease lost, finished elsewhere), delete the Job."""
+        interval = (tracked.lease_seconds or self.lease_seconds or 30.0) / 3
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.client.heartbeat(tracked.attempt_id, self.worker_id, self.lease_seconds)
+            except (LeaseLost, NotFound) as exc:
+                if tracked.ending:
+                    return
+                tracked.ending = True
+                log.warning(
+                    "attempt %s is no longer ours (%s): deleting Job %s", tracked.attempt_id, exc, tracked.job
+                )
+                self.lost += 1
+                await self._delete(tracked)
+                return
+            except AgentboltError as exc:
+                log.error("heartbeat of %s failed: %s", tracked.attempt_id, exc)
+
+    async def _delete(self, tracked: _Tracked) -> None:
+        try:
+            if await asyncio.to_thread(self.api.delete_job, tracked.job):
+                self.deleted += 1
+        except KubeError as exc:  # the next pass finds it again (not ours any more) and retries
+            log.warning("could not delete Job %s: %s", tracked.job, exc)
+        self._untrack(tracked)
+
+    # ------------------------------------------------------------------ reconciling
+
+    async def _reconcile(self) -> None:
+        """One pass: adopt this launcher's Jobs it does not track, delete those whose attempts
+        are not ours, and report the finished ones."""
+        listed = time.monotonic()
+        jobs = await asyncio.to_thread(self.api.list_jobs, self.selector)
+        pods = await asyncio.to_thread(self.api.list_pods, self.selector)
+        by_attempt: dict[str, dict[str, Any]] = {}
+        for job in jobs:
+            attempt_id = (job["metadata"].get("annotations") or {}).get(ATTEMPT_ANNOTATION)
+            if attempt_id:
+                by_attempt[attempt_id] = job
+            else:
+                log.warning(
+                    "Job %s carries this launcher's label but no attempt: left alone", job["metadata"]["name"]
+                )
+        pod_of = _pods_by_job(pods)
+        for attempt_id, job in by_attempt.items():
+            if attempt_id not in self.tracked:
+                await self._adopt(job)
+        for tracked in list(self.tracked.values()):
+            if tracked.ending or tracked.created is None:
+                continue
+            found = by_attempt.get(tracked.attempt_id)
+            if found is None:
+                if tracked.created < listed:  # listed after it was created, and gone
+                    tracked.ending = True
+                    self._spawn(self._end(tracked, None, None))
+                continue
+            pod = pod_of.get(found["metadata"]["name"])
+            if _finished(found) or _image_error(pod, self.template.container_name):
+                tracked.ending = True
+                self._spawn(self._end(tracked, found, pod))
+
+    async def _adopt(self, job: dict[str, Any]) -> None:
+        """A Job of this launcher's that it does not track (it restarted): keep it if the store
+        says the attempt is still running and held by this worker, else delete it."""
+        meta = job["metadata"]
+        notes = meta.get("annotations") or {}
+        attempt_id, rollout_id = notes[ATTEMPT_ANNOTATION], notes.get(ROLLOUT_ANNOTATION, "")
+        tracked = _Tracked(attempt_id, rollout_id, meta["name"], adopted=True)
+        try:
+            attempt = await self.client.heartbeat(attempt_id, self.worker_id, self.lease_seconds)
+        except (LeaseLost, NotFound) as exc:
+            log.info("Job %s: its attempt is not ours (%s): deleted", meta["name"], exc)
+            await self._delete(tracked)
+            return
+        rollout = await asyncio.to_thread(self._sync.get_rollout, attempt.rollout_id)
+        tracked.rollout_id = rollout.id
+        tracked.ctx = RolloutContext(rollout, attempt, None)
+        lease = attempt.lease_expires_at - attempt.heartbeat_at if attempt.lease_expires_at else None
+        tracked.lease_seconds = lease if lease and lease > 0 else None
+        tracked.created = time.monotonic()
+        self.tracked[attempt_id] = tracked
+        tracked.keeper = asyncio.create_task(self._keep(tracked))
+        self.adopted += 1
+        log.info("adopted Job %s (attempt %s)", meta["name"], attempt_id)
+
+    # ------------------------------------------------------------------ reporting
+
+    async def _end(self, tracked: _Tracked, job: dict[str, Any] | None, pod: dict[str, Any] | None) -> None:
+        """Report a Job that ended (or vanished), then delete it. The lease is kept meanwhile
+        (a scorer may take a while)."""
+        assert tracked.ctx is not None
+        try:
+            if job is None:
+                await self._report_failure(
+                    tracked,
+                    "JobDeleted",
+                    f"Job {tracked.job} was deleted before it finished (not by this launcher)",
+                )
+                self._untrack(tracked)
+                return
+            await self._report(tracked, job, pod)
+        except Exception:
+            log.exception("reporting attempt %s failed", tracked.attempt_id)
+        await self._delete(tracked)
+
+    async def _report(self, tracked: _Tracked, job: dict[str, Any], pod: dict[str, Any] | None) -> None:
+        ctx = tracked.ctx
+        assert ctx is not None
+        container = self.template.container_name
+        state = _container_state(pod, container)
+        text = await self._log(pod, container)
+        if text is not None and text.total:
+            ctx.emit(EventType.MESSAGE, {"role": "log", "content": text.text(), **text.sizes()})
+        terminated = state.get("terminated") or {}
+        condition = _finished(job)
+        ctx.emit(
+            "job_exit",
+            {
+                "job": tracked.job,
+                "namespace": self.namespace,
+                "condition": condition,
+                "exit_code": terminated.get("exitCode"),
+                "reason": terminated.get("reason") or (state.get("waiting") or {}).get("reason"),
+            },
+        )
+        failure = _failure(job, pod, container)
+        if failure is not None:
+            await self._report_failure(tracked, *failure)
+            return
+        with tempfile.TemporaryDirectory(prefix="agentbolt-job-") as scratch:
+            run = ProgramRun(
+                ctx.task, text.text() if text else "", "", terminated.get("exitCode"), Path(scratch)
+            )
+            access = AttemptAccess(None, self.public_url, self.client, self._secrets)
+            try:
+                reward = await choose_reward(ctx, access, run, _NO_RESULT, self.scorer, self.reward_later)
+            except ProgramFailed as exc:
+                await self._report_failure(tracked, exc.kind, str(exc))
+                return
+        status, reward, error = judge(ctx, reward)
+        await self._send(tracked, status, reward, error)
+
+    async def _log(self, pod: dict[str, Any] | None, container: str | None) -> CappedOutput | None:
+        if pod is None:
+            return None
+        try:
+            text = await asyncio.to_thread(
+                self.api.pod_log, pod["metadata"]["name"], container, LOG_READ_LIMIT
+            )
+        except KubeError as exc:
+            log.warning("could not read the log of pod %s: %s", pod["metadata"]["name"], exc)
+            return None
+        if text is None:
+            return None
+        out = CappedOutput(self.output_limit)
+        out.add(text.encode())
+        return out
+
+    async def _report_failure(self, tracked: _Tracked, kind: str, message: str) -> None:
+        assert tracked.ctx is not None
+        record_failure(tracked.ctx, kind, message)
+        await self._send(tracked, AttemptStatus.FAILED, None, message)
+
+    async def _send(
+        self, tracked: _Tracked, status: AttemptStatus, reward: float | None, error: str | None
+    ) -> None:
+        """Upload the events, then finish the attempt."""
+        ctx = tracked.ctx
+        assert ctx is not None
+        events = ctx.take_pending()
+        try:
+            try:
+                if events:
+                    await self.client.add_events(tracked.attempt_id, events, self.worker_id)
+            except AgentboltError as exc:
+                if not content_at_fault(exc):
+                    raise
+                status, reward, error = AttemptStatus.FAILED, None, f"the server refused the events: {exc}"
+            await self._finish(tracked, status, reward, error)
+        except (LeaseLost, NotFound) as exc:
+            log.warning("attempt %s could not be finished: %s", tracked.attempt_id, exc)
+            self.lost += 1
+
+    async def _finish(
+        self, tracked: _Tracked, status: AttemptStatus, reward: float | None, error: str | None
+    ) -> None:
+        await self.client.finish(tracked.attempt_id, status, reward, clip(error), self.worker_id)
+        if status == AttemptStatus.SUCCEEDED:
+            self.completed += 1
+        elif status == AttemptStatus.FAILED:
+            self.failed += 1
+        log.info("attempt %s %s%s", tracked.attempt_id, status.value, f": {error}" if error else "")
+
+
+# ---------------------------------------------------------------------------- reading states
+
+
+def _pods_by_job(pods: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The newest pod of each Job."""
+    out: dict[str, dict[str, Any]] = {}
+    for pod in sorted(pods, key=lambda p: str(p["metadata"].get("creationTimestamp") or "")):
+        labels = pod["metadata"].get("labels") or {}
+        job = labels.get("batch.kubernetes.io/job-name") or labels.get("job-name")
+        if job:
+            out[job] = pod
+    return out
+
+
+def _finished(job: dict[str, Any]) -> str | None:
+    """``Complete`` or ``Failed`` once the Job is over (the controller's terminal conditions)."""
+    for condition in (job.get("status") or {}).get("conditions") or []:
+        if condition.get("type") in ("Complete", "Failed") and condition.get("status") == "True":
+            return str(condition["type"])
+    return None
+
+
+def _container_state(pod: dict[str, Any] | None, container: str | None) -> dict[str, Any]:
+    statuses = ((pod or {}).get("status") or {}).get("containerStatuses") or []
+    for status in statuses:
+        if container is None or status.get("name") == container:
+            return dict(status.get("state") or {})
+    return {}
+
+
+def _image_error(pod: dict[str, Any] | None, container: str | None) -> bool:
+    waiting = _container_state(pod, container).get("waiting") or {}
+    return waiting.get("reason") in IMAGE_ERRORS
+
+
+def _failure(
+    job: dict[str, Any], pod: dict[str, Any] | None, container: str | None
+) -> tuple[str, str] | None:
+    """Why the attempt fails (kind, message), or None when the Job completed."""
+    state = _container_state(pod, container)
+    waiting = state.get("waiting") or {}
+    if waiting.get("reason") in IMAGE_ERRORS:
+        return (
+            "ImagePull",
+            f"the agent's container cannot start: {waiting['reason']}: {waiting.get('message', '')}",
+        )
+    conditions = {c.get("type"): c for c in (job.get("status") or {}).get("conditions") or []}
+    failed = conditions.get("Failed")
+    if failed is None or failed.get("status") != "True":
+        return None
+    reason, message = failed.get("reason") or "Failed", failed.get("message") or ""
+    deadline = (job.get("spec") or {}).get("activeDeadlineSeconds")
+    if reason == "DeadlineExceeded":
+        return (
+            "Timeout",
+            f"DeadlineExceeded: the Job ran past its activeDeadlineSeconds ({deadline} s): {message}",
+        )
+    terminated = state.get("terminated") or {}
+    if reason == "BackoffLimitExceeded" and terminated:
+        code, why = terminated.get("exitCode"), terminated.get("reason") or ""
+        said = f"; {terminated['message']}" if terminated.get("message") else ""
+        return (
+            "ProgramExit",
+            f"BackoffLimitExceeded: the agent's container exited with code {code} ({why}){said}",
+        )
+    return "JobFailed", f"{reason}: {message}"
+
+
+def _check_public_url(url: str, defaulted: bool) -> None:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"--public-url {url!r} must be an http(s) URL of the server")
+    if parts.hostname in ("127.0.0.1", "localhost", "::1") or parts.hostname.startswith("127."):
+        hint = "the server URL is a loopback address" if defaulted else f"--public-url {url!r} is loopback"
+        raise ConfigError(
+            f"{hint}, which a pod cannot reach: give --public-url, the server's address inside the "
+            "cluster (e.g. http://agentbolt-server.agentbolt.svc:8765)"
+        )
+
+
+def launch_from_cli(
+    template_path: Path,
+    agent: str | None,
+    command: str | None,
+    server_url: str,
+    token: str | None,
+    **options: Any,
+) -> JobLauncher:
+    """What ``agentbolt runner --kubernetes`` runs: check everything (each problem one line),
+    then launch Jobs until stopped."""
+    import shlex
+
+    if agent is not None:
+        raise ConfigError(
+            "--kubernetes runs a program in each Job (--command, or the image's own entrypoint), "
+            "not an in-process --agent"
+        )
+    if options["stdin"]:
+        raise ConfigError(
+            "--stdin has no meaning in a Job (a pod has no stdin): the task is in AGENTBOLT_TASK"
+        )
+    if options["scorer"] and options["scorer_command"]:
+        raise ConfigError("give one of --scorer module:fn and --scorer-command '...', not both")
+    try:
+        import kubernetes  # noqa: F401
+    except ImportError:
+        raise _missing() from None
+    from agentbolt.runner.worker import load_object
+
+    variables = {}
+    for item in options["env"]:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise ConfigError(f"--env {item!r} must look like NAME=TEMPLATE, e.g. QUESTION={{question}}")
+        variables[name] = value
+    try:
+        argv = shlex.split(command) if command else None
+        scorer_argv = shlex.split(options["scorer_command"]) if options["scorer_command"] else None
+    except ValueError as exc:
+        raise ConfigError(f"a command cannot be split into arguments: {exc}") from None
+    namespace = options["namespace"]
+    template = JobTemplate(
+        template_path,
+        namespace,
+        container=options["container"],
+        command=argv,
+        env=variables,
+        secrets=(token or "",),
+    )
+    problem = schema_problem(template.sample())
+    if problem is not None:
+        raise ConfigError(
+            f"Kubernetes template {template_path}: the Job does not fit the Kubernetes schema at {problem}"
+        )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    launcher = JobLauncher(
+        template,
+        KubeApi(kube_api_client(), namespace),
+        server_url,
+        token=token,
+        public_url=options["public_url"],
+        name=options["name"],
+        max_jobs=options["max_jobs"],
+        timeout=options["timeout"],
+        scorer=load_object(options["scorer"], "scorer") if options["scorer"] else None,
+        scorer_command=scorer_argv,
+        reward_later=options["reward_later"],
+        output_limit=options["output_limit"],
+        lease_seconds=options["lease_seconds"],
+        max_rollouts=options["max_rollouts"],
+    )
+    launcher.run_sync()
+    return launcher

@@ -1,0 +1,285 @@
+"""The Kubernetes launcher's reconcile loop, against recorded API responses.
+
+No cluster runs here: the Kubernetes API is a TEST DOUBLE (tests/runner/k8s/kube_api_double.py)
+serving JSON in the real API's shape from the files under tests/runner/k8s/, over real HTTP on
+127.0.0.1, to the real `kubernetes` client. The agentbolt server, its SQLite store and the
+attempts' credentials are real. The test plays the pod: it reads the variables the launcher
+put in the Job, posts the reward to the events URL with the attempt's key (the URL is the
+server's public address, which the test maps to 127.0.0.1), and moves the Job to the state
+chosen (complete; failed by deadline, by the backoff limit; an image that cannot be pulled).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import kubernetes_validate
+import pytest
+from k8s.kube_api_double import KubeDouble
+from kubernetes import client as kube
+
+from agentbolt.client import Client
+from agentbolt.errors import ConfigError
+from agentbolt.runner.kube_template import JobTemplate, job_name, schema_problem
+from agentbolt.runner.kubernetes import JobLauncher, KubeApi
+from agentbolt.schemas import LLM, AttemptStatus, RolloutCreate, RolloutStatus, Task
+from agentbolt.server import Role, ServerConfig, ServerThread
+
+pytestmark = pytest.mark.timeout(90)
+
+ADMIN, RUNNER = "admin-token-0123456789", "runner-token-0123456789"
+PUBLIC = "http://agentbolt-server.agents.svc:8765"
+NS = "agents"
+TEMPLATE = """\
+apiVersion: batch/v1
+kind: Job
+spec:
+  template:
+    spec:
+      containers:
+        - name: agent
+          image: registry.example.com/my-agent:1
+"""
+LEASE = 1.5
+
+
+@pytest.fixture
+def server(tmp_path) -> Iterator[tuple[ServerThread, Client]]:
+    config = ServerConfig(
+        db=str(tmp_path / "s.db"), tokens={ADMIN: Role.ADMIN, RUNNER: Role.RUNNER}, sweep_interval=0.1
+    )
+    with ServerThread(config) as srv, Client(srv.url, ADMIN) as admin:
+        admin.publish_resources({"llm": LLM(base_url="http://127.0.0.1:9/v1", model="tiny")})
+        yield srv, admin
+
+
+@pytest.fixture
+def double() -> Iterator[KubeDouble]:
+    with KubeDouble(validate=lambda job: schema_problem(job)) as d:
+        yield d
+
+
+def _launcher(srv: ServerThread, double: KubeDouble, tmp_path: Path, **kw) -> JobLauncher:
+    path = tmp_path / "job.yaml"
+    path.write_text(TEMPLATE)
+    template = JobTemplate(
+        path,
+        NS,
+        command=["python", "agent.py", "{question}"],
+        env={"QUESTION": "{question}"},
+        secrets=(RUNNER,),
+    )
+    api = KubeApi(kube.ApiClient(kube.Configuration(host=double.url)), NS)
+    options = {"public_url": PUBLIC, "lease_seconds": LEASE, "poll_wait": 0.2, "resync": 0.1, "timeout": 300}
+    return JobLauncher(template, api, srv.url, token=RUNNER, **(options | kw))
+
+
+@contextmanager
+def running(launcher: JobLauncher) -> Iterator[JobLauncher]:
+    thread = threading.Thread(target=launcher.run_sync, args=(False,), daemon=True)
+    thread.start()
+    try:
+        yield launcher
+    finally:
+        deadline = time.monotonic() + 10
+        while not hasattr(launcher, "_loop") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        launcher.stop()
+        thread.join(timeout=15)
+        assert not thread.is_alive(), "the launcher did not stop"
+
+
+def wait_until(what: Callable[[], object], timeout: float = 20.0, said: str = "") -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := what():
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting: {said or what}")
+
+
+def _enqueue(admin: Client, questions: list[str]) -> list[str]:
+    rollouts = admin.enqueue(
+        [RolloutCreate(task=Task(data={"question": q}), max_attempts=1) for q in questions]
+    )
+    return [r.id for r in rollouts]
+
+
+def _attempt(admin: Client, rollout_id: str):
+    attempts = wait_until(lambda: admin.list_attempts(rollout_id), said=f"an attempt of {rollout_id}")
+    return attempts[-1]  # type: ignore[index]
+
+
+def _env(job: dict) -> dict[str, str]:
+    agent = job["spec"]["template"]["spec"]["containers"][0]
+    return {v["name"]: v["value"] for v in agent["env"]}
+
+
+def _as_pod(srv: ServerThread, job: dict, reward: float) -> None:
+    """What the agent in the pod does: report its reward with the attempt's own key."""
+    env = _env(job)
+    url = env["AGENTBOLT_EVENTS_URL"].replace(PUBLIC, srv.url)
+    answer = httpx.post(
+        url, json={"reward": reward}, headers={"authorization": f"Bearer {env['OPENAI_API_KEY']}"}, timeout=10
+    )
+    assert answer.status_code == 200, answer.text
+
+
+def _final(admin: Client, rollout_id: str, timeout: float = 20.0):
+    def done():
+        rollout = admin.get_rollout(rollout_id)
+        return rollout if rollout.status in (RolloutStatus.SUCCEEDED, RolloutStatus.FAILED) else None
+
+    return wait_until(done, timeout, f"rollout {rollout_id} to end")
+
+
+def test_one_job_per_attempt_with_the_contract_and_each_outcome(server, double, tmp_path):
+    srv, admin = server
+    ok, deadline, exits, pull = _enqueue(admin, ["2+2?", "slow", "crash", "no image"])
+    with running(_launcher(srv, double, tmp_path, max_jobs=4)) as launcher:
+        attempts = {rid: _attempt(admin, rid) for rid in (ok, deadline, exits, pull)}
+        names = {rid: job_name(a.id) for rid, a in attempts.items()}
+        wait_until(lambda: len(double.job_names()) == 4, said="four Jobs")
+        assert sorted(names.values()) == double.job_names()
+        job = double.job(names[ok])
+        assert job is not None
+        env = _env(job)
+        a = attempts[ok]
+        # the program runner's contract, on the server's public address
+        assert env["OPENAI_BASE_URL"] == f"{PUBLIC}/gateway/{ok}/{a.id}/v1"
+        assert env["AGENTBOLT_EVENTS_URL"] == f"{PUBLIC}/agent/{ok}/{a.id}/events"
+        assert env["OPENAI_MODEL"] == env["AGENTBOLT_MODEL"] == "tiny"
+        assert env["OPENAI_API_KEY"].startswith("ak_")
+        assert env["AGENTBOLT_ROLLOUT_ID"] == ok and env["AGENTBOLT_ATTEMPT_ID"] == a.id
+        assert json.loads(env["AGENTBOLT_TASK"]) == {"question": "2+2?"} and env["QUESTION"] == "2+2?"
+        assert env["AGENTBOLT_TASK_ID"] == admin.get_rollout(ok).task.id
+        assert job["spec"]["template"]["spec"]["containers"][0]["command"] == ["python", "agent.py", "2+2?"]
+        assert RUNNER not in json.dumps(double.created)  # never the runner's token
+        spec = job["spec"]
+        assert spec["backoffLimit"] == 0 and spec["activeDeadlineSeconds"] == 300
+        assert spec["ttlSecondsAfterFinished"] > 0 and spec["template"]["spec"]["restartPolicy"] == "Never"
+        assert job["metadata"]["labels"]["agentbolt.dev/attempt"] == a.id
+        assert job["metadata"]["labels"]["agentbolt.dev/launcher"] == "default"
+        for body in double.created:  # each Job as sent fits the API's schema
+            assert kubernetes_validate.validate(body, "1.33", strict=True)
+        # leases are kept while the Jobs run: well past the lease, every attempt still runs
+        time.sleep(LEASE * 2)
+        for rid in attempts:
+            assert admin.list_attempts(rid)[-1].status == AttemptStatus.RUNNING
+        # the pods: one succeeds with a posted reward, the others fail their ways
+        _as_pod(srv, job, 0.75)
+        double.set_state(names[ok], "complete", log="thinking\nanswer: 4\n")
+        double.set_state(names[deadline], "deadline")
+        double.set_state(names[exits], "backoff", log="Traceback: boom\n")
+        double.set_state(names[pull], "image-pull")
+        done = {rid: _final(admin, rid) for rid in attempts}
+        assert done[ok].status == RolloutStatus.SUCCEEDED and done[ok].reward == 0.75
+        assert done[deadline].status == RolloutStatus.FAILED and "DeadlineExceeded" in done[deadline].error
+        assert "activeDeadlineSeconds (300 s)" in done[deadline].error
+        assert "BackoffLimitExceeded" in done[exits].error and "exited with code 3" in done[exits].error
+        assert "ImagePullBackOff" in done[pull].error and "not found" in done[pull].error
+        # the pod's log is recorded; each reported Job is deleted
+        logs = [e.data for e in admin.all_events(ok) if e.type == "message" and e.data.get("role") == "log"]
+        assert logs and "answer: 4" in logs[0]["content"]
+        crash = [e.data for e in admin.all_events(exits) if e.type == "exception"]
+        assert crash and crash[-1]["type"] == "ProgramExit"
+        wait_until(lambda: not double.job_names(), said="the reported Jobs deleted")
+        assert double.count("POST", r"/jobs$") == 4
+        assert launcher.completed == 1 and launcher.failed == 3
+
+
+def test_a_cancelled_rollout_has_its_job_deleted(server, double, tmp_path):
+    srv, admin = server
+    (rid,) = _enqueue(admin, ["cancel me"])
+    with running(_launcher(srv, double, tmp_path)) as launcher:
+        name = job_name(_attempt(admin, rid).id)
+        wait_until(lambda: double.job(name), said="the Job")
+        double.set_state(name, "running")
+        admin.cancel(rid)
+        wait_until(lambda: double.job(name) is None, timeout=LEASE * 4, said="the Job deleted")
+        assert double.count("DELETE", rf"/jobs/{name}") == 1
+        assert admin.get_rollout(rid).status == RolloutStatus.CANCELLED
+        wait_until(lambda: not launcher.tracked, said="the attempt untracked")
+        assert launcher.lost == 1
+
+
+def test_a_restarted_launcher_adopts_its_jobs_and_deletes_stale_ones(server, double, tmp_path):
+    srv, admin = server
+    first, second = _enqueue(admin, ["one", "two"])
+    with running(_launcher(srv, double, tmp_path)):
+        names = {rid: job_name(_attempt(admin, rid).id) for rid in (first, second)}
+        wait_until(lambda: len(double.job_names()) == 2, said="two Jobs")
+    # the launcher is gone; its Jobs run on. A Job of an attempt that no longer runs is stale.
+    stale = json.loads(json.dumps(double.job(names[second])))
+    for key in ("uid", "resourceVersion", "generation", "creationTimestamp"):
+        stale["metadata"].pop(key)
+    stale["metadata"]["name"] = "agentbolt-at-stale"
+    stale["metadata"]["annotations"]["agentbolt.dev/attempt-id"] = "at-stale"
+    stale.pop("status")
+    double.add_job(stale)
+    double.set_state(names[first], "running")
+    with running(_launcher(srv, double, tmp_path)) as again:
+        wait_until(lambda: again.adopted == 2, said="two Jobs adopted")
+        wait_until(lambda: double.job("agentbolt-at-stale") is None, said="the stale Job deleted")
+        time.sleep(LEASE * 2)  # the adopted attempts' leases are kept
+        for rid in (first, second):
+            assert admin.list_attempts(rid)[-1].status == AttemptStatus.RUNNING
+            assert len(admin.list_attempts(rid)) == 1
+        for rid, reward in ((first, 1.0), (second, 0.5)):
+            job = double.job(names[rid])
+            assert job is not None
+            _as_pod(srv, job, reward)
+            double.set_state(names[rid], "complete")
+        assert _final(admin, first).reward == 1.0 and _final(admin, second).reward == 0.5
+    assert double.count("POST", r"/jobs$") == 2  # no second Job for any attempt
+
+
+def test_a_create_whose_answer_was_lost_is_adopted_on_409_not_duplicated(server, double, tmp_path):
+    srv, admin = server
+    double.lose_create_answers = 1  # stored, but answered 504 Timeout: the launcher tries again
+    (rid,) = _enqueue(admin, ["once"])
+    with running(_launcher(srv, double, tmp_path)):
+        name = job_name(_attempt(admin, rid).id)
+        wait_until(lambda: double.count("POST", r"/jobs$") == 2, said="the create tried twice")
+        wait_until(lambda: double.count("GET", rf"/jobs/{name}$") >= 1, said="the 409 looked into")
+        assert double.job_names() == [name] and len(double.created) == 1
+        job = double.job(name)
+        assert job is not None
+        _as_pod(srv, job, 0.25)
+        double.set_state(name, "complete")
+        assert _final(admin, rid).reward == 0.25
+    assert admin.list_attempts(rid)[-1].status == AttemptStatus.SUCCEEDED
+
+
+def test_a_job_the_api_or_the_client_refuses_fails_its_attempt_with_the_reason(server, double, tmp_path):
+    srv, admin = server
+    # a field of the wrong type: the client's models refuse it before it is sent
+    launcher = _launcher(srv, double, tmp_path)
+    launcher.template.job["spec"]["template"]["spec"]["containers"][0]["ports"] = [{"containerPort": "http"}]
+    (typed,) = _enqueue(admin, ["x"])
+    with running(launcher):
+        rollout = _final(admin, typed)
+    assert rollout.status == RolloutStatus.FAILED
+    assert "ClientValidation" in rollout.error and "containerPort" in rollout.error
+    # the API server's own refusal (here: an admission policy's 422 Invalid, served by the double)
+    double.validate = lambda job: "spec.template.spec.containers[0].image: registry not allowed by policy"
+    (refused,) = _enqueue(admin, ["y"])
+    with running(_launcher(srv, double, tmp_path)):
+        rollout = _final(admin, refused)
+    assert rollout.status == RolloutStatus.FAILED
+    assert "422 Invalid" in rollout.error and "registry not allowed by policy" in rollout.error
+    assert not double.job_names() and not double.created
+
+
+def test_loopback_public_url_is_refused(server, double, tmp_path):
+    srv, _ = server
+    with pytest.raises(ConfigError, match="a pod cannot reach"):
+        _launcher(srv, double, tmp_path, public_url=None)
+    with pytest.raises(ConfigError, match="loopback"):
+        _launcher(srv, double, tmp_path, public_url="http://localhost:8765")
