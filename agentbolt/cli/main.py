@@ -187,11 +187,43 @@ def runner(
     tracing: Annotated[
         bool, typer.Option(help="Export OpenTelemetry spans of each rollout to the server.")
     ] = False,
+    kubernetes: Annotated[
+        Path | None, typer.Option(help="Run each rollout as a Kubernetes Job from this template (YAML).")
+    ] = None,
+    namespace: Annotated[str, typer.Option(help="Namespace of the Jobs (--kubernetes).")] = "default",
+    public_url: Annotated[
+        str | None, typer.Option(help="The server's address as pods reach it (--kubernetes).")
+    ] = None,
+    max_jobs: Annotated[int, typer.Option(min=1, help="Jobs at a time (--kubernetes).")] = 10,
+    container: Annotated[
+        str | None, typer.Option(help="The agent's container in the template (default: 'agent').")
+    ] = None,
+    launcher_name: Annotated[
+        str, typer.Option(help="This launcher's name: it adopts its Jobs after a restart (--kubernetes).")
+    ] = "default",
 ) -> None:
     """Run an agent (--agent) or a program (--command) on queued rollouts until stopped
-    (Ctrl-C finishes or releases running ones)."""
+    (Ctrl-C finishes or releases running ones); with --kubernetes, each rollout is a Job."""
     from agentbolt.runner.worker import Runner, load_agent
 
+    if kubernetes is not None:
+        from agentbolt.runner.kubernetes import launch_from_cli
+
+        program: dict[str, Any] = {"stdin": stdin, "env": env or [], "timeout": timeout, "scorer": scorer}
+        program |= {
+            "scorer_command": scorer_command,
+            "reward_later": reward_later,
+            "output_limit": output_limit,
+        }
+        kube: dict[str, Any] = {
+            "namespace": namespace,
+            "public_url": public_url,
+            "max_jobs": max_jobs,
+            "container": container,
+        }
+        kube |= {"name": launcher_name, "lease_seconds": lease_seconds, "max_rollouts": max_rollouts}
+        launch_from_cli(kubernetes, agent, command, server, token, **program, **kube)
+        return
     if (agent is None) == (command is None):
         raise ConfigError(
             "give the agent as exactly one of --agent module:object or --command '<argv template>'"

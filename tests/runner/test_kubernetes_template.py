@@ -273,3 +273,36 @@ def test_the_recorded_responses_fit_the_schema(path):
             _validate_status({**json.loads(text), "code": "409"})
     else:
         assert kubernetes_validate.validate(body, "1.33", strict=True)
+
+
+def _cli(tmp_path: Path, agent=None, command=None, **kw):
+    from agentbolt.runner.kubernetes import launch_from_cli
+
+    options = {"stdin": False, "env": [], "timeout": None, "scorer": None, "scorer_command": None}
+    options |= {"reward_later": False, "output_limit": 1024, "namespace": "agents", "public_url": None}
+    options |= {"max_jobs": 1, "container": None, "name": "default", "lease_seconds": None, "max_rollouts": 1}
+    return launch_from_cli(
+        _write(tmp_path, PLAIN), agent, command, "http://127.0.0.1:9", None, **(options | kw)
+    )
+
+
+def test_the_command_lines_mistakes_are_one_line_each(tmp_path, monkeypatch):
+    from agentbolt.errors import MissingExtra
+
+    with pytest.raises(ConfigError, match="not an in-process --agent"):
+        _cli(tmp_path, agent="my:agent")
+    with pytest.raises(ConfigError, match="a pod has no stdin"):
+        _cli(tmp_path, stdin=True)
+    with pytest.raises(ConfigError, match="must look like NAME=TEMPLATE"):
+        _cli(tmp_path, env=["NOPE"])
+    with pytest.raises(ConfigError, match="cannot be split"):
+        _cli(tmp_path, command="python 'unclosed")
+    with pytest.raises(ConfigError, match="a pod cannot reach"):  # checked before any cluster call
+        monkeypatch.setattr("agentbolt.runner.kubernetes.kube_api_client", lambda: None)
+        monkeypatch.setattr(
+            "agentbolt.runner.kubernetes.KubeApi", lambda client, ns: type("A", (), {"namespace": ns})
+        )
+        _cli(tmp_path)
+    monkeypatch.setitem(sys.modules, "kubernetes", None)  # as if the extra were not installed
+    with pytest.raises(MissingExtra, match=r"pip install 'agentbolt\[kubernetes\]'"):
+        _cli(tmp_path)
