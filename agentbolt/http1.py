@@ -15,7 +15,8 @@ are skipped: the final answer follows them on the same connection.
 
 Sent at most once: a reused keep-alive connection may turn out closed by the server. If it
 failed before the whole request was written, the server cannot have acted on it, and it is
-sent again on another connection. Once written, the server may have processed it before the
+sent again on another connection (a fresh connection failing so raises ``httpx.WriteError``:
+nothing reached the server, the caller may send it anywhere). Once written, the server may have processed it before the
 connection dropped, so it is sent again only when that is harmless: a safe method (GET, HEAD,
 OPTIONS, TRACE) or a request carrying an ``Idempotency-Key`` (the server answers a repeated key
 with its first result). Otherwise the error goes to the caller, whose retry policy decides.
@@ -389,6 +390,8 @@ class Http1Transport(httpx.AsyncBaseTransport):
                 # A stale keep-alive connection: another one is fresh, or less likely stale.
                 if conn.reused and (not exc.written or resendable):
                     continue
+                if not exc.written:  # a fresh connection that failed mid-write
+                    raise httpx.WriteError(_UNSENT, request=request) from None
                 raise httpx.RemoteProtocolError(_unanswered_message(conn), request=request) from None
             except BaseException:
                 self._pool.discard(conn)
@@ -420,6 +423,9 @@ class Http1Transport(httpx.AsyncBaseTransport):
 
     async def aclose(self) -> None:
         self._pool.close_idle()
+
+
+_UNSENT = "the connection failed before the whole request was written: the server cannot have acted on it"
 
 
 def _unanswered_message(conn: _Conn) -> str:

@@ -530,8 +530,16 @@ class PromptTemplate(BaseModel):
         return self.template
 
 
+_URL_PATTERN = r"^https?://[\x21-\x7e]+$"
+MAX_UPSTREAMS = 64
+
+
 class LLM(BaseModel):
-    """An OpenAI-compatible endpoint. Inside a rollout ``base_url`` points at the gateway."""
+    """An OpenAI-compatible endpoint. Inside a rollout ``base_url`` points at the gateway.
+
+    ``upstreams``: more model servers serving the same model beside ``base_url`` (replicas of
+    one vLLM deployment): the gateway spreads attempts over all of them, one server per attempt
+    (see ``docs/deployment.md``). A claim's LLM names the gateway only, never these."""
 
     model_config = ConfigDict(json_schema_extra=_type_required)
 
@@ -540,12 +548,31 @@ class LLM(BaseModel):
     # punycode form), and a key an HTTP header can carry: anything else would only fail later,
     # inside the gateway's upstream call. ASCII classes only: the server's pattern engine and a
     # client's (or a fuzzer's) then agree on every character.
-    base_url: str = Field(pattern=r"^https?://[\x21-\x7e]+$", max_length=2000)
+    base_url: str = Field(pattern=_URL_PATTERN, max_length=2000)
     model: str
     api_key: str | None = Field(
         default=None, pattern=r"^[\x21-\x7e]*$", description="never stored in events; see the gateway"
     )
     sampling_parameters: dict[str, Any] = Field(default_factory=dict)
+    upstreams: list[Annotated[str, Field(pattern=_URL_PATTERN, max_length=2000)]] = Field(
+        default_factory=list,
+        max_length=MAX_UPSTREAMS,
+        description="more servers of the same model beside base_url; the gateway spreads attempts over them",
+    )
+
+    @model_validator(mode="after")
+    def _distinct_upstreams(self) -> LLM:
+        seen: set[str] = set()
+        for url in (self.base_url, *self.upstreams):
+            if url.rstrip("/") in seen:
+                raise ValueError(f"upstream {url!r} is named twice (base_url and upstreams must all differ)")
+            seen.add(url.rstrip("/"))
+        return self
+
+    @property
+    def servers(self) -> list[str]:
+        """Every model server of this resource: ``base_url`` first, then ``upstreams``."""
+        return [self.base_url, *self.upstreams]
 
 
 class ModelWeights(BaseModel):

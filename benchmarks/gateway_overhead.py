@@ -23,6 +23,9 @@ the machine is), and checks that every gateway call was recorded and named its r
 throughput ratio then shows whether the gateway limits concurrency rather than its CPU cost.
 ``--upstream engine`` puts the real thing upstream instead: the embedded engine serving the
 bundled SmolLM2-135M on this machine's CPU (start-up takes a minute; use fewer ``--calls``).
+``--upstreams N`` puts N stubs (each its own process) behind the one ``LLM`` resource
+(``base_url`` and ``upstreams``): the gateway spreads the attempts over them, one server per
+attempt, and probes them; the direct phase spreads its connections over them alike.
 """
 
 from __future__ import annotations
@@ -197,12 +200,13 @@ async def _phase(
 
 
 def _gateway_targets(
-    server_url: str, upstream: str, n: int, token: str | None
+    server_url: str, upstreams: list[str], n: int, token: str | None
 ) -> list[tuple[str, str | None]]:
     """``n`` running attempts, each with its own gateway URL and agent key (one per in-flight
-    caller), as a runner hands them to its agents."""
+    caller), as a runner hands them to its agents; ``upstreams``: the LLM resource's servers."""
     with Client(server_url, token=token) as client:
-        client.publish_resources({"llm": LLM(base_url=upstream, model="bench")})
+        llm = LLM(base_url=upstreams[0], upstreams=upstreams[1:], model="bench")
+        client.publish_resources({"llm": llm})
         client.enqueue([RolloutCreate(task=Task(data={"i": i})) for i in range(n)])
         claims = [client.dequeue("bench", lease_seconds=3600) for _ in range(n)]
     llms = [c.resources.resources["llm"] for c in claims if c is not None and c.resources is not None]
@@ -219,6 +223,9 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=4000)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--upstream-delay-ms", type=float, default=0.0)
+    parser.add_argument(
+        "--upstreams", type=int, default=1, metavar="N", help="N stubs behind the one LLM resource"
+    )
     parser.add_argument(
         "--upstream",
         choices=["stub", "engine"],
@@ -242,49 +249,58 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.calls, args.rounds = 1000, 2
+    if args.upstreams < 1 or (args.upstreams > 1 and args.upstream == "engine"):
+        parser.error("--upstreams takes a number from 1, and more than 1 only with the stub upstream")
 
-    port = free_port()
-    upstream_url = f"http://127.0.0.1:{port}/v1"
-    up: multiprocessing.process.BaseProcess | subprocess.Popen
-    if args.upstream == "engine":
-        up = subprocess.Popen(
-            [sys.executable, "-m", "agentbolt.engine.cli", "serve", "--port", str(port), "--name", "bench"],
-            stdout=subprocess.DEVNULL,
-        )
-    else:
-        up = multiprocessing.get_context("spawn").Process(
-            target=_serve_upstream, args=(port, args.upstream_delay_ms / 1000), daemon=True
-        )
-        up.start()
+    ports = [free_port() for _ in range(args.upstreams)]
+    upstream_urls = [f"http://127.0.0.1:{port}/v1" for port in ports]
+    ups: list[multiprocessing.process.BaseProcess | subprocess.Popen] = []
     token = None if args.plain else secrets.token_urlsafe(24)
     try:
-        wait_healthy(f"http://127.0.0.1:{port}", timeout=300 if args.upstream == "engine" else 30)
+        for port in ports:
+            if args.upstream == "engine":
+                ups.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "agentbolt.engine.cli", "serve", "--port", str(port)]
+                        + ["--name", "bench"],
+                        stdout=subprocess.DEVNULL,
+                    )
+                )
+            else:
+                ups.append(
+                    multiprocessing.get_context("spawn").Process(
+                        target=_serve_upstream, args=(port, args.upstream_delay_ms / 1000), daemon=True
+                    )
+                )
+                ups[-1].start()
+        for port in ports:
+            wait_healthy(f"http://127.0.0.1:{port}", timeout=300 if args.upstream == "engine" else 30)
         with tempfile.TemporaryDirectory() as tmp:
             db = str(Path(tmp) / "bench.db") if args.db == "file" else ":memory:"
             server = ServerProcess(ServerConfig.with_token(token, db=db), profile=args.profile).start()
             try:
-                targets = _gateway_targets(server.url, upstream_url, args.concurrency, token)
+                targets = _gateway_targets(server.url, upstream_urls, args.concurrency, token)
                 if args.plain:
                     targets = [(url, None) for url, _ in targets]
                 results: dict[str, list[tuple[float, list[float], int]]] = {"direct": [], "gateway": []}
                 cpu = {"upstream": 0.0, "gateway": 0.0}
                 assert server.process is not None and server.process.pid is not None
+                direct: list[tuple[str, str | None]] = [(url, None) for url in upstream_urls]
                 for _ in range(args.rounds):
-                    results["direct"].append(
-                        asyncio.run(_phase([(upstream_url, None)], args.calls, args.concurrency))
-                    )
-                    before = cpu_seconds(server.process.pid), cpu_seconds(up.pid)
+                    results["direct"].append(asyncio.run(_phase(direct, args.calls, args.concurrency)))
+                    before = cpu_seconds(server.process.pid), sum(cpu_seconds(u.pid) for u in ups)
                     results["gateway"].append(
                         asyncio.run(_phase(targets, args.calls, args.concurrency, idempotent=not args.plain))
                     )
                     cpu["gateway"] += cpu_seconds(server.process.pid) - before[0]
-                    cpu["upstream"] += cpu_seconds(up.pid) - before[1]
+                    cpu["upstream"] += sum(cpu_seconds(u.pid) for u in ups) - before[1]
                 recorded = _count_llm_calls(server.url, token)
             finally:
                 server.stop()
-    finally:  # the engine is a separate process: never leave it running
-        up.terminate()
-        up.wait(30) if isinstance(up, subprocess.Popen) else up.join(5)
+    finally:  # the engines are separate processes: never leave one running
+        for up in ups:
+            up.terminate()
+            up.wait(30) if isinstance(up, subprocess.Popen) else up.join(5)
 
     summary = {}
     upstream = (
@@ -292,6 +308,8 @@ def main() -> None:
         if args.upstream == "engine"
         else (f"a stub answering after {args.upstream_delay_ms:g} ms")
     )
+    if args.upstreams > 1:
+        upstream = f"{args.upstreams} x {upstream}, behind one LLM resource"
     features = (
         "plain (no tokens, no agent keys, no idempotency keys)"
         if args.plain
@@ -315,7 +333,7 @@ def main() -> None:
     n = (args.calls + args.concurrency) * args.rounds
     print(
         f"  gateway CPU per call (server process, user+sys / calls): {cpu['gateway'] / n * 1000:.3f} ms"
-        f"   [upstream stub process: {cpu['upstream'] / n * 1000:.3f} ms]"
+        f"   [upstream stub process{'es' if args.upstreams > 1 else ''}: {cpu['upstream'] / n * 1000:.3f} ms]"
     )
     named = sum(r[2] for r in results["gateway"])
     print(

@@ -1,7 +1,8 @@
 """The gateway: an OpenAI-compatible endpoint per attempt that records every model call.
 
 ``/gateway/{rollout_id}/{attempt_id}/v1/{chat/completions,completions,responses,models}`` forwards
-to the upstream named by the rollout's ``LLM`` resource (the ``base_url`` as published). A
+to the upstream named by the rollout's ``LLM`` resource (the ``base_url`` as published; with
+``upstreams`` too, one of those servers per attempt: :mod:`.gateway_upstreams`). A
 Responses call goes to an upstream's own ``/responses`` as it is (recorded text-only unless the
 answer carries ids); where that is a 404 or 405 (remembered per upstream: the embedded engine,
 most model servers) it goes out as a chat completion (:mod:`.responses`) and is recorded as
@@ -18,8 +19,15 @@ Choices worth knowing:
   when an agent's call returns its record is in the store.
 - Upstream API keys (see :mod:`.gateway_access`) travel only in the upstream request's header;
   they are scrubbed from upstream error messages before those are recorded or returned.
-- Retries (with backoff) only where the upstream cannot have started work: connection failures,
-  and 429/502/503 answers. A read timeout or a broken stream is reported, not retried.
+- Retries (with backoff) only where the upstream cannot have started work: connection failures
+  (and a request that could not be written whole), and 429/502/503 answers. A read timeout or a
+  broken stream is reported, not retried.
+- Several servers behind one resource: a call goes to its attempt's server (the same for the
+  whole attempt) unless that one is down. Only a call that sent nothing (the connection failed,
+  or failed before the request was written) moves to another server, at once, and marks its
+  server down; an answer the server may have started (a read timeout, a dropped connection
+  after the request went out, a broken stream) is reported, never sent elsewhere. A 429/502/503
+  is retried on the same server. Each record names the server in ``upstream`` (its URL, no key).
 - An upstream that rejects ``return_token_ids`` or ``logprobs`` the gateway added (a 400 naming
   it) is asked again without just that one, and that is remembered per upstream; an extra the
   agent asked for itself is never dropped (its 400 goes back to the agent). A call answered
@@ -75,6 +83,7 @@ from agentbolt.server.gateway_call import (
     with_call_id,
 )
 from agentbolt.server.gateway_responses import PASSED, ResponsesUpstream, chat_for, sse
+from agentbolt.server.gateway_upstreams import Upstreams, rank_servers
 from agentbolt.server.openai_format import (
     CHAT,
     COMPLETIONS,
@@ -102,6 +111,9 @@ log = logging.getLogger("agentbolt.gateway")
 
 RETRY_STATUSES = (429, 502, 503)
 MAX_TRIES = 4
+# failures where nothing reached the server: retried, on another server where there is one
+# (a pool timeout is this gateway's own limit: it says nothing about the server)
+_UNSENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.WriteError, httpx.WriteTimeout, httpx.PoolTimeout)
 _PATHS = {CHAT: "chat/completions", COMPLETIONS: "completions", RESPONSES: "responses"}
 # What the gateway adds to a request and may drop again when an upstream rejects it by name
 # (a whole word: "top_logprobs" does not name "logprobs").
@@ -119,6 +131,7 @@ class Gateway:
         self._rejected: dict[str, frozenset[str]] = {}  # base URL -> the extras it rejects
         self.responses = ResponsesUpstream(self)
         self.keys = UpstreamKeys(call, config)
+        self.upstreams = Upstreams(self)
         self._urls: dict[tuple[str, str], httpx.URL] = {}
         # plain-http upstreams (model servers on the cluster network), as many calls at once as
         # the https client below allows
@@ -136,6 +149,7 @@ class Gateway:
         return self._http
 
     async def aclose(self) -> None:
+        await self.upstreams.aclose()
         if self._http is not None:
             await self._http.aclose()
             self._http = None
@@ -167,7 +181,17 @@ class Gateway:
         version = rollout.resources_version
         resources = await self.call(self.store.get_resources, version) if version is not None else None
         llms = {k: r for k, r in resources.resources.items() if isinstance(r, LLM)} if resources else {}
-        return Target(rollout_id, attempt_id, version, llms)
+        # several servers: the attempt's order of them, fixed for the attempt
+        ranked = {k: rank_servers(attempt_id, llm.servers) for k, llm in llms.items() if llm.upstreams}
+        if ranked:
+            self.upstreams.watch(url for urls in ranked.values() for url in urls)
+        return Target(rollout_id, attempt_id, version, llms, ranked)
+
+    def server(self, target: Target, resource: str, llm: LLM) -> str:
+        """The model server this call of the attempt goes to: the resource's only one, or the
+        first of the attempt's ranking that is up."""
+        ranked = target.ranked.get(resource)
+        return llm.base_url if ranked is None else self.upstreams.pick(ranked)
 
     # ------------------------------------------------------------------ forwarding
 
@@ -211,10 +235,11 @@ class Gateway:
         try:
             target = await self.target(rollout_id, attempt_id)
             resource, llm = target.pick((responses or body).get("model"))
-            key = await self.keys.resolve(llm, target.resources_version)
+            server = self.server(target, resource, llm)
+            key = await self.keys.resolve(llm, target.resources_version, server)
         except Refused as exc:
             return exc.response()
-        if responses is not None and self.responses.may_serve(llm.base_url):
+        if responses is not None and self.responses.may_serve(server):
             passed = ForwardedCall(
                 target,
                 resource,
@@ -226,10 +251,12 @@ class Gateway:
                 started,
                 t0,
                 CallTry.of(headers, raw),
+                upstream=server,
             )
             answer = await self.responses.send(passed)
             if answer is not None:
                 return answer
+            server, key = passed.upstream, passed.key  # where the pass-through went
         if untranslatable is not None:
             error = openai_error(str(untranslatable), "invalid_request_error", param=untranslatable.param)
             return json_answer(error, 400)
@@ -240,7 +267,7 @@ class Gateway:
                 )
             except Refused as exc:
                 return exc.response()
-        rejected = self._rejected.get(llm.base_url, frozenset())
+        rejected = self._rejected.get(server, frozenset())
         payload, wants = prepare(
             endpoint, body, "return_token_ids" not in rejected, "logprobs" not in rejected
         )
@@ -257,6 +284,7 @@ class Gateway:
             CallTry.of(headers, raw),
             responses,
             new_id("resp") if responses is not None else None,
+            upstream=server,
         )
         try:
             upstream = await self._send_with_fallback(call, payload)
@@ -265,9 +293,7 @@ class Gateway:
                 call, 504, "upstream_timeout", f"the model server timed out ({type(exc).__name__})"
             )
         except httpx.HTTPError as exc:
-            return await self._failed(
-                call, 502, "upstream_unavailable", f"the model server is unreachable: {exc}"
-            )
+            return await self._unreachable(call, exc)
         if upstream.status_code >= 400:
             return await self._upstream_error(call, upstream)
         if body.get("stream"):
@@ -293,10 +319,10 @@ class Gateway:
         # built directly (not client.build_request): URL parsing and header merging cost more
         # than the rest of the call; the parsed URL is cached per upstream and endpoint. A
         # plain-http upstream's answer read whole (not a stream) needs no httpx request at all.
-        key = (call.llm.base_url, call.endpoint)
+        key = (call.upstream, call.endpoint)
         url = self._urls.get(key)
         if url is None:
-            url = self._urls[key] = httpx.URL(f"{call.llm.base_url.rstrip('/')}/{_PATHS[call.endpoint]}")
+            url = self._urls[key] = httpx.URL(f"{call.upstream.rstrip('/')}/{_PATHS[call.endpoint]}")
         content = orjson.dumps(payload)
         if self._mounts is not None and url.scheme == "http" and not payload.get("stream"):
             headers = [(b"content-type", b"application/json"), (b"accept", b"application/json")]
@@ -322,13 +348,17 @@ class Gateway:
         """Send; where the upstream's 400 names extras the gateway added, send again without
         them (each at most once) and remember them for this upstream."""
         for _ in range(len(_EXTRAS) + 1):
-            response = await self._send(functools.partial(self._upstream_request, call, payload))
+            response = await self._send(functools.partial(self._upstream_request, call, payload), call)
             named = await self._rejected_extras(call, payload, response)
             if not named:
                 return response
             await response.aclose()
-            base = call.llm.base_url
-            log.info("model server %s rejects %s; its calls are recorded text-only", base, ", ".join(named))
+            base = call.upstream
+            log.info(
+                "model server %s rejects %s; its calls are recorded text-only",
+                self.upstreams.public(base),
+                ", ".join(named),
+            )
             self._rejected[base] = self._rejected.get(base, frozenset()) | named
             payload = {k: v for k, v in payload.items() if k not in named}
         return response
@@ -362,26 +392,62 @@ class Gateway:
         response.request = request
         return response
 
-    async def _send(self, build: Any) -> httpx.Response:
-        """Send (streamed), retrying with backoff where the upstream did not start work."""
+    async def _send(self, build: Any, call: ForwardedCall | None = None) -> httpx.Response:
+        """Send (streamed), retrying with backoff where the upstream did not start work; a
+        call of a resource with several servers moves to the next one at once instead."""
         deadline = time.monotonic() + self.config.upstream_timeout
-        for attempt in range(MAX_TRIES):
-            last = attempt == MAX_TRIES - 1
+        ranked = call.target.ranked.get(call.resource) if call is not None else None
+        tries = MAX_TRIES if ranked is None else MAX_TRIES + len(ranked) - 1
+        backoffs = 0
+        for attempt in range(tries):
+            last = attempt == tries - 1
             try:
                 response = await self._dispatch(build())
-            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout):
+            except _UNSENT as exc:
                 if last or time.monotonic() > deadline:
                     raise
-                await asyncio.sleep(_backoff(attempt))
+                if ranked is not None and call is not None and await self._fail_over(call, ranked, exc):
+                    continue
+                await asyncio.sleep(_backoff(backoffs))
+                backoffs += 1
+                if ranked is not None and call is not None:  # every server failed: start over
+                    call.tried = ()
+                    await self._move(call, self.upstreams.pick(ranked))
                 continue
             if response.status_code not in RETRY_STATUSES or last:
                 return response
-            delay = _retry_after(response.headers.get("retry-after")) or _backoff(attempt)
+            delay = _retry_after(response.headers.get("retry-after")) or _backoff(backoffs)
+            backoffs += 1
             if time.monotonic() + delay > deadline:
                 return response
             await response.aclose()
             await asyncio.sleep(delay)
         raise AssertionError("unreachable")
+
+    async def _fail_over(self, call: ForwardedCall, ranked: tuple[str, ...], exc: Exception) -> bool:
+        """After a try that sent nothing: mark its server down (unless the wait was this
+        gateway's own pool) and move the call to the next server of its attempt's ranking that
+        it has not tried, one that is up first; ``False`` when it has tried them all."""
+        if not isinstance(exc, httpx.PoolTimeout):
+            self.upstreams.mark_down(call.upstream, type(exc).__name__)
+        call.tried = (*call.tried, call.upstream)
+        left = [url for url in ranked if url not in call.tried]
+        if not left:
+            return False
+        up = [url for url in left if url not in self.upstreams.down]
+        await self._move(call, (up or left)[0])
+        return True
+
+    async def _move(self, call: ForwardedCall, server: str) -> None:
+        if server != call.upstream:
+            log.info(
+                "a call of attempt %s sent nothing to %s: sent to %s",
+                call.target.attempt_id,
+                self.upstreams.public(call.upstream),
+                self.upstreams.public(server),
+            )
+            call.upstream = server
+            call.key = await self.keys.resolve(call.llm, call.target.resources_version, server)
 
     async def _relay(self, call: ForwardedCall, upstream: httpx.Response) -> AsyncIterator[bytes]:
         """Pass a stream through chunk by chunk (stripped); record it reassembled before the
@@ -529,6 +595,7 @@ class Gateway:
             "model_version": None,
             "resources_version": call.target.resources_version,
             "resource": call.resource,
+            "upstream": self.upstreams.public(call.upstream),
             "error": None,
         }
         if call.responses is not None:  # what the model was actually asked, as a chat call
@@ -547,12 +614,28 @@ class Gateway:
         data.update(error=error, **(extra or {}))
         return data
 
+    async def _unreachable(self, call: ForwardedCall, exc: httpx.HTTPError) -> Response:
+        """A call no server answered: 502. The agent's message names no server (the log does)."""
+        message = f"the model server is unreachable ({type(exc).__name__})"
+        return await self._failed(call, 502, "upstream_unavailable", message, detail=str(exc))
+
     async def _failed(
-        self, call: ForwardedCall, status: int, type: str, message: str, upstream_status: int | None = None
+        self,
+        call: ForwardedCall,
+        status: int,
+        type: str,
+        message: str,
+        upstream_status: int | None = None,
+        detail: str | None = None,
     ) -> Response:
+        """Answer and record a failed call; ``detail``: logged only."""
         body = openai_error(call.scrub(message), type, status)
         log.warning(
-            "gateway call for attempt %s failed: %s", call.target.attempt_id, body["error"]["message"]
+            "gateway call for attempt %s to %s failed: %s%s",
+            call.target.attempt_id,
+            self.upstreams.public(call.upstream),
+            body["error"]["message"],
+            f": {call.scrub(detail)}" if detail else "",
         )
         call_id = await self._record(call, self._error_data(call, upstream_status, body))
         return json_answer(body, status, call_id)
@@ -594,13 +677,14 @@ class Gateway:
         """The upstream's model list, or one built from the rollout's LLM resources."""
         try:
             target = await self.target(rollout_id, attempt_id)
-            _, llm = target.pick(None)
-            key = await self.keys.resolve(llm, target.resources_version)
+            resource, llm = target.pick(None)
+            server = self.server(target, resource, llm)
+            key = await self.keys.resolve(llm, target.resources_version, server)
         except Refused as exc:
             return exc.response()
         headers = {"authorization": f"Bearer {key}"} if key else {}
         with contextlib.suppress(httpx.HTTPError, orjson.JSONDecodeError):
-            answer = await self.http.get(f"{llm.base_url.rstrip('/')}/models", headers=headers, timeout=10)
+            answer = await self.http.get(f"{server.rstrip('/')}/models", headers=headers, timeout=10)
             if answer.status_code == 200:
                 return json_answer(orjson.loads(answer.content))
         data = [

@@ -3,7 +3,8 @@
 - :func:`rewrite_claim` points a dequeued claim's ``LLM`` resources at the attempt's gateway
   URL, with the attempt's own agent key as ``api_key``: it authorises that attempt's gateway
   routes and events URL only, never the runner's rights, so agent code holds no more than its
-  own attempt. ``openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key)`` just works.
+  own attempt. ``openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key)`` just works. The
+  resource's ``upstreams`` (its other model servers) are dropped: the agent sees the gateway only.
 - :class:`UpstreamKeys` finds the real key for an upstream call. Keys never leave the server
   except in the upstream request's header: the API serves resources with keys redacted.
 """
@@ -33,7 +34,9 @@ def rewrite_claim(claim: Claim, request: Request) -> Claim:
     url = f"{base}/gateway/{claim.rollout.id}/{claim.attempt.id}/v1"
     key = claim.agent_key or PLACEHOLDER_KEY
     resources = {
-        name: res.model_copy(update={"base_url": url, "api_key": key}) if isinstance(res, LLM) else res
+        name: res.model_copy(update={"base_url": url, "api_key": key, "upstreams": []})
+        if isinstance(res, LLM)
+        else res
         for name, res in claim.resources.resources.items()
     }
     return claim.model_copy(update={"resources": claim.resources.model_copy(update={"resources": resources})})
@@ -44,15 +47,19 @@ class UpstreamKeys:
         self.call, self.store, self.config = call, call.store, config
         self._history: dict[tuple[str, int], str | None] = {}
 
-    async def resolve(self, llm: LLM, version: int | None) -> str | None:
-        """The resource's key, else the configured one for its base URL, else (for a resource
-        re-published from a redacted read) the key last published for that URL, else ``"*"``."""
+    async def resolve(self, llm: LLM, version: int | None, server: str | None = None) -> str | None:
+        """The key for a call to ``server`` (one of the resource's servers; its ``base_url``
+        when None): the resource's key, else the one configured for that server (else for the
+        resource's ``base_url``), else (for a resource re-published from a redacted read) the
+        key last published for that resource, else ``"*"``."""
         if llm.api_key and llm.api_key != REDACTED:
             return llm.api_key
         keys = self.config.upstream_api_keys
-        for url in (llm.base_url, llm.base_url.rstrip("/")):
-            if url in keys:
-                return keys[url]
+        if keys:
+            for url in (server or llm.base_url, llm.base_url):
+                for form in (url, url.rstrip("/")):
+                    if form in keys:
+                        return keys[form]
         if llm.api_key == REDACTED and version is not None:
             found = await self._from_history(llm.base_url, version)
             if found:

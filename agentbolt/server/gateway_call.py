@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -73,6 +73,8 @@ class Target:
     attempt_id: str
     resources_version: int | None
     llms: dict[str, LLM]
+    # resource name -> its servers in this attempt's order (only resources naming several)
+    ranked: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def pick(self, model: Any) -> tuple[str, LLM]:
         """The LLM resource serving ``model``: the one whose model matches, else the first."""
@@ -122,6 +124,8 @@ class ForwardedCall:
     try_of: CallTry
     responses: dict[str, Any] | None = None  # a Responses request; ``request`` is its chat form
     response_id: str | None = None  # the id of the Response answering it
+    upstream: str = ""  # the model server's base URL it is sent to (one of the resource's)
+    tried: tuple[str, ...] = ()  # servers it failed to reach (nothing sent)
 
     def elapsed_ms(self) -> float:
         return round((time.perf_counter() - self.t0) * 1000, 3)

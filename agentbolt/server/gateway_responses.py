@@ -46,23 +46,24 @@ class ResponsesUpstream:
     async def send(self, call: ForwardedCall) -> Response | None:
         """Send a Responses call as it is to an upstream that serves /responses; ``None`` when
         it has none (a 404 or 405, remembered): the call is then translated."""
-        base = call.llm.base_url
         try:
             upstream = await self.gateway._send(
-                functools.partial(self.gateway._upstream_request, call, call.request)
+                functools.partial(self.gateway._upstream_request, call, call.request), call
             )
         except httpx.TimeoutException as exc:
             return await self.gateway._failed(
                 call, 504, "upstream_timeout", f"the model server timed out ({type(exc).__name__})"
             )
         except httpx.HTTPError as exc:
-            return await self.gateway._failed(
-                call, 502, "upstream_unavailable", f"the model server is unreachable: {exc}"
-            )
+            return await self.gateway._unreachable(call, exc)
+        base = call.upstream  # the server that answered (another one when the first sent nothing)
         if upstream.status_code in (404, 405):
             await upstream.aclose()
             if base not in self.serves:
-                log.info("model server %s has no /responses: Responses calls are translated", base)
+                log.info(
+                    "model server %s has no /responses: Responses calls are translated",
+                    self.gateway.upstreams.public(base),
+                )
             self.serves[base] = False
             return None
         self.serves[base] = True
