@@ -31,7 +31,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
@@ -45,6 +45,9 @@ from agentbolt.runner.agent import LitAgent, as_agent
 from agentbolt.schemas import Resource, Task
 from agentbolt.server.config import ServerConfig
 from agentbolt.server.run import ServerThread, free_port, wait_healthy
+
+if TYPE_CHECKING:
+    from agentbolt.runner.ray_runners import RayRunners
 
 __all__ = ["Trainer"]
 
@@ -190,6 +193,7 @@ class Trainer:
         evaluators: Sequence[Evaluator] | None = None,
         reward_wait: float | None = None,
         runner_start_timeout: float | None = 120.0,
+        ray: RayRunners | None = None,
     ) -> None:
         """``reward``, ``evaluators`` and ``reward_wait``, when given, set the algorithm's own
         (:class:`~agentbolt.algorithms.rewards.RewardOptions`): which reward it trains on, what
@@ -197,11 +201,22 @@ class Trainer:
 
         ``runner_start_timeout``: seconds, from the moment the server answers, within which
         every runner process must have registered with it, or :meth:`fit` raises (None: no
-        check)."""
+        check).
+
+        ``ray``: run the runners as Ray actors (:class:`~agentbolt.runner.ray_runners.RayRunners`:
+        the cluster, the number of actors and what each asks for) instead of local processes;
+        ``n_runners`` and ``runner_concurrency`` are then not used. The actors must reach the
+        server: on a cluster of several machines, give ``server_url`` of a server they reach
+        (the embedded one listens on 127.0.0.1). ``runner_start_timeout`` bounds the wait for
+        every actor to be placed and registered (None: the RayRunners' ``ready_timeout``)."""
         if n_runners < 0:
             raise ConfigError("n_runners must be >= 0")
         if runner_start_timeout is not None and runner_start_timeout <= 0:
             raise ConfigError("runner_start_timeout must be > 0 (or None)")
+        if ray is not None and n_runners > 1:
+            raise ConfigError(
+                "with ray=RayRunners(...), give the number of runners as RayRunners(replicas=...), not n_runners"
+            )
         algorithm = _with_rewards(algorithm, reward, evaluators, reward_wait)
         if token == "auto" and server_url is not None:
             raise ConfigError(
@@ -218,6 +233,7 @@ class Trainer:
         self.lease_seconds = lease_seconds
         self.console = console or make_console()
         self.runner_start_timeout = runner_start_timeout
+        self.ray = ray
         self.start_method: str | None = None
         """How the runner processes of the last :meth:`fit` were started."""
         self._procs: list[multiprocessing.process.BaseProcess] = []
@@ -270,6 +286,10 @@ class Trainer:
             return self.algorithm.run(ctx)
 
     def _start_runners(self, agent: LitAgent, url: str) -> None:
+        if self.ray is not None:
+            self.start_method = "ray"
+            self.ray.start(agent, url, token=self.token, lease_seconds=self.lease_seconds)
+            return
         if not self.n_runners:
             return
         self.start_method, payload = _how_to_start(agent)
@@ -288,6 +308,9 @@ class Trainer:
     def _await_runners(self, url: str) -> None:
         """Wait until every runner has registered with the server; a clear error when one
         died or stays silent past ``runner_start_timeout``."""
+        if self.ray is not None:  # placed by Ray and registered, or a ConfigError that says why
+            self.ray.wait_ready(self.runner_start_timeout)
+            return
         if self.runner_start_timeout is None:
             return
         deadline = time.monotonic() + self.runner_start_timeout
@@ -324,6 +347,9 @@ class Trainer:
             waiting[0][1][1].wait(0.05)
 
     def _stop_runners(self, grace: float = 15.0) -> None:
+        if self.ray is not None:
+            self.ray.stop(grace=grace)
+            return
         for proc in self._procs:
             if proc.is_alive() and proc.pid:
                 os.kill(proc.pid, signal.SIGTERM)

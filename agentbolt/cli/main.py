@@ -201,6 +201,19 @@ def runner(
     launcher_name: Annotated[
         str, typer.Option(help="This launcher's name: it adopts its Jobs after a restart (--kubernetes).")
     ] = "default",
+    ray: Annotated[
+        str | None,
+        typer.Option(help="Run the runners as Ray actors: host:port, ray://host:port, auto, or local."),
+    ] = None,
+    replicas: Annotated[int | None, typer.Option(min=1, help="Runner actors to start (--ray).")] = None,
+    ray_cpus: Annotated[float | None, typer.Option(min=0, help="CPUs per actor (--ray; 1).")] = None,
+    ray_memory: Annotated[str | None, typer.Option(help="Memory per actor, e.g. 2GiB (--ray).")] = None,
+    ray_resource: Annotated[
+        list[str] | None, typer.Option(help="NAME=AMOUNT per actor, e.g. sandbox=1 (--ray; repeatable).")
+    ] = None,
+    ray_ready_timeout: Annotated[
+        float, typer.Option(min=0.001, help="Seconds for every actor to start and register (--ray).")
+    ] = 120.0,
 ) -> None:
     """Run an agent (--agent) or a program (--command) on queued rollouts until stopped
     (Ctrl-C finishes or releases running ones); with --kubernetes, each rollout is a Job."""
@@ -232,6 +245,14 @@ def runner(
     sys.path.insert(0, os.getcwd())
     options = (stdin, env or [], timeout, scorer, scorer_command, reward_later, output_limit)
     loaded = load_agent(agent) if agent is not None else _program(command or "", *options)
+    ray_options = (replicas, ray_cpus, ray_memory, ray_resource)
+    if ray is not None or any(o is not None for o in ray_options):
+        from agentbolt.runner.ray_runners import run_cli
+
+        run_on = agent if agent is not None else loaded  # a spec: each actor loads it itself
+        run_cli(ray, run_on, server, token, *ray_options, ray_ready_timeout, concurrency, lease_seconds,
+                max_rollouts, tracing or None)  # fmt: skip
+        return
     worker = Runner(
         loaded,
         server,
