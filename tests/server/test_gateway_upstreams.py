@@ -7,7 +7,9 @@ retried); weight sync publishes only the servers that took the new weights."""
 from __future__ import annotations
 
 import json
+import logging
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -28,6 +30,9 @@ from agentbolt.schemas import LLM, Claim, Event, RolloutCreate, Task
 from agentbolt.server import ServerConfig, ServerThread
 from agentbolt.server.gateway_upstreams import public_url, rank_servers
 from agentbolt.server.run import free_port
+
+sys.path.insert(0, str(Path(__file__).parent))
+from upstream_double import UpstreamDouble  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -174,6 +179,7 @@ def test_attempts_spread_over_the_servers_and_stick_to_one(pair, server, client)
         stream = agent.chat.completions.create(model="tiny", messages=MESSAGES, stream=True, **GREEDY)
         assert [chunk for chunk in stream]
         assert agent.completions.create(model="tiny", prompt="Once", **GREEDY).choices
+        assert [m.id for m in agent.models.list()] == ["tiny"]  # its server's list
 
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(agent, claims))
@@ -295,18 +301,25 @@ class HangUp:
         self.sock.close()
 
 
-def test_only_a_call_that_sent_nothing_moves_to_another_server(pair, server, client):
+def test_only_a_call_that_sent_nothing_moves_to_another_server(pair, server, client, caplog):
     a = pair[0]
     gateway = server.app.state.gateway
+    caplog.set_level(logging.INFO, logger="agentbolt.gateway")
     # refused: nothing was sent, so the call is answered by the other server
     dead = f"http://127.0.0.1:{free_port()}/v1"
     claims = _claims(client, LLM(base_url=dead, upstreams=[a.url], model="tiny"), 8)
     claim = next(c for c in claims if _first(c, [dead, a.url]) == dead)
-    answer = _agent(claim).chat.completions.create(model="tiny", messages=MESSAGES, **GREEDY)
+    agent = _agent(claim)
+    answer = agent.chat.completions.create(model="tiny", messages=MESSAGES, **GREEDY)
     assert answer.choices[0].message.content is not None
     [call] = _calls(client, claim)
     assert call.data["upstream"] == a.url and call.data["error"] is None
     assert dead in gateway.upstreams.down
+    moved = [r for r in caplog.records if "sent nothing" in r.getMessage()]
+    assert len(moved) == 1
+    agent.chat.completions.create(model="tiny", messages=MESSAGES, **GREEDY)  # straight to the live one
+    assert len([r for r in caplog.records if "sent nothing" in r.getMessage()]) == 1
+    assert _calls(client, claim)[-1].data["upstream"] == a.url
 
     # read whole, then no answer: the server may have acted on it, so it is reported
     hang = HangUp()
@@ -325,6 +338,25 @@ def test_only_a_call_that_sent_nothing_moves_to_another_server(pair, server, cli
         assert hang.url not in gateway.upstreams.down  # it answered a connection: not dead
     finally:
         hang.close()
+
+
+def test_each_server_gets_its_own_key_and_no_key_is_recorded(tmp_path):
+    with UpstreamDouble() as one, UpstreamDouble() as two:
+        keys = {one.base_url: "sk-one-secret", two.base_url: "sk-two-secret"}
+        config = ServerConfig(db=str(tmp_path / "k.db"), upstream_api_keys=keys)
+        with ServerThread(config) as srv, Client(srv.url) as client:
+            llm = LLM(base_url=one.base_url, upstreams=[two.base_url], model="double")
+            claims = _claims(client, llm, 8)
+            for claim in claims:
+                _agent(claim).chat.completions.create(model="double", messages=MESSAGES)
+            for double in (one, two):
+                assert double.calls  # 8 attempts ranked alike: 1 in 128
+                assert {c.headers["authorization"] for c in double.calls} == {
+                    f"Bearer {keys[double.base_url]}"
+                }
+            recorded = json.dumps([e.data for claim in claims for e in _calls(client, claim)])
+            assert "sk-one-secret" not in recorded and "sk-two-secret" not in recorded
+            assert one.base_url in recorded and two.base_url in recorded
 
 
 # ------------------------------------------------------------------ weight sync
