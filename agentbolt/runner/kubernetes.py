@@ -387,8 +387,16 @@ class JobLauncher:
                 log.error("dequeue failed: %s", exc)
                 await self._sleep(1.0)
                 continue
-            if claim is not None:
+            if claim is None:
+                continue
+            try:
                 await self._launch(claim)
+            except Exception:  # the attempt's lease runs out and the store retries it
+                log.exception("launching attempt %s failed", claim.attempt.id)
+                dropped = self.tracked.get(claim.attempt.id)
+                if dropped is not None:
+                    self._untrack(dropped)
+                await self._sleep(1.0)
 
     async def _launch(self, claim: Claim) -> None:
         attempt_id = claim.attempt.id
@@ -409,21 +417,27 @@ class JobLauncher:
             await self._report_failure(tracked, exc.kind, str(exc))
             return
         tracked.job = body["metadata"]["name"]
+        tracked.keeper = asyncio.create_task(self._keep(tracked))  # the lease, while creating too
         try:
             await self._create(tracked, body)
         except KubeError as exc:
-            self.tracked.pop(attempt_id, None)
+            self._untrack(tracked)
+            if tracked.ending:  # no longer ours meanwhile: nothing to report
+                return
             if exc.transient:  # not this attempt's fault: hand it back, try again later
                 log.warning("could not create Job %s (%s); attempt %s released", tracked.job, exc, attempt_id)
-                await self._finish(tracked, AttemptStatus.RELEASED, None, f"Kubernetes API: {exc}")
+                with contextlib.suppress(LeaseLost, NotFound):
+                    await self._finish(tracked, AttemptStatus.RELEASED, None, f"Kubernetes API: {exc}")
                 await self._sleep(2.0)
             else:
                 await self._report_failure(
                     tracked, "JobRejected", f"Kubernetes refused the Job {tracked.job}: {exc}"
                 )
             return
+        if tracked.ending:  # the store took the attempt back while the Job was being created
+            await self._delete(tracked)
+            return
         tracked.created = time.monotonic()
-        tracked.keeper = asyncio.create_task(self._keep(tracked))
         log.info("attempt %s: Job %s created", attempt_id, tracked.job)
 
     async def _create(self, tracked: _Tracked, body: dict[str, Any]) -> None:
@@ -499,7 +513,8 @@ class JobLauncher:
                     "attempt %s is no longer ours (%s): deleting Job %s", tracked.attempt_id, exc, tracked.job
                 )
                 self.lost += 1
-                await self._delete(tracked)
+                if tracked.created is not None:  # else the launch deletes it once created
+                    await self._delete(tracked)
                 return
             except AgentboltError as exc:
                 log.error("heartbeat of %s failed: %s", tracked.attempt_id, exc)

@@ -257,6 +257,19 @@ def test_a_create_whose_answer_was_lost_is_adopted_on_409_not_duplicated(server,
     assert admin.list_attempts(rid)[-1].status == AttemptStatus.SUCCEEDED
 
 
+def test_an_api_server_in_trouble_releases_the_attempt_to_be_tried_again(server, double, tmp_path):
+    srv, admin = server
+    double.refuse_creates = 3  # every try of the first create: 504, nothing stored
+    (rid,) = _enqueue(admin, ["later"])
+    with running(_launcher(srv, double, tmp_path)):
+        wait_until(lambda: double.job_names(), said="a Job once the API answers again")
+        attempts = admin.list_attempts(rid)
+        assert [a.status for a in attempts] == [AttemptStatus.RELEASED, AttemptStatus.RUNNING]
+        assert "Timeout" in (attempts[0].error or "")
+        assert double.job_names() == [job_name(attempts[1].id)]
+        assert double.count("POST", r"/jobs$") == 4
+
+
 def test_a_job_the_api_or_the_client_refuses_fails_its_attempt_with_the_reason(server, double, tmp_path):
     srv, admin = server
     # a field of the wrong type: the client's models refuse it before it is sent

@@ -79,6 +79,8 @@ class KubeDouble:
         self.created: list[dict[str, Any]] = []  # bodies of accepted creates, as sent
         self.lose_create_answers = 0
         """Store this many Jobs but answer 504 Timeout: a create whose answer was lost."""
+        self.refuse_creates = 0
+        """Answer this many creates 504 Timeout without storing anything (an API server in trouble)."""
         self.validate = validate
         self.lock = threading.Lock()
         self._rv = 200000
@@ -239,6 +241,9 @@ class KubeDouble:
         with self.lock:
             if method == "POST" and name is None:
                 name = body["metadata"]["name"]
+                if self.refuse_creates:
+                    self.refuse_creates -= 1
+                    return 504, status_object("status-504-timeout.json")
                 if (ns, name) in self.jobs:
                     return 409, status_object("status-409-already-exists.json", name=name)
                 if self.validate is not None and (problem := self.validate(body)):
