@@ -59,7 +59,7 @@ class Upstreams:
 
     probe_interval = 5.0  # seconds between two probes of every watched server
     probe_timeout = 2.0
-    forget_after = 600.0  # stop probing a server no attempt was given for this long (unless down)
+    forget_after = 600.0  # stop probing (and forget) a server no attempt was given for this long
 
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
@@ -96,7 +96,7 @@ class Upstreams:
         if url not in self.down:
             log.warning("model server %s is down (%s): its attempts go to the others", self.public(url), why)
             self.down[url] = time.monotonic()
-        self._watched[url] = time.monotonic()
+        self._watched.setdefault(url, time.monotonic())
 
     def mark_up(self, url: str) -> None:
         if self.down.pop(url, None) is not None:
@@ -123,8 +123,9 @@ class Upstreams:
         """Probe every watched server once; mark each up or down by its answer."""
         now = time.monotonic()
         for url, seen in list(self._watched.items()):
-            if now - seen > self.forget_after and url not in self.down:
+            if now - seen > self.forget_after:  # no longer in use: known again only from calls
                 del self._watched[url]
+                self.down.pop(url, None)
         urls = list(self._watched)
         for url, ok in zip(urls, await asyncio.gather(*(self.probe(u) for u in urls)), strict=True):
             if ok:
