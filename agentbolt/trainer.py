@@ -14,6 +14,10 @@ agent that does not pickle (a closure, a class defined inside a function), one d
 loaded by path outside ``sys.path`` falls back to ``fork``. Either way each runner must register
 with the server within ``runner_start_timeout`` seconds, or the run stops with an error that
 names the runner.
+
+With ``ray=RayRunners(...)`` the runners are Ray actors on a cluster instead
+(:mod:`agentbolt.runner.ray_runners`), under the same timeout, with errors that name what Ray
+could not place or which actor failed.
 """
 
 from __future__ import annotations

@@ -389,6 +389,13 @@ class RayRunners:
                 f"each asks for {self._describe_request()}; the cluster has {total} in all, {free} free. "
                 "Ask for less, or add nodes that have these resources"
             )
+        elif placed is None:  # Ray's actor table could not be read: say both
+            total, free = _resources(ray)
+            why = (
+                f"runner actor(s) {names} of {len(self.actors)} were not placed or did not register with "
+                f"the server within {limit:g} s: each asks for {self._describe_request()}; the cluster has "
+                f"{total} in all, {free} free; the server's URL must be reachable from the Ray nodes"
+            )
         else:
             why = (
                 f"runner actor(s) {names} of {len(self.actors)} did not register with the server within "

@@ -281,6 +281,24 @@ def test_cli_runner_on_ray_stops_gracefully_on_sigint(ray_cluster, store, tmp_pa
             proc.wait(10)
 
 
+def test_cli_starts_a_local_cluster_and_exits_after_max_rollouts(store, tmp_path):
+    """``--ray local`` starts a one-machine cluster inside the command (not the module's); the
+    actor stops after ``--max-rollouts`` and the command exits by itself, the cluster with it."""
+    srv, _ = store
+    done = tmp_path / "done.log"
+    with Client(srv.url) as client:
+        ids = [r.id for r in client.enqueue(_tasks(done, 3, events=1))]
+        agent = f"{HERE / 'ray_agents.py'}:counted"
+        proc = _cli("--ray", "local", "--max-rollouts", "3", "--server", srv.url, "--agent", agent)
+        out, _ = proc.communicate(timeout=120)
+        text = out.decode()
+        assert proc.returncode == 0, text[-3000:]
+        assert "1 Ray runner actor(s) ready; each asks for CPU=1\n" in text
+        assert "stopped: 3 completed, 0 failed, 0 lost, 0 abandoned" in text
+        assert [client.get_rollout(rid).status for rid in ids] == ["succeeded"] * 3
+    assert len({pid for *_, pid in _lines(done)}) == 1
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -318,6 +336,17 @@ def test_an_unplaceable_request_is_a_clear_error(ray_cluster, store):
     assert "could not place 1 of 1 runner actor(s) within 3 s" in text
     assert "each asks for CPU=1, memory=0.00GiB, sandbox=9" in text and "sandbox=4" in text
     assert not runners.actors  # killed: nothing left pending in the cluster
+
+
+def test_actors_that_cannot_reach_the_server_are_a_clear_error(ray_cluster):
+    from agentbolt.runner.ray_runners import RayRunners
+
+    runners = RayRunners(replicas=1, ready_timeout=8)
+    runners.start(f"{HERE / 'ray_agents.py'}:counted", f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(ConfigError) as err:
+        runners.wait_ready()
+    assert "runner actor(s) 1 of 1 did not register with the server within 8 s" in str(err.value)
+    assert not runners.actors
 
 
 def test_an_agent_the_actors_cannot_import_is_a_clear_error(ray_cluster, store):
