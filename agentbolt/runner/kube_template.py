@@ -51,6 +51,9 @@ DEFAULT_TTL = 3600
 """``ttlSecondsAfterFinished`` when the template sets none: a backstop, since the launcher
 deletes each Job once its attempt is reported."""
 
+MIN_TTL = 60
+"""The shortest ``ttlSecondsAfterFinished`` a template may set."""
+
 SCHEMA_VERSION = "1.33"
 """The Kubernetes version whose OpenAPI schema (bundled with kubernetes-validate) a template
 is checked against when that package is installed."""
@@ -157,6 +160,13 @@ class JobTemplate:
         job = jobs[0]
         if job.get("apiVersion") != "batch/v1":
             raise ConfigError(f"{self._where('apiVersion')} is {job.get('apiVersion')!r}, not 'batch/v1'")
+        spec = job.get("spec")
+        ttl = spec.get("ttlSecondsAfterFinished") if isinstance(spec, dict) else None
+        if isinstance(ttl, int) and ttl < MIN_TTL:
+            raise ConfigError(
+                f"{self._where('spec.ttlSecondsAfterFinished')} is {ttl}: under {MIN_TTL} s the Job may be "
+                "gone before the launcher reads how it ended (it deletes each Job once reported)"
+            )
         meta = job.get("metadata") or {}
         if not isinstance(meta, dict):
             raise ConfigError(f"{self._where('metadata')} must be a mapping")

@@ -194,6 +194,33 @@ def test_one_job_per_attempt_with_the_contract_and_each_outcome(server, double, 
         assert launcher.completed == 1 and launcher.failed == 3
 
 
+def test_without_a_posted_reward_the_scorer_sees_the_pods_log_or_the_attempt_fails(server, double, tmp_path):
+    srv, admin = server
+    seen = []
+
+    def scorer(run):
+        seen.append(run)
+        return 1.0 if "answer: 4" in run.stdout else 0.0
+
+    right, wrong = _enqueue(admin, ["2+2?", "2+3?"])
+    with running(_launcher(srv, double, tmp_path, scorer=scorer)):
+        names = {rid: job_name(_attempt(admin, rid).id) for rid in (right, wrong)}
+        wait_until(lambda: len(double.job_names()) == 2, said="two Jobs")
+        double.set_state(names[right], "complete", log="answer: 4\n")
+        double.set_state(names[wrong], "complete", log="answer: 6\n")
+        assert _final(admin, right).reward == 1.0 and _final(admin, wrong).reward == 0.0
+    assert sorted(r.task.data["question"] for r in seen) == ["2+2?", "2+3?"]
+    assert all(r.exit_code == 0 for r in seen)
+    # no scorer and nothing posted: the attempt fails, saying so
+    (silent,) = _enqueue(admin, ["quiet"])
+    with running(_launcher(srv, double, tmp_path)):
+        name = job_name(_attempt(admin, silent).id)
+        wait_until(lambda: double.job(name), said="the Job")
+        double.set_state(name, "complete")
+        rollout = _final(admin, silent)
+    assert rollout.status == RolloutStatus.FAILED and "no reward" in rollout.error
+
+
 def test_a_cancelled_rollout_has_its_job_deleted(server, double, tmp_path):
     srv, admin = server
     (rid,) = _enqueue(admin, ["cancel me"])

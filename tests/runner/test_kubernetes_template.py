@@ -203,6 +203,11 @@ def test_a_deliberately_broken_template_fails_the_schema_and_the_launcher_says_w
             {},
             "holds the runner's token",
         ),
+        (
+            PLAIN.replace("spec:\n  template:", "spec:\n  ttlSecondsAfterFinished: 0\n  template:"),
+            {},
+            "under 60 s",
+        ),
         (PLAIN, {"command": ["python", "{0}"]}, "must name task fields"),
         (PLAIN, {"env": {"X": "{"}}, "bad template"),
     ],
@@ -303,6 +308,11 @@ def test_the_command_lines_mistakes_are_one_line_each(tmp_path, monkeypatch):
             "agentbolt.runner.kubernetes.KubeApi", lambda client, ns: type("A", (), {"namespace": ns})
         )
         _cli(tmp_path)
+    monkeypatch.undo()
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-kubeconfig"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    with pytest.raises(ConfigError, match="cannot load the Kubernetes configuration"):
+        _cli(tmp_path, public_url="http://agentbolt:8765")
     monkeypatch.setitem(sys.modules, "kubernetes", None)  # as if the extra were not installed
     with pytest.raises(MissingExtra, match=r"pip install 'agentbolt\[kubernetes\]'"):
         _cli(tmp_path)
