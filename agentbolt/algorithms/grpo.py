@@ -39,6 +39,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from agentbolt.adapters import STATE_EVENT, TrajectoryRow, latest_attempt, to_trajectories
+from agentbolt.algorithms import distributed
 from agentbolt.algorithms.async_grpo import EngineIdleClock, GroupPool, InFlightGroup
 from agentbolt.algorithms.base import (
     DEFAULT_MAX_ATTEMPTS,
@@ -243,9 +244,11 @@ class GRPO(RewardOptions, Algorithm):
             dtype=self.engine_dtype,
             device=self.device,
         )
-        with served as policy:
+        # under torchrun with several ranks this is rank 0: the others join each update
+        with served as policy, distributed.leader(self._device()):
             version = self._publish(ctx, policy, step=0, metrics={})
             state = self._train_state(policy)
+            distributed.setup_followers(state, policy.base_model_path)
             start, history = self._maybe_resume(ctx, state, policy)
             # rows past the checkpoint (a crash between checkpoints) are redone, not kept twice
             log = MetricsLog(ctx.run_dir / "metrics.jsonl", resume=bool(start), keep_through=start)
@@ -296,6 +299,7 @@ class GRPO(RewardOptions, Algorithm):
             return 0, []
         ckpt = load_checkpoint(path, state.model, state.optimizer)
         state.step = ckpt.step
+        distributed.share_state(state)  # a full state: any number of ranks resumes from it
         policy.sync(state.model, ckpt.step)
         ctx.console.print(f"resumed from {path} at step {ckpt.step}")
         return ckpt.step, list(ckpt.extra.get("history", []))
@@ -650,6 +654,8 @@ class GRPO(RewardOptions, Algorithm):
         policy, the recorded logprobs corrected for by truncated importance weights."""
         if not rows:
             return {"num_tokens": 0.0}
+        if distributed.leading():
+            return self._update_distributed(state, rows, proximal)
         device = self._device()
         batches = [
             _to_device(pad_batch(mb), device)
@@ -683,6 +689,23 @@ class GRPO(RewardOptions, Algorithm):
             values = [m[name] for m in seen if name in m]
             if values:
                 out[name] = pick(values)
+        return out
+
+    def _update_distributed(
+        self, state: TrainState, rows: list[TrainRow], proximal: bool
+    ) -> dict[str, float]:
+        """:meth:`_update` spread over the torchrun ranks: the micro-batches go to the ranks by
+        token count, each computes its reference log-probs (KL) and gradients, the gradients are
+        summed (:func:`agentbolt.algorithms.distributed.update`)."""
+        batches = [pad_batch(mb) for mb in micro_batches(rows, max_tokens=self.max_tokens_per_micro_batch)]
+        policy_loss = PolicyLoss(self.clip_low, self.clip_high, self.kl_coef)
+        if proximal:
+            policy_loss = replace(
+                policy_loss, proximal=True, importance=self.importance, importance_cap=self.importance_cap
+            )
+        out = distributed.update(state, batches, policy_loss, bf16=self._bf16(), reference=bool(self.kl_coef))
+        del batches
+        release_free_memory()
         return out
 
 

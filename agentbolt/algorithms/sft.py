@@ -42,6 +42,7 @@ from rich.table import Table
 from torch import nn
 
 from agentbolt.adapters import AdapterStats, TrajectoryRow, latest_attempt, to_trajectories
+from agentbolt.algorithms import distributed
 from agentbolt.algorithms.base import (
     DEFAULT_MAX_ATTEMPTS,
     Algorithm,
@@ -177,16 +178,20 @@ class SFT(RewardOptions, Algorithm):
             if self.policy is not None
             else serve_policy(self.model, ctx.run_dir, ctx.console)
         )
-        with served as policy:
+        # under torchrun with several ranks this is rank 0: the others join each update
+        with served as policy, distributed.leader(torch.device("cpu")):
             version = self._publish(ctx, policy, {"algorithm": "sft", "round": 0})
             base = self._load_policy(policy)
+            source = self._follower_source(policy)
             state = make_train_state(copy.deepcopy(base) if self.reset_each_round else base, self.train)
+            distributed.setup_followers(state, source)
             val_before = self._validate(ctx, version, "validation (before)") if self.validate_before else None
             results: list[RoundResult] = []
             late: list[Rollout] = []  # rollouts whose chosen reward had not arrived at selection
             for r in range(1, self.rounds + 1):
                 if self.reset_each_round and r > 1:
                     state = make_train_state(copy.deepcopy(base), self.train)
+                    distributed.setup_followers(state, source)
                 result, late = self._round(ctx, policy, state, r, version, late)
                 results.append(result)
                 version = results[-1].resources_version or version
@@ -206,6 +211,17 @@ class SFT(RewardOptions, Algorithm):
             return copy.deepcopy(self.policy_model).float()
         path = self.policy_model or policy.base_model_path
         return AutoModelForCausalLM.from_pretrained(ensure_model(path), dtype=torch.float32)
+
+    def _follower_source(self, policy: PolicyServer) -> str | nn.Module:
+        """What the other torchrun ranks build their replica from: the module itself (pickled
+        to them) or the Hugging Face folder (each rank reads it at the same path)."""
+        if not distributed.launched():
+            return ""
+        if isinstance(self.policy_model, nn.Module):
+            return self.policy_model
+        from agentbolt.engine import ensure_model
+
+        return str(ensure_model(self.policy_model or policy.base_model_path))
 
     def _publish(
         self,

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from agentbolt.adapters import TrajectoryRow
+from agentbolt.algorithms import distributed
 from agentbolt.algorithms.losses import TrainRow, micro_batches, pad_batch, sft_loss
 from agentbolt.algorithms.rewards import AGENT, RewardChoice, resolve
 from agentbolt.algorithms.train_state import TrainState, optimizer_step
@@ -119,8 +120,11 @@ def train_rows(
         losses.append([])
         for chunk in _epoch_batches(rows, batch_size, rng):
             batches = [pad_batch(mb, pad_id, max_len) for mb in micro_batches(chunk, max_tokens=max_tokens)]
-            with autocast:
-                metrics = optimizer_step(state, batches, sft_loss)
+            if distributed.leading():  # rank 0 of several: the micro-batches go to every rank
+                metrics = distributed.update(state, batches, sft_loss, bf16=bf16)
+            else:
+                with autocast:
+                    metrics = optimizer_step(state, batches, sft_loss)
             steps += 1
             model_tokens += int(metrics["num_tokens"])
             input_tokens += sum(int(b.attention_mask_BT.sum()) for b in batches)

@@ -225,6 +225,13 @@ def _common_parameters() -> list[inspect.Parameter]:
         _option("train_file", Path | None, "--train", help="Training tasks: a JSON list or JSON-lines file."),
         _option("val_file", Path | None, "--val", help="Validation tasks: a JSON list or JSON-lines file."),
         _option("config", Path | None, "--config", help="Settings file (.toml, .yaml or .yml)."),
+        _option(
+            "nproc",
+            int | None,
+            "--nproc",
+            help="Train over N ranks on this machine: runs torchrun --standalone --nproc-per-node N "
+            "(GRPO and SFT; docs/training.md).",
+        ),
     ]
 
 
@@ -357,13 +364,46 @@ def _train(name: str, cls: type, sections: list[_Section], params: dict[str, Any
     val = load_tasks(params["val_file"]) if params["val_file"] else []
     if not train and not val:
         raise fail("no tasks: give --train FILE and/or --val FILE")
+    nproc = params.get("nproc")
+    if nproc is not None:
+        _launch_ranks(name, nproc)
     with needs_extra(f"agentbolt train {name}", *ALGORITHMS[name][1]):
+        from agentbolt.algorithms.distributed import DistributedError
         from agentbolt.trainer import Trainer
 
         try:
             Trainer(algorithm, **sections[1].schema.kwargs(values["trainer"])).fit(agent, train, val)
-        except ConfigError as exc:
+        except (ConfigError, DistributedError) as exc:
             raise fail(str(exc)) from None
+
+
+def _launch_ranks(name: str, nproc: int) -> None:
+    """``--nproc N``: this very command again as N ranks under torchrun (replaces this process);
+    nothing for N = 1 or when already one of torchrun's ranks."""
+    if nproc < 1:
+        raise fail(f"--nproc must be at least 1; got {nproc}")
+    if nproc == 1 or os.environ.get("WORLD_SIZE"):
+        return
+    if ALGORITHMS[name][0] not in ("GRPO", "SFT"):
+        raise fail(f"--nproc: {name} does not train over several ranks (only grpo and sft do)")
+    args = _without_nproc(sys.argv[1:])
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [*command, "-m", "agentbolt", *args])
+
+
+def _without_nproc(args: list[str]) -> list[str]:
+    out: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out
 
 
 def _settings(sections: list[_Section], params: dict[str, Any]) -> dict[str | None, dict[str, Any]]:
