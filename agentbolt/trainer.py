@@ -249,7 +249,15 @@ class Trainer:
         train_tasks: Iterable[Task | dict[str, Any]] | None = None,
         val_tasks: Iterable[Task | dict[str, Any]] | None = None,
     ) -> Any:
-        """Run the algorithm; returns what it returns."""
+        """Run the algorithm; returns what it returns. Under ``torchrun`` with several ranks,
+        rank 0 runs everything and the others only join the updates (they return None)."""
+        if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+            from agentbolt.algorithms import distributed
+
+            distributed.check_launch(self.algorithm)
+            if distributed.rank() > 0:
+                distributed.follow()
+                return None
         agent = as_agent(agent)
         train = [Task.of(t) for t in train_tasks or []]
         val = [Task.of(t) for t in val_tasks or []]
