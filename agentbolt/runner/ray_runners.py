@@ -613,9 +613,11 @@ def serve_on_ray(runners: RayRunners, agent: Any, server_url: str, token: str | 
             log.info("stopping: no new rollouts; running ones get %.0f s to finish", runners.grace)
             stop.set()
 
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         runners.start(agent, server_url, token=token)
+        for sig in previous:  # after ray.init, which sets a SIGTERM handler that exits at once
+            signal.signal(sig, on_signal)
         infos = runners.wait_ready(stop_event=stop)
         for info in infos:
             log.info(
@@ -635,7 +637,7 @@ def serve_on_ray(runners: RayRunners, agent: Any, server_url: str, token: str | 
         raise
     finally:
         for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def run_cli(

@@ -251,9 +251,12 @@ def _cli(*args: str, log: Path | None = None) -> subprocess.Popen[bytes]:
     )
 
 
-def test_cli_runner_on_ray_stops_gracefully_on_sigint(ray_cluster, store, tmp_path):
+@pytest.mark.parametrize(("stop_signal", "twice"), [(signal.SIGINT, False), (signal.SIGTERM, True)])
+def test_cli_runner_on_ray_stops_gracefully(ray_cluster, store, tmp_path, stop_signal, twice):
     """``agentbolt runner --ray ADDRESS --replicas 2 ...`` joins the running cluster as a
-    second driver; SIGINT lets the running rollout finish, then frees the actors."""
+    second driver. SIGINT or SIGTERM (which ray.init would take over) lets the running
+    rollout finish (3 s, within the 10 s grace); a second signal releases a 60 s one at once.
+    Either way the command exits 0 and the actors are freed."""
     srv, _ = store
     done, out = tmp_path / "done.log", tmp_path / "cli.log"
     agent = f"{HERE / 'ray_agents.py'}:counted"
@@ -268,12 +271,23 @@ def test_cli_runner_on_ray_stops_gracefully_on_sigint(ray_cluster, store, tmp_pa
             ids = [r.id for r in client.enqueue(_tasks(done, 10))]
             _wait_all(client, ids, 90)
             assert _sandboxes_free() == SANDBOXES - 2
-            [slow] = client.enqueue(_tasks(done, 1, events=1, sleep=3.0))
+            [slow] = client.enqueue(_tasks(done, 1, events=1, sleep=60.0 if twice else 3.0))
             wait_until(lambda: client.list_attempts(slow.id), 30, "the slow rollout to start")
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(stop_signal)
+            if twice:
+                time.sleep(1.0)
+                proc.send_signal(stop_signal)
+            started = time.monotonic()
             assert proc.wait(60) == 0, out.read_text()[-3000:]
-            assert client.get_rollout(slow.id).status == "succeeded"  # finished within the grace
-        assert "stopped: " in out.read_text() and "Traceback" not in out.read_text()
+            [attempt] = client.list_attempts(slow.id)
+            if twice:  # released at once, back in the queue for another runner
+                assert time.monotonic() - started < 9
+                assert (attempt.status, client.get_rollout(slow.id).status) == ("released", "queued")
+                assert "stopped: 10 completed, 0 failed, 0 lost, 1 abandoned" in out.read_text()
+            else:  # finished within the grace
+                assert (attempt.status, client.get_rollout(slow.id).status) == ("succeeded", "succeeded")
+                assert "stopped: 11 completed, 0 failed, 0 lost, 0 abandoned" in out.read_text()
+        assert "Traceback" not in out.read_text()
         wait_until(lambda: _sandboxes_free() == SANDBOXES, 30, "the CLI's actors to be freed")
     finally:
         if proc.poll() is None:
