@@ -117,10 +117,31 @@ READY, COMPLETED, FAILED, LOST, CALLS, CLAIMS = range(6)
 
 
 def _runner_process(
-    index: int, url: str, token: str, slots: int, lease: float, shared: Any, stop: Any, results: Any
+    index: int,
+    url: str,
+    token: str,
+    slots: int,
+    lease: float,
+    shared: Any,
+    stop: Any,
+    results: Any,
+    profile: str | None = None,
 ) -> None:
     logging.basicConfig(level=logging.WARNING)
-    asyncio.run(_run_runner(index, url, token, slots, lease, shared, stop, results))
+    if profile is None:
+        asyncio.run(_run_runner(index, url, token, slots, lease, shared, stop, results))
+        return
+    import cProfile
+
+    # wall-clock timer: a CPU-time one costs a system call per function call, which slows the
+    # runner enough (the openai client makes many calls) that its leases lapse
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        asyncio.run(_run_runner(index, url, token, slots, lease, shared, stop, results))
+    finally:
+        profiler.disable()
+        profiler.dump_stats(profile)
 
 
 async def _run_runner(
@@ -845,7 +866,13 @@ def _print_report(r: dict[str, Any], args: argparse.Namespace) -> None:
 def _deploy(args: argparse.Namespace, db: str) -> Deployment:
     token = secrets.token_urlsafe(24)
     config = ServerConfig.with_token(token, db=db, lease_seconds=args.lease)
-    servers = [ServerProcess(config) for _ in range(args.replicas)]
+    profiles = Path(args.profile) if args.profile else None
+    if profiles is not None:
+        profiles.mkdir(parents=True, exist_ok=True)
+    servers = [
+        ServerProcess(config, profile=str(profiles / f"server-{i + 1}.prof") if profiles else None)
+        for i in range(args.replicas)
+    ]
     port = free_port()
     stub = SPAWN.Process(target=_serve_upstream, args=(port, args.model_latency_ms / 1000), daemon=True)
     stub.start()
@@ -870,7 +897,17 @@ def _deploy(args: argparse.Namespace, db: str) -> Deployment:
         dep.runner_urls.append(url)
         proc = SPAWN.Process(
             target=_runner_process,
-            args=(i + 1, url, token, slots, args.lease, shared, dep.stop, dep.results),
+            args=(
+                i + 1,
+                url,
+                token,
+                slots,
+                args.lease,
+                shared,
+                dep.stop,
+                dep.results,
+                str(profiles / f"runner-{i + 1}.prof") if profiles else None,
+            ),
             daemon=True,
         )
         dep.runners.append(proc)
@@ -978,6 +1015,12 @@ def main() -> None:
         metavar="URL",
         help="an existing, empty store instead of a fresh one (a SQLite file, or a postgresql:// URL whose "
         "options set its own search_path); it is kept afterwards, for an audit",
+    )
+    ap.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="write each server's (CPU time) and runner process's (wall time) cProfile statistics here; "
+        "profiling slows them, so take no figures from such a run",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON here ('-' for stdout)")
