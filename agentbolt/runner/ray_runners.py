@@ -583,7 +583,10 @@ def _resources(ray: Any) -> tuple[str, str]:
 
 
 def _gib(amount: float) -> str:
-    return f"{amount / 1024**3:.2f}GiB"
+    """Bytes as Ray's request shows them: GiB, or MiB below one GiB."""
+    if amount >= 1024**3:
+        return f"{amount / 1024**3:.2f}GiB"
+    return f"{amount / 1024**2:.4g}MiB"
 
 
 def _reason(exc: BaseException) -> str:

@@ -265,7 +265,7 @@ def test_cli_runner_on_ray_stops_gracefully(ray_cluster, store, tmp_path, stop_s
     proc = _cli(*args, log=out)
     try:
         with Client(srv.url) as client:
-            ready = "2 Ray runner actor(s) ready; each asks for CPU=0.5, memory=0.06GiB, sandbox=1"
+            ready = "2 Ray runner actor(s) ready; each asks for CPU=0.5, memory=64MiB, sandbox=1"
             wait_until(lambda: ready in out.read_text() or proc.poll() is not None, 90, "the actors")
             assert ready in out.read_text(), out.read_text()[-3000:]
             ids = [r.id for r in client.enqueue(_tasks(done, 10))]
@@ -307,6 +307,7 @@ def test_cli_starts_a_local_cluster_and_exits_after_max_rollouts(store, tmp_path
         out, _ = proc.communicate(timeout=120)
         text = out.decode()
         assert proc.returncode == 0, text[-3000:]
+        assert "Started a local Ray instance" in text  # its own, not the module's cluster
         assert "1 Ray runner actor(s) ready; each asks for CPU=1\n" in text
         assert "stopped: 3 completed, 0 failed, 0 lost, 0 abandoned" in text
         assert [client.get_rollout(rid).status for rid in ids] == ["succeeded"] * 3
@@ -348,7 +349,7 @@ def test_an_unplaceable_request_is_a_clear_error(ray_cluster, store):
     assert time.monotonic() - started < 15
     text = str(err.value)
     assert "could not place 1 of 1 runner actor(s) within 3 s" in text
-    assert "each asks for CPU=1, memory=0.00GiB, sandbox=9" in text and "sandbox=4" in text
+    assert "each asks for CPU=1, memory=1MiB, sandbox=9" in text and "sandbox=4" in text
     assert not runners.actors  # killed: nothing left pending in the cluster
 
 
