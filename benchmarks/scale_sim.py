@@ -588,7 +588,14 @@ def _bottleneck(cores: dict[str, float], busy: float, ncpu: int, agents: int) ->
     share = ", ".join(
         f"{k} {v / ncpu:.0%}" for k, v in sorted(cores.items(), key=lambda kv: -kv[1]) if v >= 0.005
     )
-    if busy >= 0.9 * ncpu:
+    other = max(0.0, busy - ours)
+    if busy >= 0.9 * ncpu and other > 0.15:
+        head = (
+            f"cannot be told: the machine's {ncpu} cores were saturated ({busy:.2f} busy), {other:.2f} of "
+            f"them by other work; run it on a quiet machine. This run's largest share is {top}'s "
+            f"({python[top]:.2f} cores)"
+        )
+    elif busy >= 0.9 * ncpu:
         head = (
             f"the machine's {ncpu} cores saturate first ({busy:.2f} busy, {ours:.2f} of them this run's); "
             f"the largest share is {top}'s ({python[top]:.2f} cores)"
