@@ -12,7 +12,8 @@ the agents do not march in step). Everything is real except the model:
   the replicas (runner i talks to replica i mod R: no load balancer in front);
 - the agents: async ``@rollout`` functions calling the rollout's ``LLM`` resource as any agent
   does (``agentbolt.runner.llm.async_openai`` on the gateway URL and per-attempt agent key the
-  claim carries), recording each tool call (``emit_tool_call``);
+  claim carries, with the OpenAI client's default of 2 retries: ``--agent-retries``), recording
+  each tool call (``emit_tool_call``);
 - the model: the instant stub of ``benchmarks/gateway_overhead.py`` in its own process.
 
 The driver (this process) keeps N + B rollouts in the system (N running, a backlog of B,
@@ -32,7 +33,7 @@ saturating a core, and the paper estimate for 10,000 agents from the per-rollout
 
     python benchmarks/scale_sim.py                                   # 1,000 agents, 5 s tools, SQLite
     python benchmarks/scale_sim.py --backend postgres --replicas 2   # PostgreSQL, 2 server replicas
-    python benchmarks/scale_sim.py --quick                           # a smoke run (about 30 s)
+    python benchmarks/scale_sim.py --quick                           # a smoke run (about 40 s)
 
 Use it on a quiet machine: every part shares its cores (the summary says how busy the machine
 was with other work during the window).
