@@ -36,7 +36,7 @@ pytestmark = pytest.mark.timeout(150)
 try:
     import ray
 except ImportError:  # under CI=true the fixture fails instead (scripts/test.sh installs the extra)
-    ray = None
+    ray = None  # type: ignore[assignment]
 
 ENV = {"env_vars": {"PYTHONPATH": str(HERE)}}
 """The actors' runtime environment: tests/scale on their path, so ``ray_agents`` imports."""
@@ -118,12 +118,12 @@ def test_100_rollouts_through_4_actors_one_killed(ray_cluster, store, tmp_path):
         replicas=4, num_cpus=1, resources={"sandbox": 1}, concurrency=2, lease_seconds=2, runtime_env=ENV
     )
     with Client(srv.url) as client:
-        ids = [r.id for r in client.enqueue(_tasks(log, 100, sleep=0.1))]
         runners.start("ray_agents:counted", srv.url)
         try:
             infos = runners.wait_ready(timeout=90)
             assert len({i["pid"] for i in infos}) == 4 and all(i["worker_id"] for i in infos)
             assert _sandboxes_free() == 0  # each actor holds its sandbox slot
+            ids = [r.id for r in client.enqueue(_tasks(log, 100, sleep=0.1))]  # all four take part
             victim = infos[0]
             wait_until(lambda: len(_lines(log)) >= 10, 60, "10 rollouts done")
             wait_until(lambda: _running_of(db, victim["worker_id"]), 30, "the victim to hold attempts")
