@@ -179,7 +179,7 @@ def test_attempts_spread_over_the_servers_and_stick_to_one(pair, server, client)
         stream = agent.chat.completions.create(model="tiny", messages=MESSAGES, stream=True, **GREEDY)
         assert [chunk for chunk in stream]
         assert agent.completions.create(model="tiny", prompt="Once", **GREEDY).choices
-        assert [m.id for m in agent.models.list()] == ["tiny"]  # its server's list
+        assert "tiny" in [m.id for m in agent.models.list()]  # its server's list
 
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(agent, claims))
