@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 
-from agentbolt.schemas import Attempt, AttemptFinish, EventsRequest, FinishRequest, HeartbeatRequest, Rollout
+from agentbolt.schemas import Attempt, EventsRequest, FinishRequest, HeartbeatRequest, Rollout
 from agentbolt.server.config import Role
 from agentbolt.server.routes.common import IdempotencyKey, acting_worker, json_response
 from agentbolt.server.store_caller import StoreCaller, WakeUp
@@ -35,7 +35,7 @@ def router(call: StoreCaller, wake: WakeUp) -> APIRouter:
     @api.post("/events")
     async def add_events(attempt_id: str, body: EventsRequest, request: Request) -> Response:
         """Append events; ones whose (attempt, sequence) is already stored are skipped."""
-        return await append_events(call, attempt_id, body, request)
+        return json_response({"added": await append_events(call, attempt_id, body, request)})
 
     @api.post("/finish", response_model=Rollout)
     async def finish(
@@ -44,29 +44,26 @@ def router(call: StoreCaller, wake: WakeUp) -> APIRouter:
         """End the attempt: ``succeeded`` ends the rollout, ``failed`` fails it, ``released``
         requeues it. A retry of the finish that ended it (same ``Idempotency-Key``) gets the
         rollout again; any other write to an ended attempt is a 409 naming its state."""
-        return await finish_attempt(call, wake, attempt_id, body, key, request)
+        return json_response(await finish_attempt(call, wake, attempt_id, body, key, request))
 
     return api
 
 
-async def append_events(
-    call: StoreCaller, attempt_id: str, body: EventsRequest, request: Request
-) -> Response:
-    """The events call's work (the route's and the runner fast path's)."""
+async def append_events(call: StoreCaller, attempt_id: str, body: EventsRequest, request: Request) -> int:
+    """The events call's work (the route's and the runner fast path's): how many were new."""
     worker = _holder_named(request, body.worker_id)
-    added = await call(call.store.add_events, attempt_id, body.events, worker)
-    return json_response({"added": added})
+    return await call(call.store.add_events, attempt_id, body.events, worker)
 
 
 async def finish_attempt(
     call: StoreCaller, wake: WakeUp, attempt_id: str, body: FinishRequest, key: str | None, request: Request
-) -> Response:
-    """The finish call's work (the route's and the runner fast path's)."""
+) -> Rollout:
+    """The finish call's work (the route's and the runner fast path's): the rollout after it.
+    The body is the store's :class:`AttemptFinish` already (its ``worker_id`` is not read)."""
     worker = _holder_named(request, body.worker_id)
-    finish = AttemptFinish(**body.model_dump(exclude={"worker_id"}))
-    rollout = await call(call.store.finish_attempt, attempt_id, finish, worker, key)
+    rollout = await call(call.store.finish_attempt, attempt_id, body, worker, key)
     wake.notify()  # a requeue is new work; a final rollout ends someone's wait
-    return json_response(rollout)
+    return rollout
 
 
 def _holder_named(request: Request, named: str | None) -> str | None:

@@ -16,7 +16,7 @@ from pydantic_core import to_json
 from agentbolt.errors import Forbidden
 from agentbolt.server.middleware import Caller
 
-__all__ = ["INT_CURSOR", "IdempotencyKey", "acting_worker", "caller_of", "json_response"]
+__all__ = ["INT_CURSOR", "IdempotencyKey", "acting_worker", "caller_of", "json_bytes", "json_response"]
 
 # Cursors as the store writes them (a queue position; "<timestamp>:<event id>" for events):
 # anything else is a 422 from validation, not a 400 from the store.
@@ -34,15 +34,18 @@ IdempotencyKey = Annotated[
 ]
 
 
+def json_bytes(model: BaseModel | list[Any] | dict[str, Any] | None) -> bytes:
+    """``model`` (or ``null``) serialised as the JSON an answer carries."""
+    if model is None:
+        return b"null"
+    if isinstance(model, BaseModel):
+        return model.__pydantic_serializer__.to_json(model)
+    return to_json(model)
+
+
 def json_response(model: BaseModel | list[Any] | dict[str, Any] | None, status: int = 200) -> Response:
     """``model`` (or ``null``) serialised once, as the answer."""
-    if model is None:
-        body = "null"
-    elif isinstance(model, BaseModel):
-        body = model.model_dump_json()
-    else:
-        body = to_json(model).decode()
-    return Response(content=body, status_code=status, media_type="application/json")
+    return Response(content=json_bytes(model), status_code=status, media_type="application/json")
 
 
 def caller_of(request: Request) -> Caller | None:

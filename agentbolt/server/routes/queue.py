@@ -109,25 +109,26 @@ def router(call: StoreCaller, wake: WakeUp) -> APIRouter:
         ``Idempotency-Key`` (same worker) gets the same claim, never a second one. The claim's
         ``agent_key`` is the attempt's own credential, also every LLM resource's ``api_key``. A
         worker token claims only for its own worker (403 naming another)."""
-        return await claim_work(call, wake, body, key, request)
+        return json_response(await claim_work(call, wake, body, key, request))
 
     return api
 
 
 async def claim_work(
     call: StoreCaller, wake: WakeUp, body: DequeueRequest, key: str | None, request: Request
-) -> Response:
-    """The dequeue call's work (the route's and the runner fast path's): a long poll for a claim."""
+) -> Claim | None:
+    """The dequeue call's work (the route's and the runner fast path's): a long poll for a
+    claim, None when none came."""
     acting_worker(request, body.worker_id)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + body.wait
     while (claim := await call(call.store.dequeue, body.worker_id, body.lease_seconds, key)) is None:
         if loop.time() >= deadline:
-            return json_response(None)
+            return None
         await wake.wait(min(POLL_SECONDS, max(0.0, deadline - loop.time())))
         if await request.is_disconnected():  # a dead runner's poll must not take the work
-            return json_response(None)
-    return json_response(_for_the_runner(claim, request))
+            return None
+    return _for_the_runner(claim, request)
 
 
 def _for_the_runner(claim: Claim, request: Request) -> Claim:

@@ -28,12 +28,14 @@ from agentbolt.schemas import DequeueRequest, EventsRequest, FinishRequest
 from agentbolt.server.errors import error_answer
 from agentbolt.server.middleware import read_body
 from agentbolt.server.routes.attempts import append_events, finish_attempt
+from agentbolt.server.routes.common import json_bytes
 from agentbolt.server.routes.queue import claim_work
 from agentbolt.server.store_caller import StoreCaller, WakeUp
 
 __all__ = ["RunnerFastPath"]
 
 _KEY = re.compile(rb"[!-~]{1,200}")  # IdempotencyKey's pattern (routes.common)
+_JSON = (b"content-type", b"application/json")
 _ATTEMPT_CALLS: dict[str, type[BaseModel]] = {"events": EventsRequest, "finish": FinishRequest}
 
 
@@ -58,14 +60,21 @@ class RunnerFastPath:
         request = Request(scope, receive)
         try:
             if kind == "dequeue":
-                response = await claim_work(self.call, self.wake, body, key, request)
+                payload = json_bytes(await claim_work(self.call, self.wake, body, key, request))
             elif kind == "events":
-                response = await append_events(self.call, attempt_id, body, request)
+                payload = b'{"added":%d}' % await append_events(self.call, attempt_id, body, request)
             else:
-                response = await finish_attempt(self.call, self.wake, attempt_id, body, key, request)
+                payload = json_bytes(
+                    await finish_attempt(self.call, self.wake, attempt_id, body, key, request)
+                )
         except (AgentboltError, RequestValidationError, ValueError) as exc:
             response = await error_answer(request, exc)
-        await response(scope, receive, send)
+            await response(scope, receive, send)
+            return
+        # the answer json_response would make (its headers, in its order), without building it
+        headers = [(b"content-length", b"%d" % len(payload)), _JSON]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": payload})
 
 
 def _runner_post(scope: dict[str, Any]) -> tuple[str, str] | None:
