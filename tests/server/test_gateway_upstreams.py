@@ -321,6 +321,15 @@ def test_only_a_call_that_sent_nothing_moves_to_another_server(pair, server, cli
     assert len([r for r in caplog.records if "sent nothing" in r.getMessage()]) == 1
     assert _calls(client, claim)[-1].data["upstream"] == a.url
 
+    # a stream moves alike (its request goes out through the streaming transport)
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    claims = _claims(client, LLM(base_url=dead, upstreams=[a.url], model="tiny"), 8)
+    claim = next(c for c in claims if _first(c, [dead, a.url]) == dead)
+    stream = _agent(claim).chat.completions.create(model="tiny", messages=MESSAGES, stream=True, **GREEDY)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    [call] = _calls(client, claim)
+    assert call.data["upstream"] == a.url and call.data["error"] is None and call.data["stream"]
+
     # read whole, then no answer: the server may have acted on it, so it is reported
     hang = HangUp()
     try:
