@@ -8,7 +8,8 @@ status, content type and schema, invalid input is refused and valid input accept
 Two documented exceptions, where JSON Schema has no way to say up front what the server
 refuses with a 422 that says so: free-form JSON may hold integers beyond 64 bits, which the
 store cannot keep; and the named rewards' rules across fields (a scale's high above its low, a
-score unless the state is error, names distinct and not ``agent``: :data:`CROSS_FIELD`).
+score unless the state is error, names distinct and not ``agent``; an LLM resource's servers,
+``base_url`` and ``upstreams``, all different: :data:`CROSS_FIELD`).
 Generated strings hold no NUL characters: PostgreSQL text cannot, and a NUL gets a 400 there
 (:func:`test_nul_characters_are_refused_not_crashed_on` checks that separately).
 
@@ -113,6 +114,7 @@ CROSS_FIELD = (
     "'agent' is the rollout's own reward",
     "'agent' names the rollout's own reward",
     "reward names must be distinct",
+    "is named twice",  # an LLM resource's servers (base_url and upstreams) must all differ
 )
 
 
