@@ -27,6 +27,8 @@ EXTRA_OF = {
     "numpy": "train",
     "matplotlib": "train",
     "datasets": "export",
+    "ray": "ray",
+    "kubernetes": "kubernetes",
 }
 
 

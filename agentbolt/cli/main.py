@@ -219,6 +219,10 @@ def runner(
     (Ctrl-C finishes or releases running ones); with --kubernetes, each rollout is a Job."""
     from agentbolt.runner.worker import Runner, load_agent
 
+    if kubernetes is not None and (ray is not None or replicas is not None):
+        raise ConfigError(
+            "--kubernetes runs each rollout as a Job; it cannot be combined with --ray/--replicas"
+        )
     if kubernetes is not None:
         from agentbolt.runner.kubernetes import launch_from_cli
 

@@ -78,6 +78,22 @@ def test_bad_input_gives_one_clear_message(tmp_path):
     assert broken.returncode != 0 and "not JSON" in broken.stderr and "Traceback" not in broken.stderr
     spec = cli("runner", "--agent", "no_colon_here", "--server", "http://127.0.0.1:9")
     assert spec.returncode != 0 and "module:object" in spec.stderr and "Traceback" not in spec.stderr
+    both = cli(
+        "runner",
+        "--command",
+        "true",
+        "--kubernetes",
+        "job.yaml",
+        "--ray",
+        "local",
+        "--server",
+        "http://127.0.0.1:9",
+    )
+    assert (
+        both.returncode != 0
+        and "cannot be combined with --ray" in both.stderr
+        and "Traceback" not in both.stderr
+    )
     down = cli("rollouts", "list", "--server", "http://127.0.0.1:9")
     assert down.returncode != 0 and "failed after" in down.stderr and "Traceback" not in down.stderr
 
