@@ -168,7 +168,9 @@ def _join(device: torch.device) -> _Group:
     backend = _backend(device)
     timeout = timedelta(seconds=_seconds(_TIMEOUT_ENV, 1800.0))
     try:
-        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+        if device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)  # NCCL's collectives run on the current device
+        dist.init_process_group(backend, timeout=timeout)
     except Exception as exc:  # noqa: BLE001 - a clear one-line message, whatever c10d raised
         raise DistributedError(f"rank {rank()} could not join the process group ({backend}): {exc}") from exc
     global _joins

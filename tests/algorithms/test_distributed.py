@@ -246,3 +246,20 @@ def test_balance_spreads_micro_batches_by_tokens() -> None:
     assert distributed.balance([50, 10, 40, 30, 20], 2) == [[0, 1, 4], [2, 3]]  # 80 / 70
     assert distributed.balance([5], 3) == [[0], [], []]
     assert distributed.balance([], 2) == [[], []]
+
+
+def test_sft_end_to_end_on_two_ranks_from_python(tmp_path: Path) -> None:
+    """A Python script under torchrun: every rank calls Trainer.fit; rank 0 runs the round
+    (rollouts, selection, export, sync, publish), rank 1 trains its share and gets None."""
+    from agentbolt.engine import tiny_model_dir
+
+    model = tiny_model_dir(tmp_path / "tiny")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    _torchrun(str(HERE / "distributed_sft_worker.py"), str(model), str(run_dir))
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["rows"] >= 2 and result["steps"] == 1 and result["version"] >= 2
+    assert (Path(result["weights"]) / "adapter_config.json").exists()
+    rank1 = json.loads((run_dir / "rank1.json").read_text())
+    assert len(rank1) == len(result["trained"]) == 1
+    assert rank1[0] >= 1 and result["trained"][0] >= 1  # both ranks took micro-batches
