@@ -8,13 +8,16 @@ Scenarios (each its own tiny random Llama, rows of uneven lengths, several micro
 
 - ``grpo``: two GRPO updates (PolicyLoss, LoRA) -> ``grpo``;
 - ``sft``: two SFT updates (sft_loss, full fine-tuning) -> ``sft``;
+- ``async_kl``: two asynchronous-GRPO updates (proximal ratio, truncated importance weights)
+  with the KL term, each rank computing its micro-batches' reference log-probs -> ``async_kl``;
 - ``per_rank``: the GRPO updates with each rank's loss divided by its OWN token count (the
   wrong normalisation the test must tell apart) -> ``per_rank``;
 - ``first``: the first GRPO update only, checkpointed (full state, by rank 0) to ``OUT_DIR/ckpt``;
 - ``resume``: the second GRPO update from the checkpoint in ``RESUME_DIR`` -> ``resumed``;
-- ``die``: rank 0 sets the followers up and exits at once (the followers must end, not hang).
+- ``die``: rank 0 sets the followers up and exits at once (the followers must end, not hang);
+- ``fail``: rank 0 sets the followers up and raises (they end with its error).
 
-``all`` runs grpo, sft, per_rank and first in one launch (each launch costs seconds of imports).
+``all`` runs per_rank, sft, async_kl, first and grpo in one launch (each launch costs seconds of imports).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +35,15 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from agentbolt.algorithms import distributed
-from agentbolt.algorithms.losses import Batch, PolicyLoss, TrainRow, micro_batches, pad_batch, sft_loss
+from agentbolt.algorithms.losses import (
+    Batch,
+    PolicyLoss,
+    TrainRow,
+    micro_batches,
+    pad_batch,
+    reference_logprobs,
+    sft_loss,
+)
 from agentbolt.algorithms.train_state import (
     TrainConfig,
     TrainState,
@@ -97,10 +108,17 @@ def grpo_state(lora: bool = True) -> TrainState:
     return make_train_state(tiny_model(), TrainConfig(lora=lora, lora_r=4, lora_alpha=8, lr=1e-3))
 
 
-def run_update(state: TrainState, step_batches: list[Batch], loss: Any) -> dict[str, float]:
-    """The distributed update on several ranks; on one process the existing one-rank path."""
+def run_update(
+    state: TrainState, step_batches: list[Batch], loss: Any, reference: bool = False
+) -> dict[str, float]:
+    """The distributed update on several ranks; on one process the existing one-rank path
+    (GRPO's: the reference log-probs added to every micro-batch first)."""
     if distributed.leading():
-        return distributed.update(state, step_batches, loss)
+        return distributed.update(state, step_batches, loss, reference=reference)
+    if reference:
+        step_batches = [
+            replace(b, ref_logprobs_BT=reference_logprobs(state.reference_model, b)) for b in step_batches
+        ]
     return optimizer_step(state, step_batches, loss)
 
 
@@ -110,6 +128,8 @@ def trainable(state: TrainState) -> dict[str, torch.Tensor]:
 
 def scenario(name: str, out: Path, resume: Path | None, info: dict[str, Any]) -> None:
     policy = PolicyLoss(entropy=True)
+    if name == "async_kl":  # asynchronous GRPO's loss (proximal ratio, importance weights) with KL
+        policy = PolicyLoss(kl_coef=0.1, proximal=True, importance="token", importance_cap=1.05)
     if name == "sft":
         state = make_train_state(tiny_model(), TrainConfig(lora=False, lr=1e-3))
         source: Any = tiny_model()
@@ -135,7 +155,7 @@ def scenario(name: str, out: Path, resume: Path | None, info: dict[str, Any]) ->
         if name == "per_rank":
             local = {r: sum(step_batches[i].num_tokens for i in o) for r, o in enumerate(owned)}
             loss = PerRankLoss(policy, local)
-        metrics = run_update(state, step_batches, loss)
+        metrics = run_update(state, step_batches, loss, reference=name == "async_kl")
         info.setdefault("metrics", {})[f"{name}:{step}"] = metrics
     if name == "first":
         save_checkpoint(out / "ckpt", state.model, state.optimizer, state.step)
@@ -149,7 +169,7 @@ def main() -> None:
     resume = Path(sys.argv[3]) if len(sys.argv) > 3 else None
     # one group for the whole launch; each scenario sets the followers' model up afresh, so
     # the followers' replica at the end is the last scenario's (grpo, or the one asked for)
-    names = ["per_rank", "sft", "first", "grpo"] if which == "all" else [which]
+    names = ["per_rank", "sft", "async_kl", "first", "grpo"] if which == "all" else [which]
     if distributed.rank() > 0:
         try:
             state = distributed.follow()
@@ -163,9 +183,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     info: dict[str, Any] = {"world_size": distributed.world_size()}
     with distributed.leader(torch.device("cpu")):
-        if which == "die":  # rank 0 dies without a word after the followers set up
+        if which in ("die", "fail"):  # rank 0 dies without a word, or raises, after the setup
             distributed.setup_followers(grpo_state(), tiny_model())
-            os._exit(7)
+            if which == "die":
+                os._exit(7)
+            raise RuntimeError("rollouts went wrong")
         for n in names:
             scenario(n, out, resume, info)
     (out / "info.json").write_text(json.dumps(info))

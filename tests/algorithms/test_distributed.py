@@ -89,7 +89,7 @@ def test_two_ranks_give_the_one_rank_grpo_and_sft_updates(one: Path, two: Path) 
     counts = info["micro_batches_per_rank"]
     assert sorted(counts["grpo:1"]) == [3, 4]  # ranks with different numbers of micro-batches
     assert sorted(counts["grpo:2"]) == [0, 1]  # and a rank with none
-    for name in ("grpo", "sft"):
+    for name in ("grpo", "sft", "async_kl"):
         assert (
             _max_diff(_weights(one / f"{name}.safetensors"), _weights(two / f"{name}.safetensors"))
             < TOLERANCE
@@ -98,8 +98,11 @@ def test_two_ranks_give_the_one_rank_grpo_and_sft_updates(one: Path, two: Path) 
     assert _max_diff(_weights(two / "grpo.safetensors"), _weights(two / "grpo.rank1.safetensors")) == 0.0
     # the metrics too: the loss summed over ranks is the one-rank loss (global token count)
     ref = json.loads((one / "info.json").read_text())["metrics"]
-    for key in ("grpo:1", "grpo:2", "sft:1", "sft:2"):
-        for name in ("loss", "grad_norm", "num_tokens"):
+    for key in ("grpo:1", "grpo:2", "sft:1", "sft:2", "async_kl:1", "async_kl:2"):
+        for name in ("loss", "grad_norm", "num_tokens", "kl", "is_weight_mean", "clip_fraction"):
+            if name not in ref[key]:
+                assert name not in info["metrics"][key] and key.startswith(("grpo", "sft"))
+                continue
             assert info["metrics"][key][name] == pytest.approx(ref[key][name], rel=1e-5, abs=1e-6), (
                 key,
                 name,
@@ -156,9 +159,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_a_dead_rank_0_ends_the_others_with_a_message(tmp_path: Path) -> None:
-    """Two ranks started by hand (no torchrun to clean up): rank 0 dies after setting the other
-    up; rank 1 ends with a message within seconds instead of waiting forever."""
+@pytest.mark.parametrize(("how", "code", "words"), [("die", 7, "rank 0"), ("fail", 1, "rollouts went wrong")])
+def test_a_dead_or_failed_rank_0_ends_the_others_with_a_message(
+    tmp_path: Path, how: str, code: int, words: str
+) -> None:
+    """Two ranks started by hand (no torchrun to clean up): rank 0 dies (or raises) after
+    setting the other up; rank 1 ends with a message within seconds instead of waiting forever."""
     port = str(_free_port())
     procs = []
     for r in (0, 1):
@@ -166,7 +172,7 @@ def test_a_dead_rank_0_ends_the_others_with_a_message(tmp_path: Path) -> None:
         env["AGENTBOLT_DIST_LIVENESS"] = "5"
         procs.append(
             subprocess.Popen(
-                [sys.executable, WORKER, "die", str(tmp_path)],
+                [sys.executable, WORKER, how, str(tmp_path)],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -181,9 +187,9 @@ def test_a_dead_rank_0_ends_the_others_with_a_message(tmp_path: Path) -> None:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    assert procs[0].returncode == 7, err0[-2000:]
+    assert procs[0].returncode == code, err0[-2000:]
     assert procs[1].returncode == 3, err1[-2000:]
-    assert "rank 1 ended:" in err1 and "rank 0" in err1.split("rank 1 ended:")[1]
+    assert "rank 1 ended:" in err1 and words in err1.split("rank 1 ended:")[1]
     assert time.monotonic() - t0 < 30
 
 
