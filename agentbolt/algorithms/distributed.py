@@ -99,8 +99,11 @@ def launched() -> bool:
 
 def check_launch(algorithm: Any) -> None:
     """A clear error, on every rank, for an algorithm that cannot train over several ranks."""
+    from agentbolt.algorithms.grpo import GRPO
+    from agentbolt.algorithms.sft import SFT
+
     name = type(algorithm).__name__
-    if name not in DISTRIBUTED_ALGORITHMS:
+    if not isinstance(algorithm, GRPO | SFT):
         raise ConfigError(
             f"{name} does not train over several ranks (WORLD_SIZE={world_size()}): only "
             f"{' and '.join(DISTRIBUTED_ALGORITHMS)} do; run it as one process, without torchrun"
@@ -444,13 +447,30 @@ def _step(
     return out
 
 
+_BUCKET_ELEMENTS = 16 * 1024 * 1024
+"""Gradient elements summed per all-reduce (64 MB of float32): few collectives, and no second
+copy of a fully fine-tuned model's gradients at once."""
+
+
 def _all_reduce_grads(params: list[nn.Parameter]) -> None:
-    """Sum the gradients over the ranks in one flat buffer (a parameter without a gradient on
-    this rank, e.g. a rank without micro-batches, adds zeros)."""
-    if not params:
-        return
+    """Sum the gradients over the ranks, in flat buckets of consecutive parameters (a parameter
+    without a gradient on this rank, e.g. a rank without micro-batches, adds zeros). Every rank
+    forms the same buckets: the same parameters in the same order."""
+    bucket: list[nn.Parameter] = []
+    size = 0
+    for p in params:
+        if bucket and (size + p.numel() > _BUCKET_ELEMENTS or p.dtype != bucket[0].dtype):
+            _reduce_bucket(bucket)
+            bucket, size = [], 0
+        bucket.append(p)
+        size += p.numel()
+    if bucket:
+        _reduce_bucket(bucket)
+
+
+def _reduce_bucket(params: list[nn.Parameter]) -> None:
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    flat = torch.cat([g.reshape(-1) for g in grads])
     try:
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
     except Exception as exc:  # noqa: BLE001 - a peer died or timed out: one clear message
@@ -458,7 +478,7 @@ def _all_reduce_grads(params: list[nn.Parameter]) -> None:
     offset = 0
     for p in params:
         n = p.numel()
-        p.grad = flat[offset : offset + n].view_as(p).to(p.dtype)
+        p.grad = flat[offset : offset + n].view_as(p)  # a view, as DDP's bucket views
         offset += n
 
 

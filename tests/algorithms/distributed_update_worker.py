@@ -165,6 +165,7 @@ def scenario(name: str, out: Path, resume: Path | None, info: dict[str, Any]) ->
 
 def main() -> None:
     torch.set_num_threads(1)
+    distributed._BUCKET_ELEMENTS = 4096  # several all-reduce buckets per update, as a big model has
     which, out = sys.argv[1], Path(sys.argv[2])
     resume = Path(sys.argv[3]) if len(sys.argv) > 3 else None
     # one group for the whole launch; each scenario sets the followers' model up afresh, so
