@@ -15,8 +15,8 @@ process group's key-value store and broadcasts its payload (``broadcast_object_l
 One update (:func:`update`): the micro-batches are spread over the ranks by padded token count
 (greedy: the largest first, each to the least loaded rank), every rank accumulates the gradient
 of its micro-batches with the loss divided by the token count of the WHOLE batch (so the sum
-over ranks is the one-rank loss), the gradients are summed with one all-reduce over a flat
-buffer after accumulation (a rank without micro-batches adds zeros: ranks with different
+over ranks is the one-rank loss), the gradients are summed after accumulation (all-reduce over
+flat 64 MB buckets; a rank without micro-batches adds zeros: ranks with different
 numbers of micro-batches cannot deadlock), clipped, and every rank steps its optimizer. The
 replicas stay identical, so rank 0's model is the full model: checkpoints, weight export and
 ``PolicyServer.sync`` need no gathering, and a checkpoint resumes on any number of ranks.
