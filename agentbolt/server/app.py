@@ -118,10 +118,17 @@ class _App(FastAPI):
 
 
 def _front(app: _App, gateway: Gateway, call: StoreCaller, wake: WakeUp, config: ServerConfig) -> Any:
-    """The middleware of ``_add_middleware``, in the same order, over the whole stack."""
-    inner: Any = runner_fast.RunnerFastPath(app.stack, call=call, wake=wake)
-    inner = gateway_routes.GatewayFastPath(inner, gateway=gateway)
-    auth = AuthMiddleware(inner, tokens=config.tokens, call=gateway.call, names=config.token_names)
+    """The middleware of ``_add_middleware``, in the same order, over the whole stack; past
+    auth, a gateway call goes straight to the gateway's fast path and any other to the
+    runner's (neither serves the other's paths, so neither need pass them on)."""
+    runner: Any = runner_fast.RunnerFastPath(app.stack, call=call, wake=wake)
+    gateway_path: Any = gateway_routes.GatewayFastPath(app.stack, gateway=gateway)
+
+    async def either(scope: Any, receive: Any, send: Any) -> None:
+        fast = gateway_path if scope["path"].startswith("/gateway/") else runner
+        await fast(scope, receive, send)
+
+    auth = AuthMiddleware(either, tokens=config.tokens, call=gateway.call, names=config.token_names)
     return BodyLimitMiddleware(auth, max_bytes=config.max_body_bytes)
 
 

@@ -151,6 +151,8 @@ def _bearer(scope: Scope) -> bytes:
     return given.strip() if scheme.lower() == b"bearer" else b""
 
 
+_ISSUED = (AGENT_KEY_PREFIX.encode(), WORKER_TOKEN_PREFIX.encode())  # an issued credential's prefixes
+
 # issued credentials looked up once per process: what they bind to never changes
 _CACHE_LIMIT = 100_000
 
@@ -198,7 +200,7 @@ class AuthMiddleware:
 
     async def _caller(self, given: bytes) -> Caller | None:
         caller = self._configured(given)
-        if caller is None and given.startswith((AGENT_KEY_PREFIX.encode(), WORKER_TOKEN_PREFIX.encode())):
+        if caller is None and given.startswith(_ISSUED):
             caller = await self._issued_caller(given)
         return caller
 
@@ -206,7 +208,7 @@ class AuthMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path, method, given = scope["path"], scope["method"], _bearer(scope)
-        issued = given.startswith((AGENT_KEY_PREFIX.encode(), WORKER_TOKEN_PREFIX.encode()))
+        issued = given.startswith(_ISSUED)
         if not self.tokens and not issued:  # no auth configured: see the module docstring
             return await self.app(scope, receive, send)
         caller = await self._caller(given)
@@ -252,7 +254,13 @@ def _refusal(caller: Caller, method: str, path: str) -> str:
 async def read_body(receive: Any) -> bytes | None:
     """A request's whole body straight from ASGI (the fast paths'); None when the client went
     away before sending it."""
-    chunks = []
+    message = await receive()
+    if message["type"] == "http.disconnect":
+        return None
+    if not message.get("more_body"):  # the whole body in one message: the usual case
+        body: bytes = message.get("body", b"")
+        return body
+    chunks = [message.get("body", b"")]
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
