@@ -28,64 +28,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-class _JoinedWrites:
-    """A connection's transport whose writes go out in pairs: an answer's status line and
-    headers (uvicorn writes them on ``http.response.start``) leave with its body, in one
-    ``send`` instead of two. A write waits for the next one at most until the event loop's next
-    turn (a streamed answer's headers then go alone), and never more than one waits, so
-    ordering, memory and flow control are the transport's own."""
-
-    __slots__ = ("_held", "_loop", "_transport")
-
-    def __init__(self, transport: Any, loop: Any) -> None:
-        self._transport, self._loop = transport, loop
-        self._held: bytes | None = None
-
-    def write(self, data: bytes) -> None:
-        held = self._held
-        if held is None:
-            self._held = data
-            self._loop.call_soon(self._flush)
-        else:
-            self._held = None
-            self._transport.write(held + data)
-
-    def _flush(self) -> None:
-        held, self._held = self._held, None
-        if held is not None and not self._transport.is_closing():
-            self._transport.write(held)
-
-    def close(self) -> None:
-        self._flush()
-        self._transport.close()
-
-    def get_write_buffer_size(self) -> int:
-        return int(self._transport.get_write_buffer_size()) + len(self._held or b"")
-
-    def __getattr__(self, name: str) -> Any:  # everything else is the transport's
-        return getattr(self._transport, name)
-
-
-def _http_protocol() -> Any:
-    """uvicorn's httptools protocol, writing through :class:`_JoinedWrites`; "auto" (its
-    choice) where httptools is not installed."""
-    try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-    except ImportError:  # pragma: no cover - httptools comes with uvicorn[standard]
-        return "auto"
-
-    class Protocol(HttpToolsProtocol):
-        def connection_made(self, transport: Any) -> None:
-            super().connection_made(transport)
-            self.transport = _JoinedWrites(transport, self.loop)  # type: ignore[assignment]
-
-    return Protocol
-
-
 def _uvicorn_config(app: Any, config: ServerConfig, log_level: str) -> uvicorn.Config:
     return uvicorn.Config(
         app,
-        http=_http_protocol(),
         host=config.host,
         port=config.port,
         log_level=log_level,
