@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import threading
+import time
 
 import pytest
 
@@ -152,4 +153,47 @@ def test_a_finish_after_the_end_is_still_refused(tmp_path):
     first, second = asyncio.run(main())
     assert not isinstance(first, BaseException) and first.status.value == "succeeded"
     assert isinstance(second, AttemptEnded) and "is succeeded, not running" in str(second)
+    store.close()
+
+
+def test_a_thread_waiting_for_the_store_gets_its_turn_while_the_server_is_busy(tmp_path):
+    """With groups back to back (32 runners calling again as soon as they are answered), a
+    thread using the store directly still gets the connection between two groups."""
+    path = str(tmp_path / "store.db")
+    store = open_store(path)
+    call = StoreCaller(store)
+    took: list[float] = []
+
+    def other_thread() -> None:
+        t0 = time.monotonic()
+        for i in range(50):
+            store.enqueue([RolloutCreate(task=Task(data={"other": i}))])
+        took.append(time.monotonic() - t0)
+
+    async def busy() -> int:
+        thread = threading.Thread(target=other_thread)
+        deadline = time.monotonic() + 20
+        calls = 0
+
+        async def runner() -> None:  # a runner that calls again as soon as it is answered
+            nonlocal calls
+            while thread.is_alive() and time.monotonic() < deadline:
+                await call(store.enqueue, [RolloutCreate(task=Task(data={}))])
+                calls += 1
+
+        thread.start()
+        await asyncio.gather(*(runner() for _ in range(32)))
+        await asyncio.to_thread(thread.join, 30)
+        return calls
+
+    rounds = asyncio.run(busy())
+    assert took and took[0] < 10, took  # not starved until the loop stopped
+    assert rounds > 0  # the server was busy meanwhile
+    assert (
+        _committed(
+            path,
+            "SELECT count(*) FROM rollouts WHERE task_id IN (SELECT id FROM tasks WHERE data LIKE '%other%')",
+        )
+        == 50
+    )
     store.close()
