@@ -35,7 +35,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich.console import Console
 
@@ -46,12 +46,10 @@ from agentbolt.console import make_console
 from agentbolt.errors import ConfigError
 from agentbolt.evaluators.base import Evaluator
 from agentbolt.runner.agent import LitAgent, as_agent
+from agentbolt.runner.ray_runners import RayRunners  # imports ray only when actors start
 from agentbolt.schemas import Resource, Task
 from agentbolt.server.config import ServerConfig
 from agentbolt.server.run import ServerThread, free_port, wait_healthy
-
-if TYPE_CHECKING:
-    from agentbolt.runner.ray_runners import RayRunners
 
 __all__ = ["Trainer"]
 

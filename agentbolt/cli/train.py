@@ -110,7 +110,8 @@ def trainer_schema() -> Schema:
     from agentbolt.trainer import Trainer
 
     # the reward settings are the algorithm's own flags (--reward, --reward-wait, the judges')
-    skip = ("algorithm", "reward", "evaluators", "reward_wait")
+    # runners on Ray: `agentbolt runner --ray` beside the training command, or Trainer(ray=...)
+    skip = ("algorithm", "reward", "evaluators", "reward_wait", "ray")
     return parameters_schema(Trainer.__init__, skip=skip, docs=TRAINER_HELP)
 
 
