@@ -110,7 +110,7 @@ def trainer_schema() -> Schema:
     from agentbolt.trainer import Trainer
 
     # the reward settings are the algorithm's own flags (--reward, --reward-wait, the judges')
-    # runners on Ray: `agentbolt runner --ray` beside the training command, or Trainer(ray=...)
+    # runners on Ray are Trainer(ray=RayRunners(...)) in Python, or `agentbolt runner --ray`
     skip = ("algorithm", "reward", "evaluators", "reward_wait", "ray")
     return parameters_schema(Trainer.__init__, skip=skip, docs=TRAINER_HELP)
 

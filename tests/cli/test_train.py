@@ -77,7 +77,8 @@ def test_the_trainer_options_are_its_parameters() -> None:
     schema = trainer_schema()
     # the reward settings are given as the algorithm's flags, not twice
     rewards = {"reward", "evaluators", "reward_wait"}
-    params = set(inspect.signature(Trainer.__init__).parameters) - {"self", "algorithm", *rewards}
+    # runners on Ray: Trainer(ray=RayRunners(...)) in Python, `agentbolt runner --ray` beside a run
+    params = set(inspect.signature(Trainer.__init__).parameters) - {"self", "algorithm", "ray", *rewards}
     assert set(schema.settings) | set(schema.python_only) == params
     assert schema.python_only == ("console",)
     for key, setting in schema.settings.items():
