@@ -152,7 +152,10 @@ class EngineServer:
         self, engine: ModelEngine, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"
     ):
         self.engine = engine
-        config = uvicorn.Config(create_engine_app(engine), host=host, port=port, log_level=log_level)
+        # idle connections closed by the client (the gateway's pool) first: see KEEP_ALIVE_S
+        config = uvicorn.Config(
+            create_engine_app(engine), host=host, port=port, log_level=log_level, timeout_keep_alive=75
+        )
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
         self.host, self.port = host, port
