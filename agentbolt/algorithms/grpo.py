@@ -167,8 +167,10 @@ class GRPO(RewardOptions, Algorithm):
     device: str | None = None
     """Training device, and the embedded engine's; None: ``cuda`` when available, else ``cpu``."""
     serve_url: str | None = None
-    """A vLLM-compatible server already serving ``model`` (e.g. vLLM with ``--enable-lora``):
-    sampling goes there and each update is loaded as a LoRA adapter. None: the embedded engine."""
+    """A vLLM-compatible server already serving ``model`` (e.g. vLLM with ``--enable-lora``), or
+    several, comma-separated: sampling goes there (one server per attempt, behind the gateway)
+    and each update is loaded as a LoRA adapter into every server before it is published.
+    None: the embedded engine."""
     serve_model: str | None = None
     """The base model's name on ``serve_url``."""
     advantage: AdvantageMode = "rollout"
