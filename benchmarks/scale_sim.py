@@ -71,7 +71,7 @@ from agentbolt.runner.llm import async_openai
 from agentbolt.runner.worker import Runner
 from agentbolt.schemas import LLM, AttemptStatus, RolloutCreate, Task
 from agentbolt.server import ServerConfig
-from agentbolt.server.run import ServerProcess, free_port, wait_healthy
+from agentbolt.server.run import ServerProcess, free_port, start_together, wait_healthy
 
 SPAWN = multiprocessing.get_context("spawn")
 TARGET_AGENTS = 10_000
@@ -317,26 +317,6 @@ class Deployment:
     @property
     def urls(self) -> list[str]:
         return [s.url for s in self.servers]
-
-
-def _start_servers(servers: list[ServerProcess]) -> None:
-    """Start the replicas side by side (each takes seconds to import and migrate), as
-    tests/scale/test_replicas.py does."""
-    errors: list[BaseException] = []
-
-    def start(s: ServerProcess) -> None:
-        try:
-            s.start(timeout=120)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start, args=(s,)) for s in servers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
 
 
 def _tools(rng: random.Random, args: argparse.Namespace, first_wave: bool) -> list[float]:
@@ -888,7 +868,7 @@ def _deploy(args: argparse.Namespace, db: str) -> Deployment:
         servers, stub, [], [], SPAWN.Event(), SPAWN.Queue(), token, f"http://127.0.0.1:{port}/v1"
     )
     try:
-        _start_servers(servers)
+        start_together(servers)
         if _query(db, "SELECT COUNT(*) FROM rollouts")[0][0]:
             raise SystemExit("error: the store already holds rollouts; give an empty one (or no --store)")
         wait_healthy(f"http://127.0.0.1:{port}", timeout=60)

@@ -54,7 +54,7 @@ from agentbolt.runner.kube_template import (
     schema_problem,
 )
 from agentbolt.runner.outcome import clip, content_at_fault, judge, record_failure
-from agentbolt.runner.program import PLACEHOLDER_KEY
+from agentbolt.runner.program import PLACEHOLDER_KEY, llm_of
 from agentbolt.runner.program_io import OUTPUT_LIMIT, CappedOutput, ProgramFailed
 from agentbolt.runner.program_reward import AttemptAccess, ProgramRun, Scorer, choose_reward
 from agentbolt.schemas import LLM, AttemptStatus, Claim, EventType
@@ -484,16 +484,7 @@ class JobLauncher:
         return env
 
     def _llm_resource(self, claim: Claim) -> LLM | None:
-        resources = claim.resources.resources if claim.resources else {}
-        if self.llm is not None:
-            chosen = resources.get(self.llm)
-            if not isinstance(chosen, LLM):
-                raise ProgramFailed("ConfigError", f"no LLM resource named {self.llm!r} in this rollout")
-            return chosen
-        named = resources.get("llm")
-        if isinstance(named, LLM):
-            return named
-        return next((r for r in resources.values() if isinstance(r, LLM)), None)
+        return llm_of(claim.resources, self.llm)
 
     # ------------------------------------------------------------------ keeping the lease
 

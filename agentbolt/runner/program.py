@@ -44,7 +44,7 @@ from agentbolt.runner.program_io import (
     secret_free_environ,
 )
 from agentbolt.runner.program_reward import AttemptAccess, ProgramRun, Scorer, choose_reward
-from agentbolt.schemas import LLM, EventType, Task
+from agentbolt.schemas import LLM, EventType, Resources, Task
 
 __all__ = ["AttemptAccess", "Program", "ProgramFailed", "ProgramRun"]
 
@@ -195,16 +195,7 @@ class Program(LitAgent):
         return env
 
     def _llm_resource(self, ctx: RolloutContext) -> LLM | None:
-        resources = ctx.resources.resources if ctx.resources else {}
-        if self.llm is not None:
-            chosen = resources.get(self.llm)
-            if not isinstance(chosen, LLM):
-                raise ProgramFailed("ConfigError", f"no LLM resource named {self.llm!r} in this rollout")
-            return chosen
-        named = resources.get("llm")
-        if isinstance(named, LLM):
-            return named
-        return next((r for r in resources.values() if isinstance(r, LLM)), None)
+        return llm_of(ctx.resources, self.llm)
 
     # ------------------------------------------------------------------ the process
 
@@ -229,6 +220,21 @@ class Program(LitAgent):
             await _end_group(proc)
             await _finish_io(proc, io)
         return _Exit(proc.returncode, timed_out, out, err, loop.time() - started)
+
+
+def llm_of(resources: Resources | None, name: str | None) -> LLM | None:
+    """The LLM resource a program is pointed at: the one named ``name``, else ``llm``, else
+    the first; a named one that is missing fails the attempt."""
+    given = resources.resources if resources else {}
+    if name is not None:
+        chosen = given.get(name)
+        if not isinstance(chosen, LLM):
+            raise ProgramFailed("ConfigError", f"no LLM resource named {name!r} in this rollout")
+        return chosen
+    named = given.get("llm")
+    if isinstance(named, LLM):
+        return named
+    return next((r for r in given.values() if isinstance(r, LLM)), None)
 
 
 def _split(command: str | Sequence[str], what: str) -> list[str]:

@@ -17,7 +17,7 @@ import uvicorn
 from agentbolt.server.app import create_app
 from agentbolt.server.config import ServerConfig
 
-__all__ = ["ServerProcess", "ServerThread", "free_port", "serve", "wait_healthy"]
+__all__ = ["ServerProcess", "ServerThread", "free_port", "serve", "start_together", "wait_healthy"]
 
 log = logging.getLogger("agentbolt.server")
 
@@ -176,3 +176,23 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def start_together(servers: list[ServerProcess], timeout: float = 120.0) -> None:
+    """Start server processes (replicas) side by side: each takes seconds to import and
+    migrate. Raises the first start's error once every start has ended."""
+    errors: list[BaseException] = []
+
+    def start(server: ServerProcess) -> None:
+        try:
+            server.start(timeout=timeout)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(s,)) for s in servers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]

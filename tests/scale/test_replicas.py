@@ -12,8 +12,6 @@ Size: ``AGENTBOLT_REPLICA_ROLLOUTS`` (default 400) over 3 replicas x 2 runners x
 
 from __future__ import annotations
 
-import threading
-
 import httpx
 import pytest
 from scale_agents import chatty, check_events
@@ -22,29 +20,11 @@ from scale_support import DoubleClaimWatch, RunnerThread, audit, pg_schema, scal
 from agentbolt.client import Client
 from agentbolt.schemas import AttemptStatus, EventCreate, PromptTemplate, RolloutCreate, Task
 from agentbolt.server import ServerConfig, ServerProcess
+from agentbolt.server.run import start_together
 
 pytestmark = pytest.mark.postgres
 
 REPLICAS = 3
-
-
-def _start_all(servers: list[ServerProcess]) -> None:
-    """Start the replicas side by side (each takes seconds to import and migrate)."""
-    errors: list[BaseException] = []
-
-    def start(s: ServerProcess) -> None:
-        try:
-            s.start(timeout=90)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start, args=(s,)) for s in servers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
 
 
 def test_replicas_never_claim_a_rollout_twice():
@@ -56,7 +36,7 @@ def test_replicas_never_claim_a_rollout_twice():
         ]
         runners: list[RunnerThread] = []
         try:
-            _start_all(servers)
+            start_together(servers, timeout=90)
             urls = [s.url for s in servers]
             with Client(urls[0], timeout=60) as client:
                 items = [
@@ -122,7 +102,7 @@ def test_replicas_share_resources_and_events():
     with pg_schema() as db:
         servers = [ServerProcess(ServerConfig(db=db)) for _ in range(2)]
         try:
-            _start_all(servers)
+            start_together(servers, timeout=90)
             a, b = (Client(s.url) for s in servers)
             with a, b:
                 v = a.publish_resources({"p": PromptTemplate(template="one")})
