@@ -24,7 +24,22 @@ replicas stay identical, so rank 0's model is the full model: checkpoints, weigh
 This is DDP's scheme (replicated weights, summed gradients) with the all-reduce done by hand:
 ``DistributedDataParallel``'s hooks reduce inside the backward pass and need the same number of
 backward passes on every rank. FSDP2 (``fully_shard``) was measured against it on CPU/gloo and
-is slower there (docs/training.md, "Distributed training (torchrun)").
+is slower there (docs/training.md, "Distributed training (torchrun)"), so replicas are the
+default.
+
+``AGENTBOLT_DIST_STRATEGY=fsdp2`` shards instead, for a policy whose weights plus optimizer state
+do not fit on one device: every rank builds the model on the CPU and keeps only its shard of each
+decoder layer and of the rest (``fully_shard``; the shards go to the rank's device). The loss
+runs inside the forward of a root module (:class:`_Call`) that owns every parameter outside the
+decoder layers, so the chunked output layer of ``masked_logprobs`` (which calls the body and the
+head directly) still sees all-gathered weights. Every rank runs the same number of forward and
+backward passes (a rank with fewer micro-batches adds zero-weight passes), FSDP reduce-scatters
+the gradients as a sum (divide factor 1: the loss is already divided by the whole batch's token
+count), the gradients are clipped by their global norm and each rank steps an optimizer over its
+shards. Rank 0 also keeps the full model (``state.model``, no optimizer state): after each update
+the trainable parameters are all-gathered into it, so checkpoints, export and ``policy.sync``
+work unchanged; a checkpoint's optimizer state is gathered from the shards when it is written
+(``state.optimizer.state_dict()``), as a full state that resumes on any number of ranks.
 
 Waiting: between updates rank 0 runs rollouts for minutes, so the other ranks do not wait inside
 a collective (its timeout would end them); they poll the store for the next command and watch
@@ -37,6 +52,7 @@ with a message, not a hang.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import sys
 import threading
@@ -65,6 +81,7 @@ __all__ = [
     "share_state",
     "setup_followers",
     "stop_followers",
+    "strategy",
     "update",
     "world_size",
 ]
@@ -72,6 +89,8 @@ __all__ = [
 _TIMEOUT_ENV = "AGENTBOLT_DIST_TIMEOUT"
 _LIVENESS_ENV = "AGENTBOLT_DIST_LIVENESS"
 _BACKEND_ENV = "AGENTBOLT_DIST_BACKEND"
+_STRATEGY_ENV = "AGENTBOLT_DIST_STRATEGY"
+STRATEGIES = ("replicate", "fsdp2")
 _HEARTBEAT_SECONDS = 2.0
 DISTRIBUTED_ALGORITHMS = ("GRPO", "SFT")
 
@@ -103,11 +122,21 @@ def check_launch(algorithm: Any) -> None:
     from agentbolt.algorithms.sft import SFT
 
     name = type(algorithm).__name__
+    strategy()  # a bad AGENTBOLT_DIST_STRATEGY: the same one-line error on every rank
     if not isinstance(algorithm, GRPO | SFT):
         raise ConfigError(
             f"{name} does not train over several ranks (WORLD_SIZE={world_size()}): only "
             f"{' and '.join(DISTRIBUTED_ALGORITHMS)} do; run it as one process, without torchrun"
         )
+
+
+def strategy() -> str:
+    """``AGENTBOLT_DIST_STRATEGY``: ``replicate`` (the default: a full replica per rank, summed
+    gradients) or ``fsdp2`` (weights, gradients and optimizer state sharded over the ranks)."""
+    chosen = os.environ.get(_STRATEGY_ENV) or "replicate"
+    if chosen not in STRATEGIES:
+        raise ConfigError(f"{_STRATEGY_ENV}={chosen!r}: choose {' or '.join(STRATEGIES)}")
+    return chosen
 
 
 def _backend(device: torch.device) -> str:
@@ -152,6 +181,8 @@ class _Group:
     heartbeat: threading.Thread | None = None
     stopping: threading.Event | None = None
     warned_idle: bool = False
+    sharded: _Sharded | None = None
+    """With ``fsdp2``: this rank's shards of the model being trained."""
 
 
 _group: _Group | None = None
@@ -209,12 +240,19 @@ class _Setup:
     model: str | nn.Module
     config: TrainConfig
     reference: bool
+    strategy: str = "replicate"
 
 
 @dataclass(frozen=True)
 class _Load:
     step: int
-    optimizer: dict[str, Any]
+    optimizer: dict[str, Any] | None
+    """None (``fsdp2``): every rank keeps the optimizer state of its shards."""
+
+
+@dataclass(frozen=True)
+class _Gather:
+    """``fsdp2``: the optimizer state of every shard, gathered to rank 0 (a checkpoint)."""
 
 
 @dataclass(frozen=True)
@@ -290,7 +328,15 @@ def setup_followers(state: TrainState, model: str | nn.Module) -> None:
     if not leading():
         return
     assert _group is not None
-    _send(_group, _Setup(model, state.config, reference=state.reference is not None))
+    chosen = strategy()
+    _send(_group, _Setup(model, state.config, reference=state.reference is not None, strategy=chosen))
+    _group.sharded = None
+    if chosen == "fsdp2":  # rank 0 shards a copy; state.model stays the full model
+        reference = copy.deepcopy(state.reference).cpu() if state.reference is not None else None
+        _group.sharded = _make_sharded(
+            copy.deepcopy(state.model).cpu(), reference, state.config, _group.device
+        )
+        state.optimizer.__class__ = _GatheringAdamW
     share_state(state)
 
 
@@ -301,6 +347,14 @@ def share_state(state: TrainState) -> None:
         return
     group = _group
     assert group is not None
+    if group.sharded is not None:
+        # the full model's weights, and its optimizer state when one was loaded (a resume)
+        shadow = state.optimizer
+        full = _cpu(torch.optim.Optimizer.state_dict(shadow)) if shadow.state else None
+        _send(group, _Load(state.step, full))
+        _load_sharded(group.sharded, dict(_trainable_named(state.model)), full, state.step)
+        shadow.state.clear()  # the shards hold it now
+        return
     optimizer = state.optimizer.state_dict()
     _send(group, _Load(state.step, _cpu(optimizer)))
     _broadcast_trainable(state.model)
@@ -354,6 +408,10 @@ def update(
     if leading():
         assert _group is not None
         _send(_group, _Step(batches, loss_fn, bf16, reference))
+        if _group.sharded is not None:
+            out = _step_sharded(_group, _group.sharded, state, batches, loss_fn, bf16, reference)
+            state.step = _group.sharded.step
+            return out
         return _step(_group, state, batches, loss_fn, bf16, reference)
     return _step(None, state, batches, loss_fn, bf16, reference)
 
@@ -514,15 +572,33 @@ def follow() -> TrainState | None:
                 if command.error:
                     raise DistributedError(f"rank {group.rank}: rank 0 failed: {command.error}")
                 return state
+            sharded = group.sharded
             if isinstance(command, _Setup):
-                state = _build(command, group.device)
+                group.sharded = None
+                if command.strategy == "fsdp2":
+                    full = _build(command, torch.device("cpu"))  # only the shards go to the device
+                    sharded = group.sharded = _make_sharded(
+                        full.model, full.reference, full.config, group.device
+                    )
+                    del full
+                    state = sharded.view()
+                else:
+                    state = _build(command, group.device)
+            elif state is None:
+                raise DistributedError(f"rank 0 sent {type(command).__name__} before the model")
+            elif isinstance(command, _Load) and sharded is not None:
+                _load_sharded(sharded, None, command.optimizer, command.step)
+                state.step = sharded.step
             elif isinstance(command, _Load):
-                if state is None:
-                    raise DistributedError("rank 0 sent weights before the model")
                 _load(state, command)
+            elif isinstance(command, _Gather) and sharded is not None:
+                _gather_optimizer(sharded)
+            elif isinstance(command, _Step) and sharded is not None:
+                _step_sharded(
+                    group, sharded, None, command.batches, command.loss_fn, command.bf16, command.reference
+                )
+                state.step = sharded.step
             elif isinstance(command, _Step):
-                if state is None:
-                    raise DistributedError("rank 0 sent an update before the model")
                 _step(group, state, command.batches, command.loss_fn, command.bf16, command.reference)
             else:
                 raise DistributedError(f"unknown command from rank 0: {type(command).__name__}")
@@ -542,5 +618,215 @@ def _build(setup: _Setup, device: torch.device) -> TrainState:
 
 def _load(state: TrainState, load: _Load) -> None:
     _broadcast_trainable(state.model)
-    state.optimizer.load_state_dict(load.optimizer)
+    if load.optimizer is not None:
+        state.optimizer.load_state_dict(load.optimizer)
     state.step = load.step
+
+
+# ---------------------------------------------------------------------------- FSDP2 (fsdp2)
+
+
+class _Call(nn.Module):
+    """The FSDP2 root: ``fn(model, *args)`` (the loss, the reference log-probs) runs inside its
+    forward, so the parameters outside the decoder layers (embedding, final norm, output layer)
+    are all-gathered for all of it, also where ``masked_logprobs`` calls the body and the output
+    layer directly instead of the model's forward."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, fn: Any, *args: Any) -> Any:
+        return fn(self.model, *args)
+
+
+@dataclass
+class _Sharded:
+    """One rank's shards: the root, the reference's root (full fine-tuning with KL; None: the
+    LoRA model with its adapter disabled is the reference), the optimizer over the shards."""
+
+    root: _Call
+    reference: _Call | None
+    optimizer: torch.optim.Optimizer
+    config: TrainConfig
+    device: torch.device
+    step: int = 0
+
+    def trainable(self) -> list[tuple[str, nn.Parameter]]:
+        return _trainable_named(self.root.model)
+
+    def view(self) -> TrainState:
+        """A :class:`TrainState` over the shards (what ``follow`` returns)."""
+        return TrainState(self.root.model, self.optimizer, self.step, self.config)
+
+
+def _trainable_named(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def _layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers: the Hugging Face model's ``_no_split_modules`` classes, else the
+    entries of its longest ``ModuleList``."""
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if layers:
+        return layers
+    lists: list[nn.ModuleList] = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    return list(max(lists, key=lambda m: sum(1 for _ in m))) if lists else []
+
+
+def _shard(model: nn.Module, device: torch.device) -> _Call:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for layer in _layers(model):
+        fully_shard(layer, mesh=mesh)
+    root = _Call(model)
+    fully_shard(root, mesh=mesh)
+    for module in root.modules():
+        if isinstance(module, FSDPModule):  # a sum: the loss is divided by the whole batch's tokens
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
+    return root
+
+
+def _make_sharded(
+    model: nn.Module, reference: nn.Module | None, config: TrainConfig, device: torch.device
+) -> _Sharded:
+    root = _shard(model.float(), device)
+    reference_root = _shard(reference.float(), device) if reference is not None else None
+    params = [p for _, p in _trainable_named(root.model)]
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    return _Sharded(root, reference_root, optimizer, config, device)
+
+
+def _scatter(full: torch.Tensor | None, like: Any) -> Any:
+    """Rank 0's ``full`` tensor as a DTensor sharded like the parameter ``like`` (other ranks
+    pass None: a collective)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    if full is None:
+        full = torch.empty(like.shape, dtype=like.dtype, device=like.to_local().device)
+    return distribute_tensor(
+        full.to(like.to_local().device), like.device_mesh, like.placements, src_data_rank=0
+    )
+
+
+@torch.no_grad()
+def _load_sharded(
+    sharded: _Sharded, full: dict[str, torch.Tensor] | None, optimizer: dict[str, Any] | None, step: int
+) -> None:
+    """Every rank takes its shard of rank 0's full trainable parameters (``full``, None on the
+    other ranks) and of the full optimizer state (the same on every rank; None: keep)."""
+    params = sharded.trainable()
+    if full is not None and full.keys() != dict(params).keys():
+        raise DistributedError("the full model's trainable parameters differ from the sharded model's")
+    for name, p in params:
+        p.copy_(_scatter(full[name].detach() if full is not None else None, p))
+    if optimizer is not None:
+        state: dict[Any, Any] = {}
+        for index, values in optimizer["state"].items():
+            p = params[int(index)][1]
+            state[index] = {
+                k: _scatter(v, p) if isinstance(v, torch.Tensor) and v.shape == p.shape else v
+                for k, v in values.items()
+            }
+        sharded.optimizer.load_state_dict({"state": state, "param_groups": optimizer["param_groups"]})
+    sharded.step = step
+
+
+def _full(value: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _gather_optimizer(sharded: _Sharded) -> dict[str, Any]:
+    """The optimizer state of the whole model (every rank calls it: one all-gather per tensor),
+    in ``torch.optim`` form (indexed like the trainable parameters), on the CPU."""
+    own = sharded.optimizer.state_dict()
+    state = {
+        index: {k: _full(v).detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in values.items()}
+        for index, values in sorted(own["state"].items())
+    }
+    return {"state": state, "param_groups": own["param_groups"]}
+
+
+class _GatheringAdamW(torch.optim.AdamW):
+    """Rank 0's optimizer of the full model with ``fsdp2``: it holds no state between updates
+    (the shards do); ``state_dict()`` gathers the shards' state, so a checkpoint is the full state."""
+
+    def state_dict(self) -> dict[str, Any]:
+        group = _group
+        if self.state or group is None or group.sharded is None or not leading():
+            return super().state_dict()  # a state just loaded (a resume), not shared yet
+        _send(group, _Gather())
+        return _gather_optimizer(group.sharded)
+
+
+def _padding(batches: list[Batch]) -> Batch:
+    """A zero-weight micro-batch for a rank with fewer than the others: the first row of the
+    smallest one (its loss is multiplied by 0; it only keeps the collectives in step)."""
+    small = min(batches, key=lambda b: int(b.input_ids_BT.numel()))
+    tensors = {f.name: getattr(small, f.name) for f in fields(small)}
+    return replace(small, **{k: v[:1] for k, v in tensors.items() if isinstance(v, torch.Tensor)})
+
+
+def _step_sharded(
+    group: _Group,
+    sharded: _Sharded,
+    full: TrainState | None,
+    batches: list[Batch],
+    loss_fn: LossFn,
+    bf16: bool,
+    reference: bool,
+) -> dict[str, float]:
+    """Every rank's part of one ``fsdp2`` update; ``full`` (rank 0): the full model, which takes
+    the updated trainable parameters."""
+    num_tokens = sum(b.num_tokens for b in batches)
+    if num_tokens == 0:
+        return {"num_tokens": 0.0}
+    owned = balance([int(b.input_ids_BT.numel()) for b in batches], group.size)
+    mine = owned[group.rank]
+    passes = max(len(o) for o in owned)  # the same on every rank: FSDP's collectives line up
+    pad = _padding(batches)
+    device = sharded.device
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    root = sharded.root
+    root.train()
+    sharded.optimizer.zero_grad(set_to_none=True)
+    seen: list[tuple[int, float, dict[str, float]]] = []
+    with autocast:
+        for k in range(passes):
+            real = k < len(mine)
+            batch = _to_device(batches[mine[k]] if real else pad, device)
+            if reference:
+                with torch.no_grad():
+                    ref_root = sharded.reference or root
+                    batch = replace(batch, ref_logprobs_BT=ref_root(reference_logprobs, batch))
+            loss, metrics = root(loss_fn, batch, float(num_tokens))
+            if real:
+                loss.backward()
+                seen.append((batch.num_tokens, float(loss.detach()), metrics))
+            else:
+                (loss * 0.0).backward()
+    params = [p for _, p in sharded.trainable()]
+    gathered: list[Any] = [None] * group.size
+    dist.all_gather_object(gathered, seen)
+    seen = [s for part in gathered for s in part]
+    max_norm = sharded.config.max_grad_norm or float("inf")
+    grad_norm = float(_full(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+    sharded.optimizer.step()
+    sharded.step += 1
+    with torch.no_grad():  # the full model on rank 0 takes the new weights (sync, export, checkpoints)
+        target = dict(full.model.named_parameters()) if full is not None else {}
+        for name, p in sharded.trainable():
+            value = _full(p.detach())
+            if full is not None:
+                target[name].copy_(value)
+    out = _combine(seen, num_tokens)
+    out.update(grad_norm=grad_norm, num_tokens=float(num_tokens), ranks_idle=float(sum(not o for o in owned)))
+    return out
