@@ -775,6 +775,52 @@ def _padding(batches: list[Batch]) -> Batch:
     return replace(small, **{k: v[:1] for k, v in tensors.items() if isinstance(v, torch.Tensor)})
 
 
+def _sft_loss_one_pass(model: nn.Module, batch: Batch, num_tokens: float | None = None) -> Any:
+    """``sft_loss`` without the shared-prefix pass (:func:`_one_pass`)."""
+    from agentbolt.algorithms.losses import masked_logprobs
+
+    logprobs_BT, _ = masked_logprobs(model, batch, 0)
+    mask_BT = batch.loss_mask_BT
+    divisor = num_tokens if num_tokens is not None else float(mask_BT.sum().clamp(min=1))
+    loss = -(logprobs_BT * mask_BT).sum() / divisor
+    return loss, {"nll": float(-(logprobs_BT.detach() * mask_BT).sum() / mask_BT.sum().clamp(min=1))}
+
+
+@torch.no_grad()
+def _reference_one_pass(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """``reference_logprobs`` without the shared-prefix pass (:func:`_one_pass`): a rank whose
+    micro-batch shares a prefix would call each layer once more than another rank, and the
+    all-gathers would no longer line up."""
+    from peft import PeftModel
+
+    from agentbolt.algorithms.losses import masked_logprobs
+
+    was_training = model.training
+    model.eval()
+    try:
+        if isinstance(model, PeftModel):
+            with model.disable_adapter():
+                return masked_logprobs(model, batch, 0)[0]
+        return masked_logprobs(model, batch, 0)[0]
+    finally:
+        model.train(was_training)
+
+
+def _one_pass(loss_fn: LossFn) -> LossFn:
+    """The loss with each decoder layer called once per micro-batch: the shared-prefix path
+    (the prefix as one row, then the suffixes) calls every layer twice, so ranks with and
+    without a shared prefix would all-gather a different number of times, and FSDP2 frees a
+    layer's gathered weights after its first backward, which the second needs. Same values.
+    A loss of your own must call each layer once per micro-batch too."""
+    from agentbolt.algorithms.losses import PolicyLoss, sft_loss
+
+    if isinstance(loss_fn, PolicyLoss):
+        return replace(loss_fn, share_prefix=False)
+    if loss_fn is sft_loss:
+        return _sft_loss_one_pass
+    return loss_fn
+
+
 def _step_sharded(
     group: _Group,
     sharded: _Sharded,
@@ -797,6 +843,7 @@ def _step_sharded(
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     root = sharded.root
     root.train()
+    loss_fn = _one_pass(loss_fn)
     sharded.optimizer.zero_grad(set_to_none=True)
     seen: list[tuple[int, float, dict[str, float]]] = []
     with autocast:
@@ -806,7 +853,7 @@ def _step_sharded(
             if reference:
                 with torch.no_grad():
                     ref_root = sharded.reference or root
-                    batch = replace(batch, ref_logprobs_BT=ref_root(reference_logprobs, batch))
+                    batch = replace(batch, ref_logprobs_BT=ref_root(_reference_one_pass, batch))
             loss, metrics = root(loss_fn, batch, float(num_tokens))
             if real:
                 loss.backward()

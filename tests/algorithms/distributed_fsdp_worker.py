@@ -12,6 +12,8 @@ with the other rank padding with a zero-weight pass).
   adapter disabled, through the sharded root);
 - ``full_kl``: two GRPO updates, full fine-tuning, KL against a sharded frozen reference;
 - ``sft``: two SFT updates, full fine-tuning;
+- ``prefix``: ``lora_kl`` with a 20-token prompt shared by every row (one rank computes it once
+  per micro-batch; FSDP2 ranks run every layer once per pass, the same values);
 - ``first``: ``lora_kl``'s first update only, then a checkpoint (optimizer state gathered from the
   shards) in ``OUT_DIR/ckpt``;
 - ``resume``: ``lora_kl``'s second update from the checkpoint in ``RESUME_DIR`` -> ``resumed``.
@@ -22,21 +24,39 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from distributed_update_worker import batches, run_update, tiny_model, trainable
+from distributed_update_worker import MAX_TOKENS, rows, run_update, tiny_model, trainable
 from safetensors.torch import save_file
 
 from agentbolt.algorithms import distributed
-from agentbolt.algorithms.losses import PolicyLoss, sft_loss
+from agentbolt.algorithms.losses import Batch, PolicyLoss, micro_batches, pad_batch, sft_loss
 from agentbolt.algorithms.train_state import TrainConfig, load_checkpoint, make_train_state, save_checkpoint
+
+PREFIX = tuple(range(200, 220))
+
+
+def batches(step: int, prefix: bool) -> list[Batch]:
+    step_rows = rows(step)
+    if prefix:
+        step_rows = [
+            replace(
+                r,
+                input_ids=PREFIX + r.input_ids,
+                loss_mask=(0,) * len(PREFIX) + r.loss_mask,
+                old_logprobs=(0.0,) * len(PREFIX) + tuple(r.old_logprobs or ()),
+            )
+            for r in step_rows
+        ]
+    return [pad_batch(mb) for mb in micro_batches(step_rows, max_tokens=MAX_TOKENS[step] + 40 * prefix)]
 
 
 def scenario(name: str, out: Path, resume: Path | None, info: dict[str, Any]) -> None:
-    lora = name in ("lora_kl", "first", "resume")
+    lora = name in ("lora_kl", "first", "resume", "prefix")
     kl = name != "sft"
     config = TrainConfig(lora=lora, lora_r=4, lora_alpha=8, lr=1e-3)
     state = make_train_state(tiny_model(), config, reference=kl)
@@ -59,7 +79,7 @@ def scenario(name: str, out: Path, resume: Path | None, info: dict[str, Any]) ->
         distributed.share_state(state)
         steps = (2,)
     for step in steps:
-        step_batches = batches(step)
+        step_batches = batches(step, prefix=name == "prefix")
         ranks = dist.get_world_size() if dist.is_initialized() else 1
         owned = distributed.balance([int(b.input_ids_BT.numel()) for b in step_batches], ranks)
         info.setdefault("micro_batches_per_rank", {})[f"{name}:{step}"] = [len(o) for o in owned]

@@ -31,7 +31,7 @@ HERE = Path(__file__).parent
 WORKER = str(HERE / "distributed_fsdp_worker.py")
 TOLERANCE = 2e-5
 LAUNCH_TIMEOUT = 120
-SCENARIOS = ("lora_kl", "full_kl", "sft")
+SCENARIOS = ("lora_kl", "full_kl", "sft", "prefix")
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -106,6 +106,35 @@ def test_a_checkpoint_from_one_rank_resumes_on_two_fsdp2_ranks(runs: tuple[Path,
     """The full optimizer state scattered into the shards."""
     one, two, _ = runs
     assert _max_diff(one / "lora_kl.safetensors", two / "resumed.safetensors") < TOLERANCE
+
+
+def test_grpo_end_to_end_with_fsdp2_from_the_cli(tmp_path: Path) -> None:
+    """``AGENTBOLT_DIST_STRATEGY=fsdp2 agentbolt train grpo --nproc 2``: rank 0 serves the tiny
+    model, runs the rollouts, syncs and publishes rank 0's full model after each sharded update
+    and writes a checkpoint whose optimizer state is gathered from both ranks' shards."""
+    from agentbolt.engine import tiny_model_dir
+
+    model = tiny_model_dir(tmp_path / "tiny")
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"q": "say a"}\n{"q": "banana"}\n{"q": "abc"}\n')
+    run_dir = tmp_path / "run"
+    args = ["-m", "agentbolt", "train", "grpo", "--nproc", "2", "--model", str(model), "--train", str(tasks)]
+    args += ["--agent", f"{HERE / 'distributed_agent.py'}:vowels", "--steps", "2", "--tasks-per-step", "2"]
+    args += ["--group-size", "4", "--lr", "1e-3", "--val-every", "0", "--checkpoint-every", "1"]
+    args += ["--engine-dtype", "float32", "--no-bf16", "--no-plot", "--no-validate-before"]
+    args += ["--runner-concurrency", "8", "--run-dir", str(run_dir), "--max-tokens-per-micro-batch", "64"]
+    _run(args, fsdp2=True)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[1]["resources_version"] > rows[0]["resources_version"] >= 2
+    trained = [r for r in rows if r["train_tokens"]]
+    assert trained and all(r["ranks_idle"] == 0 and r["grad_norm"] > 0 for r in trained)
+    ckpt = run_dir / "checkpoint"
+    assert json.loads((ckpt / "state.json").read_text())["step"] == len(trained)
+    optimizer = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    weights = load_file(str(ckpt / "trainable.safetensors"))
+    moments = sorted(tuple(s["exp_avg"].shape) for s in optimizer["state"].values())
+    assert moments == sorted(tuple(w.shape) for w in weights.values())  # full, not shards
 
 
 def test_a_bad_strategy_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
