@@ -36,9 +36,9 @@ head directly) still sees all-gathered weights. Every rank runs the same number 
 backward passes (a rank with fewer micro-batches adds zero-weight passes), FSDP reduce-scatters
 the gradients as a sum (divide factor 1: the loss is already divided by the whole batch's token
 count), the gradients are clipped by their global norm and each rank steps an optimizer over its
-shards. Rank 0 also keeps the full model (``state.model``, no optimizer state): after each update
-the trainable parameters are all-gathered into it, so checkpoints, export and ``policy.sync``
-work unchanged; a checkpoint's optimizer state is gathered from the shards when it is written
+shards. Rank 0 also keeps the full model (``state.model``, moved to the CPU, without optimizer
+state): after each update the trainable parameters are all-gathered into it, so checkpoints,
+export and ``policy.sync`` work unchanged; a checkpoint's optimizer state is gathered from the shards when it is written
 (``state.optimizer.state_dict()``), as a full state that resumes on any number of ranks.
 
 Waiting: between updates rank 0 runs rollouts for minutes, so the other ranks do not wait inside
@@ -222,6 +222,12 @@ def _leave() -> None:
         return
     if group.stopping is not None:
         group.stopping.set()
+    if group.sharded is not None and dist.is_initialized():
+        # fsdp2: every rank is done with the shards' collectives before any tears the group down
+        # (a rank closing it under the others' last messages aborted a run in 1 of 5)
+        group.sharded = None
+        with contextlib.suppress(Exception):
+            dist.monitored_barrier(timeout=timedelta(seconds=30))
     if dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
@@ -331,11 +337,10 @@ def setup_followers(state: TrainState, model: str | nn.Module) -> None:
     chosen = strategy()
     _send(_group, _Setup(model, state.config, reference=state.reference is not None, strategy=chosen))
     _group.sharded = None
-    if chosen == "fsdp2":  # rank 0 shards a copy; state.model stays the full model
-        reference = copy.deepcopy(state.reference).cpu() if state.reference is not None else None
-        _group.sharded = _make_sharded(
-            copy.deepcopy(state.model).cpu(), reference, state.config, _group.device
-        )
+    if chosen == "fsdp2":  # rank 0 shards a copy; state.model stays the full model, on the CPU
+        state.model.cpu()  # the optimizer holds no state yet: its parameters move with the model
+        reference = copy.deepcopy(state.reference.cpu()) if state.reference is not None else None
+        _group.sharded = _make_sharded(copy.deepcopy(state.model), reference, state.config, _group.device)
         state.optimizer.__class__ = _GatheringAdamW
     share_state(state)
 
@@ -768,11 +773,17 @@ class _GatheringAdamW(torch.optim.AdamW):
 
 
 def _padding(batches: list[Batch]) -> Batch:
-    """A zero-weight micro-batch for a rank with fewer than the others: the first row of the
-    smallest one (its loss is multiplied by 0; it only keeps the collectives in step)."""
-    small = min(batches, key=lambda b: int(b.input_ids_BT.numel()))
-    tensors = {f.name: getattr(small, f.name) for f in fields(small)}
-    return replace(small, **{k: v[:1] for k, v in tensors.items() if isinstance(v, torch.Tensor)})
+    """A zero-weight micro-batch for a rank with fewer than the others: one row of the smallest
+    micro-batch, one with model tokens (every parameter a real pass uses gets a gradient, as on
+    the other ranks); its loss is multiplied by 0, it only keeps the collectives in step."""
+    for small in sorted(batches, key=lambda b: int(b.input_ids_BT.numel())):
+        trained = (small.loss_mask_BT.sum(dim=1) > 0).nonzero()
+        if len(trained):
+            row = int(trained[0, 0])
+            tensors = {f.name: getattr(small, f.name) for f in fields(small)}
+            picked = {k: v[row : row + 1] for k, v in tensors.items() if isinstance(v, torch.Tensor)}
+            return replace(small, **picked)
+    raise AssertionError("an update with model tokens has a micro-batch with model tokens")
 
 
 def _sft_loss_one_pass(model: nn.Module, batch: Batch, num_tokens: float | None = None) -> Any:
