@@ -1,6 +1,8 @@
 """The agent of the torchrun end-to-end test (tests/algorithms/test_distributed.py): one chat
-call; the reward is the share of 'a' among the reply's letters (a spread a random model shows
-from the first step). Its own module: every torchrun rank imports it by path."""
+call; the reward is the share of 'a' among the reply's letters plus a thousandth per character
+of the reply, so a group of a random model's replies is almost never flat (a flat group trains
+nothing, and the test checks both ranks trained). Its own module: every torchrun rank imports
+it by path."""
 
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ class VowelAgent(LitAgent):
             )
         text = response.choices[0].message.content or ""
         letters = [c for c in text.lower() if c.isalpha()]
-        return letters.count("a") / len(letters) if letters else 0.0
+        share = letters.count("a") / len(letters) if letters else 0.0
+        return share + len(text) / 1000
 
 
 vowels = VowelAgent()

@@ -12,7 +12,6 @@ Every launch has a timeout: a deadlock fails the test instead of hanging it.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from safetensors.torch import load_file
 
 from agentbolt.algorithms import distributed
 from agentbolt.errors import ConfigError
+from tests.algorithms.dist_launch import launch_env, run_ranks
 
 HERE = Path(__file__).parent
 WORKER = str(HERE / "distributed_update_worker.py")
@@ -36,26 +36,16 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    root = str(HERE.parents[1])
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([root, env.get("PYTHONPATH", "")]), **extra)
-    return env
+    return launch_env(**extra)
 
 
 def _torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    done = subprocess.run(
-        [*command, *args], env=_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done
+    return run_ranks([*command, *args], _env(), LAUNCH_TIMEOUT)
 
 
 def _one_process(*args: str) -> None:
-    done = subprocess.run(
-        [sys.executable, *args], env=_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_ranks([sys.executable, *args], _env(), LAUNCH_TIMEOUT)
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -214,14 +204,9 @@ def test_grpo_end_to_end_on_two_ranks_from_the_cli(tmp_path: Path) -> None:
     args += ["--checkpoint-every", "1", "--engine-dtype", "float32", "--no-bf16", "--no-plot"]
     args += ["--no-validate-before", "--runner-concurrency", "8", "--run-dir", str(run_dir)]
     args += ["--max-tokens-per-micro-batch", "64"]  # several micro-batches: both ranks train
-    done = subprocess.run(
-        [sys.executable, "-m", "agentbolt", "train", "grpo", "--nproc", "2", *args],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=LAUNCH_TIMEOUT,
+    done = run_ranks(
+        [sys.executable, "-m", "agentbolt", "train", "grpo", "--nproc", "2", *args], _env(), LAUNCH_TIMEOUT
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:

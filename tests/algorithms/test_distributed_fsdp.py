@@ -16,7 +16,6 @@ alone could not tell: Adam is nearly scale-invariant).
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from safetensors.torch import load_file
 
 from agentbolt.algorithms import distributed
 from agentbolt.errors import ConfigError
+from tests.algorithms.dist_launch import launch_env, run_ranks
 
 HERE = Path(__file__).parent
 WORKER = str(HERE / "distributed_fsdp_worker.py")
@@ -37,19 +37,8 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def _run(args: list[str], *, fsdp2: bool) -> None:
-    import os
-
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(
-        OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE.parents[1]), env.get("PYTHONPATH", "")])
-    )
-    env.pop("AGENTBOLT_DIST_STRATEGY", None)
-    if fsdp2:
-        env["AGENTBOLT_DIST_STRATEGY"] = "fsdp2"
-    done = subprocess.run(
-        [sys.executable, *args], env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    env = launch_env(AGENTBOLT_DIST_STRATEGY="fsdp2") if fsdp2 else launch_env()
+    run_ranks([sys.executable, *args], env, LAUNCH_TIMEOUT)
 
 
 def _max_diff(a: Path, b: Path) -> float:
