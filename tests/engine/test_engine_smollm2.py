@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,23 +20,27 @@ from tests.conftest import smollm2_path
 pytestmark = pytest.mark.model
 
 
+def _files(folder: Path) -> dict[str, tuple[int, int]]:
+    return {f.name: (f.stat().st_size, f.stat().st_mtime_ns) for f in folder.iterdir()}
+
+
 @pytest.fixture(scope="module")
 def smollm2() -> Iterator[ModelEngine]:
-    path = smollm2_path()
-    import transformers.models.llama.modeling_llama  # noqa: F401  (time the load, not first imports)
-    from transformers import AutoTokenizer
-
-    AutoTokenizer.from_pretrained(path)
-    started = time.perf_counter()
-    engine = ModelEngine.from_pretrained(path, device="cpu", dtype="float32")
-    engine.load_seconds = time.perf_counter() - started  # type: ignore[attr-defined]
+    path = Path(smollm2_path())
+    before = _files(path)
+    engine = ModelEngine.from_pretrained(str(path), device="cpu", dtype="float32")
+    engine.cache_files = (before, _files(path))  # type: ignore[attr-defined]
     with engine:
         yield engine
 
 
-def test_cached_model_loads_fast(smollm2: ModelEngine) -> None:
-    # < 2 s from the safetensors cache on an idle 2-core machine; allow for a busy shared one.
-    assert smollm2.load_seconds < 4.0, smollm2.load_seconds  # type: ignore[attr-defined]
+def test_the_cached_model_is_loaded_as_it_is(smollm2: ModelEngine) -> None:
+    # the bundled GGUF is converted once into a safetensors folder; a load reads that folder and
+    # writes nothing (the load's time is benchmarks' business: about 0.2 s idle, seconds busy)
+    before, after = smollm2.cache_files  # type: ignore[attr-defined]
+    assert "model.safetensors" in before and "config.json" in before
+    assert not any(name.endswith(".gguf") for name in before)
+    assert after == before
     assert smollm2.name == "SmolLM2-135M-Instruct"
 
 
