@@ -9,6 +9,12 @@ unfinished members cancelled (it then completes, and is dropped later if too few
 left), so an update never hangs on one slow runner. :meth:`GroupPool.cancel_all` leaves no
 rollout of the pool queued or running.
 
+:meth:`GroupPool.evict_stale`, called as the policy advances, removes the groups that can no
+longer give an update ``min_group_size`` samples within ``max_staleness`` versions of it (their
+unfinished members cancelled), so a stale group neither takes an update's place (to be dropped
+there, leaving the update fewer samples) nor keeps the engine generating for nothing; the pool's
+next top-up replaces them with groups at the current version.
+
 :class:`EngineIdleClock` samples the embedded engine's running sequences in a thread: the
 seconds during which the engine had none (its :meth:`~agentbolt.engine.ModelEngine.stats` has
 no busy-time counter; the sampling period bounds the error).
@@ -16,6 +22,7 @@ no busy-time counter; the sampling period bounds the error).
 
 from __future__ import annotations
 
+import bisect
 import random
 import threading
 import time
@@ -26,9 +33,11 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.progress import Progress
 
+from agentbolt.adapters import latest_attempt
+from agentbolt.algorithms.importance import behaviour_version
 from agentbolt.algorithms.rewards import RewardPlan, tally
 from agentbolt.client import Client
-from agentbolt.schemas import Mode, Rollout, RolloutCreate, Task
+from agentbolt.schemas import Mode, Rollout, RolloutCreate, RolloutStatus, Task
 
 if TYPE_CHECKING:
     from agentbolt.evaluators import EvaluationReport
@@ -100,6 +109,8 @@ class GroupPool:
         )
         self.console, self.progress = console, progress
         self.groups: list[InFlightGroup] = []
+        self.evicted_groups = self.evicted_samples = 0
+        """Groups evicted as too stale so far, and their members."""
         # the evaluators run with no wait of their own: the pool awaits pending rewards itself
         self._score = RewardPlan(plan.choice, plan.evaluators, 0.0)
 
@@ -214,6 +225,56 @@ class GroupPool:
         gone = {g.index for g in taken}
         self.groups = [g for g in self.groups if g.index not in gone]
         return taken
+
+    # ------------------------------------------------------------------ staleness
+
+    def evict_stale(
+        self, synced: Sequence[int], max_staleness: int, min_group_size: int = 2
+    ) -> tuple[int, int]:
+        """Evict the groups that can no longer give ``min_group_size`` samples at most
+        ``max_staleness`` versions behind the policy about to be updated (the last of ``synced``,
+        the policy versions served so far, in order); returns the groups and members evicted.
+
+        A sample's lag is counted as the update counts it: the number of versions in ``synced``
+        after its behaviour version, the oldest engine version among the calls of its latest
+        attempt (the group's version at enqueue time when they reported none). A group enqueued
+        within ``max_staleness`` versions is kept without looking further: no member can be
+        older than its enqueue version. Otherwise each member's calls recorded so far are read:
+        a member that failed gives no sample; one that succeeded is stale by its behaviour version; an unfinished one once a call it has
+        made is stale (its oldest version can only get older, relative to the policy); one that
+        has made no call yet may still be fresh. The evicted groups' unfinished members are
+        cancelled."""
+
+        def lag(version: int) -> int:
+            return len(synced) - bisect.bisect_right(synced, version)
+
+        suspects = [g for g in self.groups if lag(g.policy_version) > max_staleness]
+        if not suspects:
+            return 0, 0
+        events = self.client.events_of([rid for g in suspects for rid in g.ids], type=["llm_call"])
+        doomed: list[InFlightGroup] = []
+        for g in suspects:
+            usable = 0
+            for rid in g.ids:
+                attempt = latest_attempt(events.get(rid, []))
+                seen = behaviour_version(attempt)
+                if rid in g.final and g.final[rid].status != RolloutStatus.SUCCEEDED:
+                    continue  # failed or cancelled: no sample
+                if rid in g.final or any(e.type == "llm_call" for e in attempt):
+                    behaviour = seen if seen is not None else g.policy_version
+                    usable += lag(behaviour) <= max_staleness
+                else:
+                    usable += 1  # no call yet: its calls may all come from a fresh enough policy
+            if usable < min_group_size:
+                doomed.append(g)
+        for g in doomed:
+            self._cancel_rest(g)
+        gone = {g.index for g in doomed}
+        self.groups = [g for g in self.groups if g.index not in gone]
+        samples = sum(len(g.ids) for g in doomed)
+        self.evicted_groups += len(doomed)
+        self.evicted_samples += samples
+        return len(doomed), samples
 
     def cancel_all(self) -> int:
         """Cancel every member of the pool not yet final; returns how many were cancelled."""
