@@ -9,8 +9,7 @@ round trips, and at READ COMMITTED several reads would not share a snapshot anyw
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 from agentbolt.errors import NotFound
@@ -26,7 +25,7 @@ from agentbolt.schemas import (
     RolloutStatus,
     Worker,
 )
-from agentbolt.store.database import Database, Tx
+from agentbolt.store.database import Database
 from agentbolt.store.rewards import PENDING, SCORE_COLS, attach_rewards, score_from_row
 from agentbolt.store.rows import (
     ATTEMPT_COLS,
@@ -56,11 +55,9 @@ class Queries:
         self._resources_cache: dict[int, Resources] = {}
         self._cache_lock = threading.Lock()
 
-    @contextmanager
-    def _read(self) -> Iterator[Tx]:
+    def _read(self) -> Any:
         """Reads (and single-statement writes): no BEGIN/COMMIT round trips on PostgreSQL."""
-        with self.db.autocommit() as tx:
-            yield tx
+        return self.db.autocommit()
 
     # ------------------------------------------------------------------ events
 

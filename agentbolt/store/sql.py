@@ -25,8 +25,7 @@ from __future__ import annotations
 import hashlib
 import math
 import secrets
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 from agentbolt.errors import AttemptEnded, NotFound
@@ -49,7 +48,7 @@ from agentbolt.schemas import (
     new_id,
     now,
 )
-from agentbolt.store.calls import CALLS_LOCK, CallRecord, record_call, record_new_call
+from agentbolt.store.calls import CALLS_LOCK, CallRecord, NewEvent, record_call, record_new_call
 from agentbolt.store.database import Database, Tx
 from agentbolt.store.queries import Queries
 from agentbolt.store.rewards import keyed_score, write_reward
@@ -136,10 +135,9 @@ class SqlStore(Queries):
     def close(self) -> None:
         self.db.close()
 
-    @contextmanager
-    def _tx(self) -> Iterator[Tx]:
-        with self.db.transaction() as tx:
-            yield tx
+    def _tx(self) -> Any:
+        """A transaction (a context manager yielding its :class:`Tx`)."""
+        return self.db.transaction()
 
     # ------------------------------------------------------------------ enqueue
 
@@ -356,7 +354,7 @@ class SqlStore(Queries):
             return new
 
     def record_call(
-        self, attempt_id: str, event: EventCreate, key: str | None, body_sha256: str, retry: int | None
+        self, attempt_id: str, event: NewEvent, key: str | None, body_sha256: str, retry: int | None
     ) -> CallRecord:
         """Record one try of a model call the gateway forwarded: a new ``llm_call`` event, or
         (false as a boolean) this try joined the record of its logical call (see :mod:`.calls`);

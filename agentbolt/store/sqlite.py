@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,62 @@ class _SqliteTx(Tx):
 
     def run(self, sql: str, params: Sequence[Any] = ()) -> int:
         return self.conn.execute(sql, params).rowcount
+
+
+class _Transaction:
+    """``with db.transaction() as tx``: ``BEGIN IMMEDIATE`` ... ``COMMIT`` (``ROLLBACK`` on
+    error), or inside a group a savepoint, rolled back alone on error (see the module
+    docstring). A class rather than a generator: the server opens several per request."""
+
+    __slots__ = ("db", "savepoint")
+
+    def __init__(self, db: SqliteDatabase) -> None:
+        self.db, self.savepoint = db, False
+
+    def __enter__(self) -> Tx:
+        db = self.db
+        db._lock.acquire()
+        try:
+            self.savepoint = db._grouped
+            db.conn.execute("SAVEPOINT tx" if self.savepoint else "BEGIN IMMEDIATE")
+        except BaseException:
+            db._lock.release()
+            raise
+        return db._tx
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        db = self.db
+        try:
+            conn = db.conn
+            if not self.savepoint:
+                conn.execute("COMMIT" if kind is None else "ROLLBACK")
+            elif kind is None:
+                conn.execute("RELEASE tx")
+            elif conn.in_transaction:
+                conn.execute("ROLLBACK TO tx")
+                conn.execute("RELEASE tx")
+            else:  # SQLite rolled back the whole transaction (e.g. disk full): the group failed
+                db._group_lost = db._group_lost or exc
+                conn.execute("BEGIN IMMEDIATE")  # the group's other calls roll back with it
+        finally:
+            db._lock.release()
+
+
+class _Autocommit:
+    """``with db.autocommit() as tx``: statements that each commit on their own (inside a
+    group: part of its transaction)."""
+
+    __slots__ = ("db",)
+
+    def __init__(self, db: SqliteDatabase) -> None:
+        self.db = db
+
+    def __enter__(self) -> Tx:
+        self.db._lock.acquire()
+        return self.db._tx
+
+    def __exit__(self, *exc: object) -> None:
+        self.db._lock.release()
 
 
 class SqliteDatabase(Database):
@@ -53,6 +108,8 @@ class SqliteDatabase(Database):
         self._lock = threading.RLock()
         self._grouped = False  # a group's transaction is open (its thread holds the lock)
         self._group_lost: BaseException | None = None  # why SQLite ended the group's transaction
+        self._tx = _SqliteTx(self.conn)  # holds nothing of its own: one serves every transaction
+        self._autocommit = _Autocommit(self)
 
     def open_group(self) -> None:
         """Begin a group's transaction; this thread holds the connection until
@@ -81,41 +138,11 @@ class SqliteDatabase(Database):
             self._grouped, self._group_lost = False, None
             self._lock.release()
 
-    @contextmanager
-    def transaction(self) -> Iterator[Tx]:
-        with self._lock:
-            if self._grouped:
-                with self._savepoint() as tx:
-                    yield tx
-                return
-            self.conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield _SqliteTx(self.conn)
-            except BaseException:
-                self.conn.execute("ROLLBACK")
-                raise
-            self.conn.execute("COMMIT")
+    def transaction(self) -> _Transaction:
+        return _Transaction(self)
 
-    @contextmanager
-    def _savepoint(self) -> Iterator[Tx]:
-        """One transaction of the group: rolled back alone on error."""
-        self.conn.execute("SAVEPOINT tx")
-        try:
-            yield _SqliteTx(self.conn)
-        except BaseException as exc:
-            if self.conn.in_transaction:
-                self.conn.execute("ROLLBACK TO tx")
-                self.conn.execute("RELEASE tx")
-            else:  # SQLite rolled back the whole transaction (e.g. disk full): the group failed
-                self._group_lost = self._group_lost or exc
-                self.conn.execute("BEGIN IMMEDIATE")  # the group's other calls roll back with it
-            raise
-        self.conn.execute("RELEASE tx")
-
-    @contextmanager
-    def autocommit(self) -> Iterator[Tx]:
-        with self._lock:
-            yield _SqliteTx(self.conn)
+    def autocommit(self) -> _Autocommit:
+        return self._autocommit
 
     def inserted(self, tables: Sequence[str], rows: int) -> None:
         pass  # without statistics SQLite's planner already reads the queue index in order
