@@ -471,8 +471,9 @@ async def _read_head(
         status = int(first.split(None, 2)[1])
     except (IndexError, ValueError):
         raise httpx.RemoteProtocolError(f"malformed status line {first[:80]!r}", request=request) from None
-    raw = [
-        (name.strip().lower(), value.strip())
-        for name, _, value in (line.partition(b":") for line in lines if line)
-    ]
+    raw = []
+    for line in lines:
+        if line:
+            name, _, value = line.partition(b":")
+            raw.append((name.strip().lower(), value.strip()))
     return status, raw

@@ -69,7 +69,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from agentbolt.errors import AttemptEnded
 from agentbolt.http1 import Http1Transport, lean_mounts
-from agentbolt.schemas import LLM, AttemptStatus, EventCreate, EventType
+from agentbolt.schemas import LLM, AttemptStatus, EventType
 from agentbolt.server.config import ServerConfig
 from agentbolt.server.gateway_access import UpstreamKeys
 from agentbolt.server.gateway_call import (
@@ -104,11 +104,13 @@ from agentbolt.server.responses import (
     with_history,
 )
 from agentbolt.server.store_caller import StoreCaller
+from agentbolt.store.calls import CallEvent
 
 __all__ = ["Gateway", "upstream_error_body"]
 
 log = logging.getLogger("agentbolt.gateway")
 
+_LLM_CALL = EventType.LLM_CALL.value
 RETRY_STATUSES = (429, 502, 503)
 MAX_TRIES = 4
 # failures where nothing reached the server: retried, on another server where there is one
@@ -654,8 +656,7 @@ class Gateway:
     async def _record(self, call: ForwardedCall, data: dict[str, Any]) -> int | None:
         """Record the call; the id of its record (the call id the agent gets), or ``None``
         when the store failed (the agent still gets its answer; the lost record is logged)."""
-        # built by the gateway itself from parsed JSON: nothing for validation to catch
-        event = EventCreate.model_construct(type=EventType.LLM_CALL.value, timestamp=call.started, data=data)
+        event = CallEvent(_LLM_CALL, call.started, data)
         tried = call.try_of
         try:
             recorded = await self.call(

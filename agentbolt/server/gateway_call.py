@@ -50,13 +50,32 @@ class Refused(Exception):
 def json_answer(body: Any, status: int = 200, call_id: int | None = None) -> Response:
     """A JSON answer; with ``call_id`` (the call's record) it is in the header and the body."""
     if call_id is None:
-        return Response(content=orjson.dumps(body), status_code=status, media_type="application/json")
-    return Response(
-        content=orjson.dumps(with_call_id(body, call_id)),
-        status_code=status,
-        media_type="application/json",
-        headers={CALL_ID_HEADER: str(call_id)},
-    )
+        return JsonAnswer(orjson.dumps(body), status)
+    return JsonAnswer(orjson.dumps(with_call_id(body, call_id)), status, call_id)
+
+
+class JsonAnswer(Response):
+    """The ``Response`` Starlette would build for a JSON body (the same headers), made
+    directly: building its headers through Starlette's general path cost a tenth of a
+    gateway call."""
+
+    media_type = "application/json"
+
+    def __init__(self, content: bytes, status: int = 200, call_id: int | None = None) -> None:
+        self.status_code, self.body, self.background = status, content, None
+        headers = [] if call_id is None else [(_CALL_ID, b"%d" % call_id)]
+        if not (status < 200 or status in (204, 304)):
+            headers.append((b"content-length", b"%d" % len(content)))
+        headers.append(_JSON)
+        self.raw_headers = headers
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": self.body})
+
+
+_CALL_ID = CALL_ID_HEADER.lower().encode()
+_JSON = (b"content-type", b"application/json")
 
 
 def with_call_id(body: dict[str, Any], call_id: int | None) -> dict[str, Any]:

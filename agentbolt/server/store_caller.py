@@ -53,12 +53,16 @@ class StoreCaller:
         inline = store.backend == "sqlite"
         self.threads = None if inline else ThreadPoolExecutor(store.db.connections, "agentbolt-store")
         self._grouped = inline and hasattr(store.db, "open_group")
+        self._last: tuple[int, _Group] | None = None  # the thread and group of the last call
 
     async def __call__(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
         if self.threads is None:
             if not self._grouped:
                 return fn(*args, **kwargs)
-            return await _group(self.store.db).call(fn, args, kwargs)
+            last, thread = self._last, threading.get_ident()
+            if last is None or last[0] != thread:  # the group is looked up once per thread change
+                last = self._last = (thread, _group(self.store.db))
+            return await last[1].call(fn, args, kwargs)
         return await asyncio.get_running_loop().run_in_executor(
             self.threads, functools.partial(fn, *args, **kwargs)
         )
