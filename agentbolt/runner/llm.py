@@ -4,15 +4,27 @@ Inside a rollout the ``LLM`` resource points at the gateway of that attempt, so 
 client per rollout. A fresh ``openai.AsyncOpenAI`` builds its own HTTP client and TLS context
 (~0.1 s of CPU here); these helpers share one HTTP connection pool per event loop (per thread
 for the sync client) instead, which makes a new client cost about a millisecond.
+
+The async pool sends plain-http calls (the gateway is plain http) through the lean keep-alive
+transport of :mod:`agentbolt.http1` rather than httpcore's pool, which scans and polls every
+pooled connection on each request and again when each response closes: with 32 rollouts in
+flight in one runner that was most of the runner's CPU per rollout (a GRPO step's 32 requests
+left the runner one after another over ~0.3 s, so the engine's batch filled late). Responses
+still stream (``stream=True``); https and configured http proxies keep the SDK's own transport.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import weakref
+from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
+
+from agentbolt.http1 import Http1Transport, lean_mounts
 from agentbolt.schemas import LLM
 
 __all__ = ["async_openai", "sync_openai"]
@@ -28,7 +40,9 @@ def async_openai(llm: LLM, timeout: float = 300.0, max_retries: int = 0, **kwarg
     loop = asyncio.get_running_loop()
     pool = _async_pools.get(loop)
     if pool is None:
-        pool = _async_pools[loop] = openai.DefaultAsyncHttpxClient()
+        pool = _async_pools[loop] = openai.DefaultAsyncHttpxClient(
+            mounts=_lean_mounts(openai.DefaultAsyncHttpxClient)
+        )
     return openai.AsyncOpenAI(
         base_url=llm.base_url,
         api_key=llm.api_key or "none",
@@ -54,3 +68,89 @@ def sync_openai(llm: LLM, timeout: float = 300.0, max_retries: int = 0, **kwargs
         http_client=pool,
         **kwargs,
     )
+
+
+MAX_CONNECTIONS = 1000
+"""Connections the lean pool opens at most (the OpenAI SDK's own limit); calls beyond wait."""
+
+
+def _lean_mounts(client_class: type) -> dict[str, Any] | None:
+    """``mounts`` for the SDK's async HTTP client that send plain http through
+    :class:`~agentbolt.http1.Http1Transport`: directly when the SDK is built on httpx, through
+    :class:`_Bridge` when it is built on an httpx fork with the same interface (``httpx2``);
+    None (the SDK's transport) for anything else, or where an http proxy is configured."""
+    base = next((c for c in client_class.__mro__ if c.__name__ == "AsyncClient"), None)
+    module = sys.modules.get(base.__module__.split(".", 1)[0]) if base is not None else None
+    transport = Http1Transport(max_connections=MAX_CONNECTIONS)
+    if module is httpx:
+        return lean_mounts(transport)
+    if module is None or not hasattr(module, "AsyncBaseTransport") or not hasattr(module, "Response"):
+        return None
+    return lean_mounts(_bridge_class(module)(transport, module))  # type: ignore[arg-type]
+
+
+_bridges: dict[str, type] = {}
+
+
+def _bridge_class(module: Any) -> type:
+    """A transport class of ``module`` (an httpx fork) around :class:`Http1Transport`."""
+    found = _bridges.get(module.__name__)
+    if found is None:
+        found = _bridges[module.__name__] = type("_Bridge", (_Bridge, module.AsyncBaseTransport), {})
+    return found
+
+
+class _Bridge:
+    """Hands a request of an httpx fork to :class:`Http1Transport` (which reads only what both
+    share: method, URL parts, raw headers, body, timeout extensions) and its answer back as the
+    fork's response, its body still streamed; httpx's errors become the fork's errors of the
+    same name (the SDK tells timeouts from connection failures by them)."""
+
+    def __init__(self, transport: Http1Transport, module: Any) -> None:
+        self._transport, self._module = transport, module
+
+    async def handle_async_request(self, request: Any) -> Any:
+        try:
+            answer = await self._transport.handle_async_request(request)
+        except httpx.HTTPError as exc:
+            raise self._error(exc, request) from exc
+        return self._module.Response(
+            answer.status_code,
+            headers=answer.headers.raw,
+            stream=_bridge_stream(self._module)(answer.stream, self, request),
+            extensions=answer.extensions,
+        )
+
+    def _error(self, exc: httpx.HTTPError, request: Any) -> Exception:
+        kind = getattr(self._module, type(exc).__name__, None) or self._module.TransportError
+        return kind(str(exc), request=request)  # type: ignore[no-any-return]
+
+    async def aclose(self) -> None:
+        await self._transport.aclose()
+
+
+_streams: dict[str, type] = {}
+
+
+def _bridge_stream(module: Any) -> type:
+    found = _streams.get(module.__name__)
+    if found is None:
+        found = _streams[module.__name__] = type("_BridgeStream", (_BridgeStream, module.AsyncByteStream), {})
+    return found
+
+
+class _BridgeStream:
+    """A response body of :class:`Http1Transport` as the fork's byte stream."""
+
+    def __init__(self, stream: Any, bridge: _Bridge, request: Any) -> None:
+        self._stream, self._bridge, self._request = stream, bridge, request
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._stream:
+                yield chunk
+        except httpx.HTTPError as exc:
+            raise self._bridge._error(exc, self._request) from exc
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
