@@ -7,7 +7,8 @@ CPU:
 1. **agentbolt engine** - ``agentbolt model serve`` in its own process (bfloat16 by default),
    all requests sent at once over HTTP with ``logprobs: true`` and token ids (what the gateway
    asks for). ``--engine-variants auto,native`` also runs it with ``--cpu-matmul native``
-   (PyTorch's own bfloat16 kernels), to show what the engine's float32 products buy.
+   (PyTorch's own bfloat16 kernels), to show what the engine's matrix-product mode buys
+   (``auto`` is ``packed`` on CPUs with bfloat16 units, ``float32`` on the others).
 2. **static-batch generate** - ``model.generate`` on ONE left-padded batch of the same prompts,
    same dtype, same ``max_new_tokens``, greedy, in this process: what a user writes in ten lines.
    Tokens are counted per row up to and including its end-of-sequence token, like the engine's
@@ -349,7 +350,7 @@ def main() -> None:
     parser.add_argument(
         "--engine-variants",
         default="auto",
-        help="comma-separated --cpu-matmul settings of the engine to run each round (auto,native,float32)",
+        help="comma-separated --cpu-matmul settings of the engine to run each round (auto,native,packed,float32)",
     )
     parser.add_argument(
         "--baseline-threads",

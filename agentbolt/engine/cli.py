@@ -53,7 +53,7 @@ def serve(
     max_batch: int = typer.Option(32, help="Most sequences decoded together."),
     cpu_matmul: str = typer.Option(
         "auto",
-        help="bfloat16 on CPU: auto, native or float32 (float32 products, faster without AVX512-BF16/AMX).",
+        help="bfloat16 on CPU: auto, native, packed (weights packed once for oneDNN) or float32 (faster without AVX512-BF16/AMX).",
     ),
     device: str | None = typer.Option(None, help="cpu or cuda (default: cuda when available)."),
     name: str | None = typer.Option(

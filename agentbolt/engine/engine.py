@@ -21,7 +21,7 @@ import torch
 
 from agentbolt.engine.batcher import Batcher
 from agentbolt.engine.chat_format import render_chat_prompt
-from agentbolt.engine.matmul import use_float32_matmul
+from agentbolt.engine.matmul import cpu_matmul_mode
 from agentbolt.engine.model_files import DEFAULT_MODEL, SMOLLM2_DIRNAME, ensure_model
 from agentbolt.engine.protocol import (
     ChatCompletionRequest,
@@ -55,10 +55,12 @@ class EngineConfig:
     """Refuse requests whose `model` is not a served name (404) instead of serving them anyway."""
     cpu_matmul: str = "auto"
     """How a bfloat16 model on the CPU multiplies matrices: "native" (PyTorch's bfloat16 kernels),
-    "float32" (bfloat16 weights converted block by block and multiplied in float32, result rounded
-    to bfloat16; see :mod:`agentbolt.engine.matmul`) or "auto": float32 when the CPU lacks
-    bfloat16 instructions (AVX512-BF16/AMX), where PyTorch's bfloat16 kernels are 4-5x slower.
-    Other dtypes and devices ignore it."""
+    "packed" (the same oneDNN kernels with weights packed once instead of at every product;
+    identical results, one more copy of the linear weights in memory), "float32" (bfloat16 weights
+    converted block by block and multiplied in float32, result rounded to bfloat16; see
+    :mod:`agentbolt.engine.matmul`) or "auto": packed when the CPU has bfloat16 instructions
+    (AVX512-BF16/AMX), float32 when it lacks them, where PyTorch's bfloat16 kernels are 4-5x
+    slower. Other dtypes and devices ignore it."""
 
 
 class ModelEngine:
@@ -92,7 +94,7 @@ class ModelEngine:
             max_context=self.max_context,
             prefill_tokens=self.config.prefill_tokens,
             drain_timeout_s=self.config.drain_timeout_s,
-            float32_matmul=use_float32_matmul(self.config.cpu_matmul, model),
+            matmul=cpu_matmul_mode(self.config.cpu_matmul, model),
         )
         self._started = False
         self._start_lock = threading.Lock()
@@ -161,7 +163,11 @@ class ModelEngine:
             "waiting": b.num_waiting,
             "steps": b.steps,
             "version": b.version,
-        } | {"threads": threads, "float32_matmul": b.matmul_mode is not None}
+        } | {
+            "threads": threads,
+            "float32_matmul": b.matmul_kind == "float32",
+            "cpu_matmul": b.matmul_kind or "native",
+        }
 
     def models(self) -> dict[str, Any]:
         """The ``/v1/models`` body."""

@@ -18,20 +18,42 @@ float32 products and to about 0.31 s with float32 attention as well (float32 wei
 The mode is thread-local: training or any other thread using the same model object is
 unaffected, and weight updates (in-place copies) are seen at the next step. float16 models are
 left to PyTorch's own kernels.
+
+On CPUs *with* bfloat16 units the engine enters ``PackedMatmul`` instead: PyTorch's eager
+``linear`` hands oneDNN the plain row-major weight on every call, and oneDNN reorders it into its
+blocked layout each time. ``PackedMatmul`` reorders every weight once
+(``torch.ops.mkldnn._reorder_linear_weight``) and calls ``torch.ops.mkldnn._linear_pointwise``
+with the packed copy: the same kernel, bit-identical results (tested), without the per-call
+reorder. The packed copies cost as much memory again as the bfloat16 linear weights. They are
+rebuilt when a weight changes: ``invalidate()`` after a weight update (the engine calls it), and a
+weight replaced by another tensor or changed in place by an autograd-visible op (its version
+counter moves) is packed afresh on its next use. Measured on a loaded 2-core AVX512-BF16 machine,
+SmolLM2-135M, 32 rows, decode steps alternated between the two settings in one run: 1.10-1.12x
+faster steps than PyTorch's own path. (Computing decode attention as two batched products instead
+of PyTorch's CPU flash kernel bought another 1% in the same measurement and tripled the bfloat16
+log-probability error on the tiny test model: not kept.)
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["CpuMatmul", "Float32Matmul", "native_bf16_matmul", "use_float32_matmul"]
+__all__ = [
+    "CpuMatmul",
+    "Float32Matmul",
+    "PackedMatmul",
+    "cpu_matmul_mode",
+    "native_bf16_matmul",
+    "use_float32_matmul",
+]
 
-CpuMatmul = Literal["auto", "native", "float32"]
-_CHOICES = ("auto", "native", "float32")
+CpuMatmul = Literal["auto", "native", "packed", "float32"]
+_CHOICES = ("auto", "native", "packed", "float32")
 _LINEAR = {F.linear, torch._C._nn.linear}
 _ATTENTION = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
 
@@ -47,16 +69,83 @@ def native_bf16_matmul() -> bool:
         return True
 
 
-def use_float32_matmul(choice: str, model: torch.nn.Module) -> bool:
-    """Whether the engine should enter ``Float32Matmul`` for ``model`` (see ``EngineConfig.cpu_matmul``)."""
+def packed_matmul_available() -> bool:
+    """Whether this PyTorch build has oneDNN's packed-weight linear (``PackedMatmul``)."""
+    ops = torch.ops.mkldnn
+    try:
+        return hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
+    except Exception:
+        return False
+
+
+def cpu_matmul_mode(choice: str, model: torch.nn.Module) -> str | None:
+    """The mode the engine enters around forward passes of ``model``: "float32", "packed" or None
+    (PyTorch's own kernels); see ``EngineConfig.cpu_matmul``."""
     if choice not in _CHOICES:
         raise ValueError(f"cpu_matmul must be one of {', '.join(_CHOICES)}; got {choice!r}")
     param = next(model.parameters(), None)
     if param is None or param.device.type != "cpu" or param.dtype != torch.bfloat16:
-        return False
+        return None
     if choice == "auto":
-        return not native_bf16_matmul()
-    return choice == "float32"
+        choice = "packed" if native_bf16_matmul() else "float32"
+    if choice == "packed" and not packed_matmul_available():
+        return None
+    return None if choice == "native" else choice
+
+
+def use_float32_matmul(choice: str, model: torch.nn.Module) -> bool:
+    """Whether the engine should enter ``Float32Matmul`` for ``model`` (see ``EngineConfig.cpu_matmul``)."""
+    return cpu_matmul_mode(choice, model) == "float32"
+
+
+def make_matmul_mode(mode: str | None, batch_hint: int = 32) -> TorchFunctionMode | None:
+    if mode == "float32":
+        return Float32Matmul()
+    if mode == "packed":
+        return PackedMatmul(batch_hint)
+    return None
+
+
+class PackedMatmul(TorchFunctionMode):
+    """Computes bfloat16 CPU ``linear`` calls with weights packed once for oneDNN (module docstring)."""
+
+    def __init__(self, batch_hint: int = 32) -> None:
+        super().__init__()
+        self.batch_hint = batch_hint
+        self._packed: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
+
+    def invalidate(self) -> None:
+        """Forget every packed weight (call after changing weights through ``.data``)."""
+        self._packed.clear()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        if func in _LINEAR:
+            x, weight, bias = _linear_args(args, kwargs)
+            if (
+                _is_cpu_bf16(weight)
+                and weight.dim() == 2
+                and _is_cpu_bf16(x)
+                and (bias is None or _is_cpu_bf16(bias))
+                and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            ):
+                return torch.ops.mkldnn._linear_pointwise(x, self._pack(weight), bias, "none", [], "")
+        return func(*args, **kwargs)
+
+    def _pack(self, weight: torch.Tensor) -> torch.Tensor:
+        entry = self._packed.get(id(weight))
+        if (
+            entry is not None
+            and entry[0]() is weight
+            and entry[1] == weight._version
+            and entry[2] == weight.data_ptr()
+        ):
+            return entry[3]
+        if len(self._packed) > 4096:  # weights replaced many times over: drop the stale entries
+            self._packed = {k: e for k, e in self._packed.items() if e[0]() is not None}
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.batch_hint)
+        self._packed[id(weight)] = (weakref.ref(weight), weight._version, weight.data_ptr(), packed)
+        return packed
 
 
 class Float32Matmul(TorchFunctionMode):

@@ -13,7 +13,14 @@ import torch
 from engine_helpers import chat_body, make_engine, teacher_forced_logprobs
 
 from agentbolt.engine import ModelEngine
-from agentbolt.engine.matmul import Float32Matmul, native_bf16_matmul, use_float32_matmul
+from agentbolt.engine.matmul import (
+    Float32Matmul,
+    PackedMatmul,
+    cpu_matmul_mode,
+    native_bf16_matmul,
+    packed_matmul_available,
+    use_float32_matmul,
+)
 
 # (prompt, max_tokens, sampling): different lengths, greedy and seeded sampling, top alternatives.
 MIXED = [
@@ -113,7 +120,7 @@ def test_use_float32_matmul_choices() -> None:
     assert use_float32_matmul("float32", bf16) and not use_float32_matmul("native", bf16)
     assert use_float32_matmul("auto", bf16) == (not native_bf16_matmul())
     assert not use_float32_matmul("float32", fp32)  # only bfloat16 weights are affected
-    with pytest.raises(ValueError, match="cpu_matmul must be one of auto, native, float32"):
+    with pytest.raises(ValueError, match="cpu_matmul must be one of auto, native, packed, float32"):
         use_float32_matmul("fast", bf16)
 
 
@@ -147,3 +154,61 @@ def test_float32_matmul_runs_bfloat16_attention_in_float32() -> None:
     with Float32Matmul():
         got = sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
     assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
+
+
+# ---------------------------------------------------------------- packed weights (CPUs with bfloat16 units)
+
+needs_packed = pytest.mark.skipif(not packed_matmul_available(), reason="no oneDNN packed linear here")
+
+
+def test_cpu_matmul_mode_choices() -> None:
+    bf16, fp32 = torch.nn.Linear(4, 4).bfloat16(), torch.nn.Linear(4, 4)
+    auto = "packed" if native_bf16_matmul() else "float32"
+    assert cpu_matmul_mode("auto", bf16) == (auto if packed_matmul_available() or auto == "float32" else None)
+    assert cpu_matmul_mode("native", bf16) is None and cpu_matmul_mode("float32", bf16) == "float32"
+    assert cpu_matmul_mode("packed", fp32) is None and cpu_matmul_mode("auto", fp32) is None
+
+
+@needs_packed
+def test_packed_matmul_is_bit_identical_and_follows_weight_changes() -> None:
+    torch.manual_seed(0)
+    x, weight, bias = _bf16(3, 5, 96), _bf16(300, 96), _bf16(300)
+    mode = PackedMatmul(batch_hint=4)
+    with torch.inference_mode():
+        for b in (bias, None):
+            expected = torch.nn.functional.linear(x, weight, b)
+            with mode:
+                got = torch.nn.functional.linear(x, weight, b)
+            assert got.shape == (3, 5, 300) and torch.equal(got, expected)
+        with mode:  # float32 weights are left to PyTorch
+            assert torch.nn.functional.linear(x.float(), weight.float()).dtype == torch.float32
+    weight.data.copy_(_bf16(300, 96))  # what the engine's weight updates do: invisible to the version
+    mode.invalidate()
+    with torch.inference_mode(), mode:
+        assert torch.equal(torch.nn.functional.linear(x, weight), torch.nn.functional.linear(x, weight))
+    with torch.inference_mode():
+        expected = torch.nn.functional.linear(x, weight)
+        with mode:
+            assert torch.equal(torch.nn.functional.linear(x, weight), expected)
+    with torch.no_grad():
+        weight.mul_(2)  # an in-place change the version counter sees: repacked without invalidate()
+    with torch.inference_mode():
+        expected = torch.nn.functional.linear(x, weight)
+        with mode:
+            assert torch.equal(torch.nn.functional.linear(x, weight), expected)
+
+
+@needs_packed
+async def test_bfloat16_engine_with_packed_weights_matches_its_teacher_forced_pass(tiny_dir: Path) -> None:
+    engine = ModelEngine.from_pretrained(tiny_dir, device="cpu", dtype="bfloat16", cpu_matmul="packed")
+    with engine:
+        assert engine.stats()["cpu_matmul"] == "packed" and not engine.stats()["float32_matmul"]
+        responses, _ = await _staggered(engine, MIXED, {})
+        errors = _errors(engine.model, responses, contextlib.nullcontext())
+        assert max(errors) < BF16_BOUND, errors
+        # a weight update must not leave the old packed weights in use
+        state = {k: v * 1.5 if k.endswith("proj.weight") else v for k, v in engine.model.state_dict().items()}
+        engine.update_weights(state_dict=state)
+        responses, _ = await _staggered(engine, MIXED[:2], {})
+        errors = _errors(engine.model, responses, contextlib.nullcontext())
+        assert max(errors) < BF16_BOUND, errors
