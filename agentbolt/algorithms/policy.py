@@ -32,7 +32,7 @@ import httpx
 from rich.console import Console
 from torch import nn
 
-from agentbolt.algorithms.train_state import export_weights, merged_state_dict
+from agentbolt.algorithms.train_state import export_weights, merged_state_dict, trained_weights
 from agentbolt.client import Client
 from agentbolt.errors import ConfigError
 from agentbolt.schemas import LLM, ModelWeights, Resource
@@ -145,8 +145,9 @@ class EnginePolicy(PolicyServer):
 
     def sync(self, model: nn.Module, version: int | str, saved: Path | None = None) -> str:
         adapter = saved is not None and _is_adapter(saved)
-        # the engines merge the small adapter file themselves: no merged copy of the model here
-        state = None if adapter else merged_state_dict(model)
+        # the engines merge the small adapter file themselves: no merged copy of the model here;
+        # otherwise only what training changed (LoRA: the adapted layers, merged), else everything
+        state = None if adapter else _weights_to_send(model)
 
         def load(url: str) -> None:
             engine = self.engines[url]
@@ -275,6 +276,13 @@ def publish(
     if latest is not None and not weights and resources == latest.resources:
         return latest.version
     return client.publish_resources(resources, metadata).version
+
+
+def _weights_to_send(model: nn.Module) -> dict[str, Any]:
+    """What an engine serving the base model needs to serve ``model``: the weights training can
+    have changed (:func:`trained_weights`: the LoRA-adapted layers, merged), or all of them."""
+    changed = trained_weights(model)
+    return changed if changed is not None else merged_state_dict(model)
 
 
 def _outcome(load: Callable[[str], None], url: str) -> Exception | None:

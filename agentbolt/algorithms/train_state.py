@@ -36,6 +36,7 @@ __all__ = [
     "make_train_state",
     "make_trainable",
     "merge_lora",
+    "trained_weights",
     "merged_state_dict",
     "optimizer_step",
     "restore_rng_state",
@@ -282,3 +283,37 @@ def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
     if merged is not model:  # merged into a copy: its tensors are fresh already
         return dict(merged.state_dict())
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@torch.no_grad()
+def trained_weights(model: nn.Module) -> dict[str, Tensor] | None:
+    """The weights training can have changed, LoRA merged, under the base model's names: for a
+    PEFT model with one active plain LoRA adapter on linear layers and nothing else trainable,
+    each adapted layer's merged weight (fresh tensors). Every other weight is the frozen base,
+    which a model server started from the same base holds already: a sync need not copy the
+    whole model (:func:`merged_state_dict` deep-copies it to merge) nor send the embeddings.
+    None where that does not hold (no adapter, DoRA, embedding or convolution adapters, other
+    trainable parameters, an adapter merged already): send :func:`merged_state_dict` then."""
+    if not isinstance(model, PeftModel):
+        return None
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import LoraLayer
+
+    out: dict[str, Tensor] = {}
+    covered: set[int] = set()
+    for name, module in model.get_base_model().named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        if not isinstance(module, LoraLinear) or module.merged or len(module.active_adapters) != 1:
+            return None
+        adapter = module.active_adapters[0]
+        covered.update(id(p) for p in module.parameters())
+        if adapter not in module.lora_A:
+            continue  # this layer has no weights of the active adapter: it is the base
+        if module.use_dora.get(adapter) or module.lora_embedding_A:
+            return None
+        weight: Tensor = module.get_base_layer().weight  # type: ignore[assignment]
+        out[f"{name}.weight"] = weight + module.get_delta_weight(adapter).to(weight.dtype)
+    if not out or any(p.requires_grad and id(p) not in covered for p in model.parameters()):
+        return None
+    return out

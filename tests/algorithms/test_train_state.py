@@ -3,6 +3,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -173,3 +174,51 @@ def test_full_fine_tuning_without_a_reference_refuses_kl(tiny_llama: TinyLlama) 
     state = make_train_state(tiny_llama(), TrainConfig(lora=False))
     with pytest.raises(ValueError, match="reference"):
         _ = state.reference_model
+
+
+def test_trained_weights_are_the_merged_adapted_layers(tiny_llama: TinyLlama) -> None:
+    from agentbolt.algorithms.train_state import trained_weights
+
+    state = make_train_state(tiny_llama(), TrainConfig(lr=1e-2))
+    _train(state, 2)
+    changed, full = trained_weights(state.model), merged_state_dict(state.model)
+    assert changed is not None and set(changed) < set(full)
+    assert "model.embed_tokens.weight" in full and "model.embed_tokens.weight" not in changed
+    for name, tensor in changed.items():
+        assert torch.allclose(tensor, full[name], atol=1e-6), name
+    # what is not sent is the base: a copy of the base with only these loaded is the merged model
+    served = tiny_llama()
+    served.load_state_dict(changed, strict=False)
+    for name, tensor in served.state_dict().items():
+        assert torch.allclose(tensor, full[name], atol=1e-6), name
+    assert any(not torch.allclose(changed[n], tiny_llama().state_dict()[n]) for n in changed)  # it trained
+
+    assert trained_weights(tiny_llama()) is None  # no adapter: everything may have changed
+    # anything trainable besides the adapter: send everything
+    next(p for n, p in state.model.named_parameters() if "embed_tokens" in n).requires_grad_(True)
+    assert trained_weights(state.model) is None
+
+
+def test_an_engine_synced_with_only_the_trained_weights_serves_the_merged_model(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from agentbolt.algorithms.policy import EnginePolicy
+    from agentbolt.engine import ModelEngine, tiny_model_dir
+
+    path = str(tiny_model_dir(tmp_path))
+    engine = ModelEngine.from_pretrained(path, dtype="float32")
+    try:
+        state = make_train_state(AutoModelForCausalLM.from_pretrained(path), TrainConfig(lr=1e-2))
+        _train(state, 2)
+        sent: list[Any] = []
+        update = engine.update_weights
+        engine.update_weights = lambda **kw: sent.append(kw) or update(**kw)  # type: ignore[method-assign]
+        EnginePolicy(engine, "http://127.0.0.1:9/v1", path).sync(state.model, 1)
+        assert (
+            len(sent) == 1 and "model.embed_tokens.weight" not in sent[0]["state_dict"]
+        )  # only the adapted layers
+        served = engine.model.state_dict()
+        for name, tensor in merged_state_dict(state.model).items():
+            assert torch.allclose(served[name].float(), tensor.float(), atol=1e-6), name
+    finally:
+        engine.close()
