@@ -4,7 +4,8 @@ Same single-turn task, model, group size, batch, completion length, LoRA (r=16, 
 projections) and learning rate. agentbolt runs its whole machinery — embedded server, a runner
 process, the gateway, the batched engine, weight sync — while TRL runs its single-process
 trainer (generation with ``model.generate`` inside the trainer). Both generate and train in
-the same dtype (``--dtype``; default bfloat16 where the CPU has native bfloat16, float32 where it
+the same dtype, and both checkpoint activations in the update or neither (``--checkpointing``;
+by default as agentbolt's GRPO does, TRL set to match) (``--dtype``; default bfloat16 where the CPU has native bfloat16, float32 where it
 would be emulated), and the runs alternate, ``--rounds`` times each, so that a change of load hits
 both. Prints seconds per iteration for both (the first iteration of each run, a warm-up, left
 out) and the ratio (agentbolt / TRL; <= 1.0 means agentbolt is no slower).
@@ -56,13 +57,36 @@ class SingleTurn(LitAgent):
         return reward_text(r.choices[0].message.content or "")
 
 
+def checkpointing_options(choice: str) -> tuple[dict[str, bool], bool]:
+    """agentbolt's GRPO options and TRL's ``gradient_checkpointing`` for ``--checkpointing``:
+    ``auto`` is agentbolt's default, whatever it resolves to, and TRL is set the same."""
+    import dataclasses
+
+    from agentbolt.algorithms.grpo import GRPO
+
+    known = {f.name for f in dataclasses.fields(GRPO)}
+    if "activation_checkpointing" not in known:  # a GRPO that never checkpoints
+        return {}, False
+    if choice == "auto":
+        return {}, bool(getattr(GRPO(), "checkpointing", False))
+    return {"activation_checkpointing": choice == "on"}, choice == "on"
+
+
 def run_agentbolt(
-    model: str, steps: int, group: int, prompts: int, max_tokens: int, lr: float, dtype: str
+    model: str,
+    steps: int,
+    group: int,
+    prompts: int,
+    max_tokens: int,
+    lr: float,
+    dtype: str,
+    checkpointing: str = "auto",
 ) -> list[float]:
     from agentbolt import Trainer
     from agentbolt.algorithms.grpo import GRPO
 
     algo = GRPO(
+        **checkpointing_options(checkpointing)[0],
         model=model,
         steps=steps,
         tasks_per_step=prompts,
@@ -90,7 +114,14 @@ def run_agentbolt(
 
 
 def run_trl(
-    path: str, steps: int, group: int, prompts: int, max_tokens: int, lr: float, dtype: str
+    path: str,
+    steps: int,
+    group: int,
+    prompts: int,
+    max_tokens: int,
+    lr: float,
+    dtype: str,
+    checkpointing: str = "auto",
 ) -> list[float]:
     from datasets import Dataset
     from peft import LoraConfig
@@ -127,9 +158,8 @@ def run_trl(
         beta=0.0,
         gradient_accumulation_steps=1,
         dataloader_num_workers=0,
-        # TRL turns activation checkpointing on by default: it saves memory at the cost of a
-        # second forward pass. agentbolt does not checkpoint, so neither does TRL here.
-        gradient_checkpointing=False,
+        # activation checkpointing (memory for a second forward pass of the body) as agentbolt's
+        gradient_checkpointing=checkpointing_options(checkpointing)[1],
     )
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path)
@@ -159,6 +189,12 @@ def main() -> None:
     ap.add_argument(
         "--dtype", choices=["bfloat16", "float32"], help="generation and training dtype, both sides"
     )
+    ap.add_argument(
+        "--checkpointing",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="activation checkpointing in the update, both sides (auto: agentbolt's default, TRL set the same)",
+    )
     ap.add_argument("--quick", action="store_true", help="one round of 2 steps, 2 prompts x 4")
     args = ap.parse_args()
     if args.quick:
@@ -168,7 +204,7 @@ def main() -> None:
 
     dtype = args.dtype or ("bfloat16" if fast_bf16() else "float32")
     path = str(tiny_model_dir(tempfile.mkdtemp()) if args.model == "tiny" else ensure_model(args.model))
-    shape = (args.steps, args.group, args.prompts, args.max_tokens, args.lr, dtype)
+    shape = (args.steps, args.group, args.prompts, args.max_tokens, args.lr, dtype, args.checkpointing)
     try:
         import trl  # noqa: F401
     except ImportError:
@@ -187,7 +223,8 @@ def main() -> None:
             theirs += run[1:] or run
     print(
         f"model={args.model} dtype={dtype} group={args.group} prompts/step={args.prompts} "
-        f"max_tokens={args.max_tokens} steps={args.steps} rounds={args.rounds}"
+        f"max_tokens={args.max_tokens} steps={args.steps} rounds={args.rounds} "
+        f"activation checkpointing={'on' if checkpointing_options(args.checkpointing)[1] else 'off'} (both)"
     )
     a = statistics.median(ours)
     if not theirs:
