@@ -160,7 +160,7 @@ class Gateway:
     # ------------------------------------------------------------------ resolving a call
 
     async def target(self, rollout_id: str, attempt_id: str) -> Target:
-        state = await self.call(self.store.attempt_state, attempt_id)  # read on every call
+        state = await self.call.read(self.store.attempt_state, attempt_id)  # read on every call
         if state is None:
             raise Refused(404, f"attempt {attempt_id!r} not found", "not_found_error")
         if state[0] != rollout_id:

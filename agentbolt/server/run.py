@@ -49,6 +49,7 @@ def _uvicorn_config(app: Any, config: ServerConfig, log_level: str) -> uvicorn.C
         timeout_keep_alive=KEEP_ALIVE_S,
         # nothing reads the client's address (no access log): no X-Forwarded-* rewriting layer
         proxy_headers=False,
+        server_header=False,  # "server: uvicorn" tells a client nothing it needs
     )
 
 

@@ -67,6 +67,17 @@ class StoreCaller:
             self.threads, functools.partial(fn, *args, **kwargs)
         )
 
+    async def read(self, fn: Callable[..., R], *args: Any) -> R:
+        """A call that only reads: as :meth:`__call__`, except that on SQLite with no group
+        open in this event-loop turn it is answered at once (it can only see committed rows:
+        there is nothing to wait for), with no transaction of its own. With a group open it
+        joins it: it may see the group's writes, so it answers after their commit."""
+        if self._grouped and self.threads is None:
+            last = self._last
+            if last is not None and last[0] == threading.get_ident() and last[1].waiting is None:
+                return fn(*args)
+        return await self(fn, *args)
+
     def close(self) -> None:
         if self.threads is not None:
             self.threads.shutdown(wait=True)

@@ -197,3 +197,42 @@ def test_a_thread_waiting_for_the_store_gets_its_turn_while_the_server_is_busy(t
         == 50
     )
     store.close()
+
+
+def test_a_read_with_no_group_open_takes_no_transaction_and_one_in_a_group_waits_for_it(tmp_path):
+    """``StoreCaller.read`` (the gateway's attempt check on every call): alone in its turn it is
+    answered at once, no BEGIN/COMMIT; beside a write of its turn it joins the write's group,
+    sees the write and answers only once it is committed."""
+    path = str(tmp_path / "store.db")
+    store = open_store(path)
+    [first] = store.enqueue([RolloutCreate(task=Task(data={}))])
+    statements: list[str] = []
+    store.db.conn.set_trace_callback(statements.append)
+    call = StoreCaller(store)
+
+    def count() -> int:
+        with store.db.autocommit() as tx:
+            return int(tx.all("SELECT count(*) FROM rollouts")[0][0])
+
+    async def read_in_group() -> tuple[tuple[int, int], int]:
+        inside = await call.read(lambda: (count(), _committed(path, "SELECT count(*) FROM rollouts")))
+        return inside, _committed(path, "SELECT count(*) FROM rollouts")  # once answered
+
+    async def main() -> tuple[str, list[object]]:
+        await call(store.enqueue, [RolloutCreate(task=Task(data={"n": 1}))])  # a group, committed
+        statements.clear()
+        alone = await call.read(store.get_rollout, first.id)
+        assert not [s for s in statements if s in ("BEGIN IMMEDIATE", "COMMIT")]
+        grouped = await asyncio.gather(
+            call(store.enqueue, [RolloutCreate(task=Task(data={"n": 2}))]),
+            read_in_group(),
+        )
+        return alone.id, grouped
+
+    alone, (_, ((seen, committed_then), committed_after)) = asyncio.run(main())
+    assert alone == first.id
+    assert seen == 3 and committed_then == 2  # inside the group: its write, not committed yet
+    assert committed_after == 3  # answered after the group's commit
+    assert statements.count("COMMIT") == 1  # the read added no commit of its own
+    assert _committed(path, "SELECT count(*) FROM rollouts") == 3
+    store.close()
