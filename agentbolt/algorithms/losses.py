@@ -27,6 +27,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any
 
 import torch
 import torch.utils.checkpoint
@@ -41,6 +43,7 @@ __all__ = [
     "LossFn",
     "PolicyLoss",
     "TrainRow",
+    "checkpointed_layers",
     "clipped_policy_loss",
     "entropy_from_logits",
     "forward_logits",
@@ -245,18 +248,81 @@ def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
     return decoder, head
 
 
-def _hidden_states(decoder: nn.Module, batch: Batch, prefix_len: int) -> Tensor:
+def _read_only(cache: Any, batch_size: int) -> None:
+    """The prefix cache expanded (a view) to ``batch_size`` rows and made read-only: each layer's
+    ``update`` returns the prefix's keys and values followed by the new ones without storing them.
+    The pass that reads it is then a pure function of its inputs, so a checkpointed layer
+    recomputed in the backward pass sees the same prefix, not the prefix plus its first pass."""
+    for layer in cache.layers:
+        keys = layer.keys.expand(batch_size, *layer.keys.shape[1:])
+        values = layer.values.expand(batch_size, *layer.values.shape[1:])
+        layer.keys, layer.values = keys, values
+
+        def update(
+            key_states: Tensor,
+            value_states: Tensor,
+            *args: Any,
+            _k: Tensor = keys,
+            _v: Tensor = values,
+            **kwargs: Any,
+        ) -> tuple[Tensor, Tensor]:
+            return torch.cat([_k, key_states], dim=-2), torch.cat([_v, value_states], dim=-2)
+
+        layer.update = update
+
+
+_CHECKPOINT_ATTRS = ("gradient_checkpointing", "_gradient_checkpointing_func", "_can_checkpoint_with_cache")
+
+
+@contextmanager
+def checkpointed_layers(model: nn.Module, enabled: bool = True) -> Iterator[int]:
+    """Activation checkpointing of the decoder layers while the block runs (yields how many).
+
+    Each layer keeps only its input for the backward pass and runs its forward again there
+    (``torch.utils.checkpoint``, non-reentrant): a pass holds one layer's activations instead of
+    all of them, for about one more forward. The layers may read a key/value cache (the shared
+    prefix of :func:`masked_logprobs`, made read-only there); one that writes into a cache must
+    not run inside this block with gradients on. Layers are Hugging Face's
+    ``GradientCheckpointingLayer`` (a model with none runs unchanged); their own setting is restored
+    on exit."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # pragma: no cover - an older transformers
+        GradientCheckpointingLayer = ()  # type: ignore[assignment,misc]  # noqa: N806
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)] if enabled else []
+    saved = [{a: m.__dict__[a] for a in _CHECKPOINT_ATTRS if a in m.__dict__} for m in layers]
+    for m in layers:
+        m.gradient_checkpointing = True
+        m._gradient_checkpointing_func = partial(  # type: ignore[assignment]
+            torch.utils.checkpoint.checkpoint, use_reentrant=False
+        )
+        m._can_checkpoint_with_cache = True
+    try:
+        yield len(layers)
+    finally:
+        for m, before in zip(layers, saved, strict=True):
+            for a in _CHECKPOINT_ATTRS:
+                m.__dict__.pop(a, None)
+            m.__dict__.update(before)
+
+
+def _hidden_states(decoder: nn.Module, batch: Batch, prefix_len: int, checkpoint: bool = False) -> Tensor:
     """Final hidden states at positions ``prefix_len..T-1`` ([B, T - P, H]); the shared prefix
-    runs once, its cache expanded to the batch as in :func:`suffix_logits`."""
+    runs once, its cache expanded to the batch as in :func:`suffix_logits` (read-only).
+    ``checkpoint``: the decoder layers of the batch's pass are checkpointed
+    (:func:`checkpointed_layers`); the prefix's one-row pass keeps its activations."""
     ids_BT, mask_BT = batch.input_ids_BT, batch.attention_mask_BT
     if prefix_len == 0:
-        return decoder(input_ids=ids_BT, attention_mask=mask_BT, use_cache=False).last_hidden_state
+        with checkpointed_layers(decoder, checkpoint):
+            return decoder(input_ids=ids_BT, attention_mask=mask_BT, use_cache=False).last_hidden_state
     B = ids_BT.shape[0]
     cache = decoder(input_ids=ids_BT[:1, :prefix_len], use_cache=True)["cache"]
-    for layer in cache.layers:
-        layer.keys = layer.keys.expand(B, *layer.keys.shape[1:])
-        layer.values = layer.values.expand(B, *layer.values.shape[1:])
-    out = decoder(input_ids=ids_BT[:, prefix_len:], attention_mask=mask_BT, cache=cache, use_cache=True)
+    _read_only(cache, B)
+    with checkpointed_layers(decoder, checkpoint):
+        # the layers read the cache whenever it is given; use_cache=True would only be turned off
+        # (with a warning) by a checkpointed layer
+        suffix_ids = ids_BT[:, prefix_len:]
+        out = decoder(input_ids=suffix_ids, attention_mask=mask_BT, cache=cache, use_cache=not checkpoint)
     return out.last_hidden_state
 
 
@@ -279,6 +345,7 @@ def masked_logprobs(
     entropy: bool = False,
     chunk_tokens: int = 1024,
     recompute: bool = False,
+    checkpoint: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """``(logprobs_BT, entropy_BT)`` at the model tokens only (``loss_mask``), 0 elsewhere.
 
@@ -287,8 +354,11 @@ def masked_logprobs(
     positions that predict a model token and the output layer, log-softmax and entropy run over
     ``chunk_tokens`` of them at a time. ``recompute`` keeps only the hidden states of each chunk
     for the backward pass (its logits are computed again there): less memory, one more pass of
-    the output layer. ``prefix_len`` as in :func:`suffix_logits`. Models whose logits are not
-    ``head(hidden)`` take the full-logits path, with the same result."""
+    the output layer. ``checkpoint``: activation checkpointing of the decoder layers too
+    (:func:`checkpointed_layers`; implies ``recompute``): the pass keeps per token little more
+    than each layer's input, for about one more forward of the body. ``prefix_len`` as in
+    :func:`suffix_logits`. Models whose logits are not ``head(hidden)`` take the full-logits
+    path, with the same result (without checkpointing)."""
     ids_BT, mask_BT = batch.input_ids_BT, batch.loss_mask_BT
     B, T = ids_BT.shape
     parts = _decoder_and_head(model)
@@ -307,7 +377,8 @@ def masked_logprobs(
             ~keep_BT, 0.0
         )
     decoder, head = parts
-    hidden_BSH = _hidden_states(decoder, batch, prefix_len)
+    recompute = recompute or checkpoint
+    hidden_BSH = _hidden_states(decoder, batch, prefix_len, checkpoint and torch.is_grad_enabled())
     rows_N, cols_N = mask_BT[:, 1:].nonzero(as_tuple=True)  # target t = cols + 1, predicted at cols
     if (cols_N < prefix_len).any():
         raise ValueError(f"a model token lies inside the shared prefix (prefix_len={prefix_len})")
@@ -468,10 +539,15 @@ class PolicyLoss:
     proximal: bool = False
     importance: ImportanceMode = "token"
     importance_cap: float = 2.0
+    checkpoint: bool = False
+    """Activation checkpointing of the policy's pass (:func:`masked_logprobs`): much less memory
+    per micro-batch token, about one more forward of the body per update."""
 
     def __call__(self, model: nn.Module, batch: Batch, num_tokens: float) -> tuple[Tensor, dict[str, float]]:
         P = shared_prefix_len(batch) if self.share_prefix else 0
-        new_BT, entropy_BT = masked_logprobs(model, batch, P, entropy=self.entropy)
+        new_BT, entropy_BT = masked_logprobs(
+            model, batch, P, entropy=self.entropy, checkpoint=self.checkpoint
+        )
         old_BT = batch.old_logprobs_BT if batch.old_logprobs_BT is not None else new_BT.detach()
         behaviour_BT = None
         if self.proximal:

@@ -200,3 +200,54 @@ def test_a_runner_killed_mid_step_loses_no_group_member(tiny, tmp_path):
     assert len(lines) == 1
     assert f"| reward mean {step['reward_mean']:.3f} |" in lines[0]
     assert f"| retried {step['retried']} |" in lines[0]
+
+
+def test_activation_checkpointing_option_resolves_and_rejects_bad_values(tiny):
+    assert tiny_grpo(tiny).checkpointing  # 4096-token micro-batches: on
+    assert not tiny_grpo(tiny, max_tokens_per_micro_batch=1024).checkpointing
+    assert not tiny_grpo(tiny, activation_checkpointing=False).checkpointing
+    assert tiny_grpo(tiny, max_tokens_per_micro_batch=512, activation_checkpointing=True).checkpointing
+    from agentbolt.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        tiny_grpo(tiny, activation_checkpointing="yes")
+    assert str(err.value) == "activation_checkpointing must be True, False or None (automatic); got 'yes'"
+
+
+def test_a_checkpointed_update_equals_the_plain_one(tiny):
+    """The same optimizer step with and without activation checkpointing: loss, metrics and the
+    updated weights agree (float32, 1e-5), over several micro-batches sharing a prompt."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from agentbolt.algorithms.losses import TrainRow
+    from agentbolt.algorithms.train_state import TrainConfig, make_train_state
+
+    g = torch.Generator().manual_seed(0)
+    prompt = tuple(int(x) for x in torch.randint(3, 200, (24,), generator=g))
+    rows = []
+    for i in range(6):
+        answer = tuple(int(x) for x in torch.randint(3, 200, (3 + i,), generator=g))
+        mask = (0,) * len(prompt) + (1,) * len(answer)
+        old = tuple(-1.0 * m for m in mask)
+        rows.append(TrainRow(prompt + answer, mask, old, 1.0 if i % 2 else -1.0))
+    results = []
+    for checkpoint in (False, True):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+        state = make_train_state(model, TrainConfig(lora_r=4, lr=1e-2))
+        for name, p in state.model.named_parameters():  # LoRA B starts at 0: give the adapter weight
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.05, generator=torch.Generator().manual_seed(1))
+        algo = tiny_grpo(tiny, max_tokens_per_micro_batch=80, activation_checkpointing=checkpoint)
+        metrics = algo._update(state, rows)
+        trained = {n: p.detach().clone() for n, p in state.model.named_parameters() if p.requires_grad}
+        results.append((metrics, trained))
+    (plain, plain_weights), (ckpt, ckpt_weights) = results
+    assert plain.keys() == ckpt.keys() and plain["num_tokens"] == ckpt["num_tokens"] > 0
+    for name, value in plain.items():
+        assert ckpt[name] == pytest.approx(value, abs=1e-5), name
+    moved = [n for n, w in plain_weights.items() if "lora_B" in n]
+    assert moved
+    for name, weight in plain_weights.items():
+        assert torch.allclose(ckpt_weights[name], weight, atol=1e-5), name

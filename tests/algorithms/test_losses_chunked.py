@@ -14,6 +14,7 @@ from agentbolt.algorithms.losses import (
     Batch,
     PolicyLoss,
     TrainRow,
+    checkpointed_layers,
     entropy_from_logits,
     forward_logits,
     logprobs_from_logits,
@@ -59,9 +60,12 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("lora", [False, True])
-@pytest.mark.parametrize("chunk_tokens,recompute", [(1024, False), (3, False), (4, True)])
+@pytest.mark.parametrize(
+    "chunk_tokens,recompute,checkpoint",
+    [(1024, False, False), (3, False, False), (4, True, False), (3, False, True)],
+)
 def test_masked_logprobs_match_the_full_softmax(
-    tiny_llama: TinyLlama, shared: bool, lora: bool, chunk_tokens: int, recompute: bool
+    tiny_llama: TinyLlama, shared: bool, lora: bool, chunk_tokens: int, recompute: bool, checkpoint: bool
 ) -> None:
     model = tiny_llama()
     if lora:
@@ -81,7 +85,7 @@ def test_masked_logprobs_match_the_full_softmax(
     model.zero_grad(set_to_none=True)
 
     got_BT, got_ent_BT = masked_logprobs(
-        model, batch, P, entropy=True, chunk_tokens=chunk_tokens, recompute=recompute
+        model, batch, P, entropy=True, chunk_tokens=chunk_tokens, recompute=recompute, checkpoint=checkpoint
     )
     assert got_ent_BT is not None
     (got_BT * weights_BT).sum().backward()
@@ -93,6 +97,61 @@ def test_masked_logprobs_match_the_full_softmax(
     assert got_grads.keys() == expected_grads.keys() and got_grads
     for name, grad in expected_grads.items():
         assert torch.allclose(got_grads[name], grad, atol=1e-5), name
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_checkpointed_policy_loss_equals_the_plain_one(tiny_llama: TinyLlama, shared: bool) -> None:
+    """Activation checkpointing changes memory, not results: the same GRPO loss, metrics and
+    gradients (1e-5), the layers really run twice (forward, then again in the backward pass) and
+    the model is left as it was."""
+    model = make_trainable(tiny_llama(), TrainConfig(lora_r=4))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    batch = pad_batch(_rows(shared))
+    assert (shared_prefix_len(batch) > 0) == shared
+    with torch.no_grad():
+        batch = replace(batch, old_logprobs_BT=_reference(model, batch)[0] - 0.05)
+    layer = model.get_base_model().model.layers[0]
+    calls: list[int] = []
+    layer.register_forward_pre_hook(lambda module, args: calls.append(1))
+    mlp_calls: list[int] = []
+    layer.mlp.register_forward_pre_hook(lambda module, args: mlp_calls.append(1))
+
+    results = {}
+    for checkpoint in (False, True):
+        mlp_calls.clear()
+        loss, metrics = PolicyLoss(checkpoint=checkpoint)(model, batch, float(batch.num_tokens))
+        loss.backward()
+        results[checkpoint] = (float(loss.detach()), metrics, _grads(model), len(mlp_calls))
+        model.zero_grad(set_to_none=True)
+    (plain_loss, plain_metrics, plain_grads, plain_runs), (loss, metrics, grads, runs) = (
+        results[False],
+        results[True],
+    )
+    assert loss == pytest.approx(plain_loss, abs=1e-6)
+    assert metrics.keys() == plain_metrics.keys()
+    for name, value in plain_metrics.items():
+        assert metrics[name] == pytest.approx(value, abs=1e-5), name
+    assert grads.keys() == plain_grads.keys() and grads
+    for name, grad in plain_grads.items():
+        assert torch.allclose(grads[name], grad, atol=1e-5), name
+    # the batch's pass runs each layer once more in the backward pass (the prefix's does not)
+    assert runs == plain_runs + 1
+    assert not layer.gradient_checkpointing  # restored after the pass
+
+
+def test_checkpointed_layers_restores_a_model_s_own_setting(tiny_llama: TinyLlama) -> None:
+    model = tiny_llama()
+    layer = model.model.layers[0]
+    own = print  # a setting of the model's own, whatever it is
+    layer.gradient_checkpointing, layer._gradient_checkpointing_func = True, own
+    with checkpointed_layers(model) as n:
+        assert n == len(model.model.layers) and layer._can_checkpoint_with_cache
+    assert layer.gradient_checkpointing and layer._gradient_checkpointing_func is own
+    assert not layer._can_checkpoint_with_cache
+    with checkpointed_layers(model, enabled=False) as n:
+        assert n == 0
 
 
 def test_policy_loss_gradient_equals_the_full_softmax_loss(tiny_llama: TinyLlama) -> None:
