@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from agentbolt.schemas import Attempt, AttemptStatus, Event, EventCreate, Mode, Rollout, RolloutStatus, Task
+from agentbolt.schemas import Attempt, Event, EventCreate, Rollout, Task
 
 __all__ = [
     "ATTEMPT_COLS",
@@ -75,8 +75,8 @@ def rollout_from_row(row: tuple[Any, ...]) -> Rollout:
     return Rollout(
         id=rid,
         task=Task(id=task_id, data=from_json(data), metadata=from_json(task_meta)),
-        mode=Mode(mode),
-        status=RolloutStatus(status),
+        mode=mode,  # the stored values, converted by the model (cheaper than the enum's own call)
+        status=status,
         resources_version=version,
         timeout_seconds=timeout,
         max_attempts=max_attempts,
@@ -94,9 +94,7 @@ def rollout_from_row(row: tuple[Any, ...]) -> Rollout:
 
 def attempt_from_row(row: tuple[Any, ...]) -> Attempt:
     """An attempt from the columns of :data:`ATTEMPT_COLS`."""
-    values = dict(zip(_ATTEMPT_KEYS, row, strict=True))
-    values["status"] = AttemptStatus(values["status"])
-    return Attempt(**values)
+    return Attempt(**dict(zip(_ATTEMPT_KEYS, row, strict=True)))  # the model converts the status
 
 
 def event_rows(events: Sequence[EventCreate]) -> list[tuple[Any, ...]]:
