@@ -681,7 +681,14 @@ class GRPO(RewardOptions, Algorithm):
             _to_device(pad_batch(mb), device)
             for mb in micro_batches(rows, max_tokens=self.max_tokens_per_micro_batch)
         ]
-        policy_loss = PolicyLoss(self.clip_low, self.clip_high, self.kl_coef, checkpoint=self.checkpointing)
+        # checkpointed, the output layer's chunk is what peaks: smaller chunks, the same values
+        policy_loss = PolicyLoss(
+            self.clip_low,
+            self.clip_high,
+            self.kl_coef,
+            checkpoint=self.checkpointing,
+            chunk_tokens=256 if self.checkpointing else 1024,
+        )
         if proximal:
             policy_loss = replace(
                 policy_loss, proximal=True, importance=self.importance, importance_cap=self.importance_cap

@@ -542,11 +542,15 @@ class PolicyLoss:
     checkpoint: bool = False
     """Activation checkpointing of the policy's pass (:func:`masked_logprobs`): much less memory
     per micro-batch token, about one more forward of the body per update."""
+    chunk_tokens: int = 1024
+    """Model tokens per chunk of the output layer (:func:`masked_logprobs`): a chunk's logits,
+    their gradient and its entropy's probabilities each hold ``chunk_tokens`` x vocabulary floats
+    (SmolLM2: 200 MB each at 1024)."""
 
     def __call__(self, model: nn.Module, batch: Batch, num_tokens: float) -> tuple[Tensor, dict[str, float]]:
         P = shared_prefix_len(batch) if self.share_prefix else 0
         new_BT, entropy_BT = masked_logprobs(
-            model, batch, P, entropy=self.entropy, checkpoint=self.checkpoint
+            model, batch, P, entropy=self.entropy, chunk_tokens=self.chunk_tokens, checkpoint=self.checkpoint
         )
         old_BT = batch.old_logprobs_BT if batch.old_logprobs_BT is not None else new_BT.detach()
         behaviour_BT = None
