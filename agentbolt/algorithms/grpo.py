@@ -543,6 +543,8 @@ class GRPO(RewardOptions, Algorithm):
         weights, sync the engine and publish."""
         t0 = time.perf_counter()
         needed = (self.steps - step + 1) * self.tasks_per_step  # no group enqueued that no update takes
+        # groups that can no longer give this update enough fresh samples make way for new ones
+        evicted, _ = pool.evict_stale(synced, self.max_staleness, self.min_group_size)
         pool.top_up(min(self.groups_in_flight, needed), version, synced[-1])
         bar = progress.add_task(f"step {step} groups", total=self.tasks_per_step, info="")
 
@@ -558,7 +560,12 @@ class GRPO(RewardOptions, Algorithm):
         t_rollouts = time.perf_counter() - t0
         batch = _batch_of(taken, self.reward_plan())
         rows, gen_tokens, data = self._async_rows(ctx, batch, taken, synced)
-        extra = {"carried_groups": carried, "groups_enqueued": pool.next_index, "t_trainer_wait": t_wait}
+        extra = {
+            "carried_groups": carried,
+            "evicted_groups": evicted,
+            "groups_enqueued": pool.next_index,
+            "t_trainer_wait": t_wait,
+        }
         return self._train_and_publish(
             ctx, policy, state, step, batch, rows, gen_tokens, data, t0, t_rollouts, extra, synced
         )
@@ -806,6 +813,7 @@ _COLUMNS = (
     ("reward_pending", "{}"),
     ("reward_errors", "{}"),
     ("carried_groups", "{}"),
+    ("evicted_groups", "{}"),
     ("stale_dropped", "{}"),
     ("staleness_mean", "{:.2f}"),
     ("is_weight_mean", "{:.3f}"),
@@ -824,6 +832,7 @@ _NAMED_REWARD_COLUMNS = ("reward_pending", "reward_errors")
 # columns of asynchronous mode only (nothing is carried, stale or weighted in synchronous mode)
 _ASYNC_COLUMNS = (
     "carried_groups",
+    "evicted_groups",
     "stale_dropped",
     "staleness_mean",
     "is_weight_mean",
