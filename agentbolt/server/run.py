@@ -47,8 +47,8 @@ def _uvicorn_config(app: Any, config: ServerConfig, log_level: str) -> uvicorn.C
         # sent on a connection the server is closing at that moment fails before it is read
         # (benchmarks/scale_sim.py saw ~3% of 300 agents' calls fail that way under load).
         timeout_keep_alive=KEEP_ALIVE_S,
-        # nothing reads the client's address (no access log): no X-Forwarded-* rewriting layer
-        proxy_headers=False,
+        # proxy_headers stays on: a claim's gateway URL is built from the request's scheme and
+        # host, which X-Forwarded-Proto sets behind a TLS-terminating balancer (FORWARDED_ALLOW_IPS)
         server_header=False,  # "server: uvicorn" tells a client nothing it needs
     )
 

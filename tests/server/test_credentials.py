@@ -417,3 +417,14 @@ def test_a_registered_client_claims_as_its_worker(secure):
         claim = runner.dequeue(registration.worker_id)
         assert claim is not None and claim.attempt.worker_id == registration.worker_id
         assert math.isclose(claim.lease_seconds or 0, 30.0)
+
+
+def test_gateway_url_follows_the_balancers_scheme_and_host(secure):
+    """Behind a TLS-terminating balancer (a trusted peer: uvicorn trusts 127.0.0.1 unless
+    FORWARDED_ALLOW_IPS says otherwise) the claim hands the agent an https gateway URL on the
+    public host, not the replica's own plain-http address."""
+    with Client(secure.url, secure.admin) as admin:
+        admin.enqueue([RolloutCreate(task=Task(data={"q": 1}))])
+    headers = {**_h(secure.runner), "x-forwarded-proto": "https", "host": "agents.example.com"}
+    claim = httpx.post(f"{secure.url}/api/dequeue", json={"worker_id": "w1"}, headers=headers).json()
+    assert _gateway(claim).startswith("https://agents.example.com/gateway/")
