@@ -86,17 +86,18 @@ def _lean_mounts(client_class: type) -> dict[str, Any] | None:
         return lean_mounts(transport)
     if module is None or not hasattr(module, "AsyncBaseTransport") or not hasattr(module, "Response"):
         return None
-    return lean_mounts(_bridge_class(module)(transport, module))  # type: ignore[arg-type]
+    return lean_mounts(_in_fork(_Bridge, module, "AsyncBaseTransport")(transport, module))  # type: ignore[arg-type]
 
 
-_bridges: dict[str, type] = {}
+_fork_classes: dict[tuple[type, str], type] = {}
 
 
-def _bridge_class(module: Any) -> type:
-    """A transport class of ``module`` (an httpx fork) around :class:`Http1Transport`."""
-    found = _bridges.get(module.__name__)
+def _in_fork(mixin: type, module: Any, base: str) -> type:
+    """``mixin`` as a subclass of ``module.<base>`` (``module``: an httpx fork), made once."""
+    key = (mixin, module.__name__)
+    found = _fork_classes.get(key)
     if found is None:
-        found = _bridges[module.__name__] = type("_Bridge", (_Bridge, module.AsyncBaseTransport), {})
+        found = _fork_classes[key] = type(mixin.__name__, (mixin, getattr(module, base)), {})
     return found
 
 
@@ -117,7 +118,7 @@ class _Bridge:
         return self._module.Response(
             answer.status_code,
             headers=answer.headers.raw,
-            stream=_bridge_stream(self._module)(answer.stream, self, request),
+            stream=_in_fork(_BridgeStream, self._module, "AsyncByteStream")(answer.stream, self, request),
             extensions=answer.extensions,
         )
 
@@ -127,16 +128,6 @@ class _Bridge:
 
     async def aclose(self) -> None:
         await self._transport.aclose()
-
-
-_streams: dict[str, type] = {}
-
-
-def _bridge_stream(module: Any) -> type:
-    found = _streams.get(module.__name__)
-    if found is None:
-        found = _streams[module.__name__] = type("_BridgeStream", (_BridgeStream, module.AsyncByteStream), {})
-    return found
 
 
 class _BridgeStream:
