@@ -82,6 +82,12 @@ class InFlightGroup:
         return len(self.final) == len(self.ids)
 
 
+def version_lag(synced: Sequence[int], version: int) -> int:
+    """How many policy versions behind ``version`` is: the versions in ``synced`` (those served
+    so far, in order) after it."""
+    return len(synced) - bisect.bisect_right(synced, version)
+
+
 class GroupPool:
     def __init__(
         self,
@@ -245,10 +251,7 @@ class GroupPool:
         has made no call yet may still be fresh. The evicted groups' unfinished members are
         cancelled."""
 
-        def lag(version: int) -> int:
-            return len(synced) - bisect.bisect_right(synced, version)
-
-        suspects = [g for g in self.groups if lag(g.policy_version) > max_staleness]
+        suspects = [g for g in self.groups if version_lag(synced, g.policy_version) > max_staleness]
         if not suspects:
             return 0, 0
         events = self.client.events_of([rid for g in suspects for rid in g.ids], type=["llm_call"])
@@ -262,7 +265,7 @@ class GroupPool:
                     continue  # failed or cancelled: no sample
                 if rid in g.final or any(e.type == "llm_call" for e in attempt):
                     behaviour = seen if seen is not None else g.policy_version
-                    usable += lag(behaviour) <= max_staleness
+                    usable += version_lag(synced, behaviour) <= max_staleness
                 else:
                     usable += 1  # no call yet: its calls may all come from a fresh enough policy
             if usable < min_group_size:

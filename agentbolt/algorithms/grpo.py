@@ -23,7 +23,6 @@ parameters) and greedy (temperature 0, ``val_greedy``).
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import random
 import time
@@ -40,7 +39,7 @@ from rich.table import Table
 
 from agentbolt.adapters import STATE_EVENT, TrajectoryRow, latest_attempt, to_trajectories
 from agentbolt.algorithms import distributed
-from agentbolt.algorithms.async_grpo import EngineIdleClock, GroupPool, InFlightGroup
+from agentbolt.algorithms.async_grpo import EngineIdleClock, GroupPool, InFlightGroup, version_lag
 from agentbolt.algorithms.base import (
     DEFAULT_MAX_ATTEMPTS,
     Algorithm,
@@ -588,7 +587,7 @@ class GRPO(RewardOptions, Algorithm):
             for r in rollouts:
                 seen = behaviour_version(latest_attempt(events[r.id]))
                 behaviour = seen if seen is not None else enqueued_at.get(group_id, synced[-1])
-                lag = len(synced) - bisect.bisect_right(synced, behaviour)
+                lag = version_lag(synced, behaviour)
                 hist[lag] += 1
                 if lag > self.max_staleness:
                     stale += 1
