@@ -80,6 +80,8 @@ def test_a_cancelled_sync_agent_is_abandoned_and_its_slot_takes_new_work(tmp_pat
             [fresh] = client.enqueue([RolloutCreate(task=Task(data={"sleep": 0.2}))])
             done = client.wait([fresh.id], 5)  # well before the abandoned thread's 8 s are up
             assert done.done and done.rollouts[0].status == RolloutStatus.SUCCEEDED
+            # the server records the finish before the runner's answer to it arrives and counts it
+            _wait_until(lambda: runner.completed == 1, 2)
             assert runner.abandoned == 1 and runner.lost == 1 and runner.completed == 1
         finally:
             runner.stop()
