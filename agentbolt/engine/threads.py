@@ -7,6 +7,12 @@ So the engine keeps measuring: every ``period`` decode steps it times a few step
 candidate count (interleaved, so a change in load hits both) and keeps the fastest until the next
 probe. Probe steps do real work; nothing is spent on dummy runs.
 
+Under load a probe step with the wrong count can be several times slower (8x measured for 2 threads
+on a busy 2-core machine), so a candidate whose first trial is over ``slack`` times the best first
+trial is dropped from the rest of the probe: it costs one slow step, not ``trials``. The survivors
+are compared by the median of ``trials`` steps (3 by default), so one stalled step (a thread parked
+by the OS) does not decide the count, as it did with the mean of two.
+
 ``torch.set_num_threads`` is per thread for OpenMP, but it also sets the default that threads
 started later inherit; that default is put back from a short-lived helper thread so the rest of
 the process (training, other threads) keeps its own setting.
@@ -26,10 +32,12 @@ __all__ = ["ThreadTuner"]
 class ThreadTuner:
     """Picks the intra-op thread count of the calling (engine) thread from measured step times."""
 
-    def __init__(self, max_threads: int | None = None, period: int = 48, trials: int = 2) -> None:
+    def __init__(
+        self, max_threads: int | None = None, period: int = 48, trials: int = 3, slack: float = 1.5
+    ) -> None:
         self.max_threads = max_threads or torch.get_num_threads()
         self.candidates = sorted({1, max(1, self.max_threads // 2), self.max_threads})
-        self.period, self.trials = period, trials
+        self.period, self.trials, self.slack = period, trials, slack
         self.current = self.max_threads
         self._process_default = torch.get_num_threads()  # what threads started later should get
         self._plan: list[int] = []
@@ -55,6 +63,12 @@ class ThreadTuner:
             return
         self._plan.pop(0)
         self._times[threads].append(seconds)
+        if len(self._times) == len(self.candidates) and all(len(t) == 1 for t in self._times.values()):
+            best = min(t[0] for t in self._times.values())  # first round done: drop the slow ones
+            slow = {c for c, t in self._times.items() if t[0] > self.slack * best}
+            self._plan = [c for c in self._plan if c not in slow]
+            for c in slow:
+                del self._times[c]
         if not self._plan:
             self.current = min(self._times, key=lambda c: statistics.median(self._times[c]))
             self._since_probe = 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from agentbolt.engine.threads import ThreadTuner
@@ -31,9 +32,39 @@ def test_probe_picks_the_fastest_count_and_reprobes() -> None:
         return chosen
 
     chosen = _in_thread(run)
-    assert chosen[:6] == [1, 2, 4, 1, 2, 4]  # interleaved probe
-    assert chosen[6:11] == [2] * 5  # then the winner until the next probe
-    assert chosen[11:17] == [1, 2, 4, 1, 2, 4]
+    assert chosen[:4] == [1, 2, 4, 2]  # interleaved probe; 1 and 4 are over 1.5x the best: tried once
+    assert chosen[4:9] == [2] * 5  # then the winner until the next probe
+    assert chosen[9:13] == [1, 2, 4, 2]
+
+
+def _probe(tuner: ThreadTuner, step_times: dict[int, list[float]]) -> tuple[int, float]:
+    """Run one probe with the given per-count step times; return the choice and the time spent."""
+    queues = {n: list(times) for n, times in step_times.items()}
+    spent = 0.0
+    while True:
+        n = tuner.next_threads()
+        if tuner._plan == [] and spent:
+            return n, spent
+        seconds = queues[n].pop(0)
+        spent += seconds
+        tuner.record(n, seconds)
+
+
+def test_one_stalled_step_does_not_decide_the_count() -> None:
+    # 1 thread is faster (0.10 s) but one of its probe steps stalls (a parked thread); 2 threads 0.12 s.
+    # The mean of two trials (the former rule) picked 2; the median of three picks 1.
+    times = {1: [0.10, 0.50, 0.10], 2: [0.12, 0.13, 0.12]}
+    chosen, _ = _in_thread(lambda: _probe(ThreadTuner(max_threads=2, period=100), times))
+    assert chosen == 1
+
+
+def test_a_candidate_far_slower_on_its_first_step_is_not_tried_again() -> None:
+    # Under load 2 threads can be 8x slower: the probe spends one such step, not one per trial.
+    times = {1: [0.1, 0.1, 0.1], 2: [0.8, 0.8, 0.8]}
+    tuner = ThreadTuner(max_threads=2, period=100)
+    chosen, spent = _in_thread(lambda: _probe(tuner, times))
+    assert chosen == 1
+    assert spent == pytest.approx(0.1 * 3 + 0.8)  # all three 1-thread trials, one 2-thread step
 
 
 def test_other_threads_keep_their_thread_count() -> None:
