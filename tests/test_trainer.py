@@ -158,3 +158,22 @@ def test_an_agent_of_the_main_script_forks(monkeypatch: pytest.MonkeyPatch) -> N
     vars(main_agent)["__qualname__"] = "main_agent"
     monkeypatch.setattr(main, "main_agent", main_agent, raising=False)
     assert _how_to_start(main_agent)[0] == "fork"
+
+
+# ---------------------------------------------------------------------------- runner start-up imports
+@rollout
+def sees_openai_without_importing_it(task: Task) -> float:
+    """1.0 when the runner process has imported the OpenAI SDK on its own (this agent never does)."""
+    deadline = time.monotonic() + 30
+    while "openai" not in sys.modules:
+        if time.monotonic() > deadline:
+            return 0.0
+        time.sleep(0.05)
+    return 1.0
+
+
+def test_runners_import_the_openai_sdk_at_start_up_not_in_the_first_rollout(tmp_path: Path) -> None:
+    pytest.importorskip("openai")
+    trainer = Trainer(Evaluate(timeout=60), n_runners=1, run_dir=tmp_path, lease_seconds=60)
+    summary = trainer.fit(sees_openai_without_importing_it, [{"id": "t0"}])
+    assert (summary.count, summary.mean_reward) == (1, 1.0)
