@@ -17,6 +17,7 @@ from agentbolt.engine.matmul import (
     Float32Matmul,
     PackedMatmul,
     cpu_matmul_mode,
+    decode_attention,
     native_bf16_matmul,
     packed_matmul_available,
     use_float32_matmul,
@@ -212,3 +213,46 @@ async def test_bfloat16_engine_with_packed_weights_matches_its_teacher_forced_pa
         responses, _ = await _staggered(engine, MIXED[:2], {})
         errors = _errors(engine.model, responses, contextlib.nullcontext())
         assert max(errors) < BF16_BOUND, errors
+
+
+# ---------------------------------------------------------------- decode attention (one query position)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "mask_kind"), [(4, 2, "bool"), (4, 4, "float"), (6, 2, None)])
+def test_decode_attention_is_no_less_exact_than_the_flash_kernel(heads, kv_heads, mask_kind) -> None:
+    torch.manual_seed(2)
+    q, k, v = _bf16(3, heads, 1, 32) * 3, _bf16(3, kv_heads, 50, 32) * 3, _bf16(3, kv_heads, 50, 32)
+    mask = None
+    if mask_kind is not None:
+        keep = torch.ones(3, 1, 1, 50, dtype=torch.bool)
+        keep[0, :, :, :20] = False  # left-padded rows
+        keep[2, :, :, :3] = False
+        mask = keep if mask_kind == "bool" else torch.zeros(3, 1, 1, 50).masked_fill(~keep, float("-inf"))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    gqa = {"enable_gqa": True} if heads != kv_heads else {}
+    exact = sdpa(
+        q.double(),
+        k.double(),
+        v.double(),
+        attn_mask=None if mask is None else mask.double() if mask_kind == "float" else mask,
+        **gqa,
+    )
+    with torch.inference_mode():
+        flash = sdpa(q, k, v, attn_mask=mask, **gqa)
+        got = decode_attention((q, k, v), {"attn_mask": mask, **gqa})
+        with PackedMatmul():  # the engine's mode on CPUs with bfloat16 units computes it this way
+            assert torch.equal(sdpa(q, k, v, attn_mask=mask, **gqa), got)
+    assert got is not None and got.dtype == torch.bfloat16 and got.shape == flash.shape
+    err, flash_err = (got.double() - exact).abs().max(), (flash.double() - exact).abs().max()
+    assert err <= flash_err + 1e-6, (err, flash_err)
+    assert err < 0.02
+
+
+def test_decode_attention_leaves_other_calls_to_pytorch() -> None:
+    q, k, v = _bf16(2, 4, 3, 16), _bf16(2, 4, 3, 16), _bf16(2, 4, 3, 16)
+    with torch.inference_mode():
+        assert decode_attention((q, k, v), {}) is None  # several query positions (prefill)
+        assert decode_attention((q[:, :, :1].float(), k.float(), v.float()), {}) is None  # float32
+        assert decode_attention((q[:, :, :1], k, v), {"is_causal": True}) is None
+        assert decode_attention((q[:, :, :1], k[:, :2], v[:, :2]), {}) is None  # fewer kv heads, no gqa flag
+    assert decode_attention((q[:, :, :1], k, v), {}) is None  # autograd on: training passes keep PyTorch's
