@@ -36,6 +36,11 @@ Targets from the issue: >= 1.5x static-batch generate and >= 4x llama-cpp-python
 
     python benchmarks/inference_throughput.py [--requests 32] [--max-tokens 64] [--dtype bfloat16] [--repeat 3]
     python benchmarks/inference_throughput.py --quick      # 1 round, 16 tokens, 1 baseline thread count
+
+``--decode-attention-ab`` measures one engine detail instead: the engine's batcher in this process
+(no server), bfloat16 with packed weights, the same chats decoded with the engine's decode-step
+attention (``agentbolt.engine.matmul.decode_attention``) and with PyTorch's CPU flash kernel,
+alternating for ``--repeat`` rounds.
 """
 
 from __future__ import annotations
@@ -294,6 +299,63 @@ def llama_cpp_run(texts: list[str], args, gguf: Path, threads: int) -> Result:
     return Result("llama-cpp-python server", len(texts), tokens, seconds, note)
 
 
+def decode_attention_ab(texts: list[str], args) -> None:
+    """In-process batcher with and without ``decode_attention`` (packed bfloat16 weights), interleaved."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from agentbolt.engine import ensure_model
+    from agentbolt.engine import matmul as mm
+    from agentbolt.engine.batcher import Batcher
+    from agentbolt.engine.sampling import SamplingParams
+    from agentbolt.engine.sequence import Sequence
+
+    if not mm.packed_matmul_available():
+        print("no oneDNN packed linear in this PyTorch: nothing to compare")
+        return
+    path = ensure_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    rendered = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False
+        )
+        for t in texts
+    ]
+    prompt_ids = [tokenizer(r, add_special_tokens=False)["input_ids"] for r in rendered]
+    real = mm.decode_attention
+
+    def run(variant: str) -> float:
+        mm.decode_attention = real if variant == "decode_attention" else (lambda args, kwargs: None)
+        try:
+            batcher = Batcher(
+                model, {tokenizer.eos_token_id}, max_batch=args.max_batch, max_context=2048, matmul="packed"
+            )
+            params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+            seqs = [Sequence(p, params, tokenizer.decode) for p in prompt_ids]
+            started = time.perf_counter()
+            for seq in seqs:
+                batcher.submit([seq])
+            while batcher.num_running or batcher.num_waiting:
+                batcher._step()
+            return sum(len(s.output_ids) for s in seqs) / (time.perf_counter() - started)
+        finally:
+            mm.decode_attention = real
+
+    variants = ["decode_attention", "flash kernel"]
+    run(variants[0])  # warm-up
+    rates: dict[str, list[float]] = {v: [] for v in variants}
+    for round_ in range(args.repeat):
+        for v in variants[round_ % 2 :] + variants[: round_ % 2]:
+            rates[v].append(run(v))
+        print(
+            f"round {round_ + 1}: " + ", ".join(f"{v} {r[-1]:.1f} tok/s" for v, r in rates.items()),
+            flush=True,
+        )
+    ratios = [a / b for a, b in zip(rates[variants[0]], rates[variants[1]], strict=True)]
+    print(f"decode_attention / flash kernel per round: {min(ratios):.2f}-{max(ratios):.2f}x")
+
+
 def report(rounds: list[dict[str, Result]], skipped: list[str], memory: dict[str, int], args) -> None:
     engine_name = "agentbolt engine"
     names = list(dict.fromkeys(n for r in rounds for n in r))
@@ -361,7 +423,15 @@ def main() -> None:
     parser.add_argument(
         "--quick", action="store_true", help="1 round, 16 tokens, baselines with 1 thread, no sequential"
     )
+    parser.add_argument(
+        "--decode-attention-ab",
+        action="store_true",
+        help="only compare the engine's decode-step attention with PyTorch's flash kernel, in process",
+    )
     args = parser.parse_args()
+    if args.decode_attention_ab:
+        decode_attention_ab(prompts(args.requests), args)
+        return
     if args.quick:
         args.repeat, args.max_tokens, args.sequential = 1, 16, 0
         args.baseline_threads = args.baseline_threads or "1"
