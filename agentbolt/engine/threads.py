@@ -11,7 +11,9 @@ Under load a probe step with the wrong count can be several times slower (8x mea
 on a busy 2-core machine), so a candidate whose first trial is over ``slack`` times the best first
 trial is dropped from the rest of the probe: it costs one slow step, not ``trials``. The survivors
 are compared by the median of ``trials`` steps (3 by default), so one stalled step (a thread parked
-by the OS) does not decide the count, as it did with the mean of two.
+by the OS) does not decide the count, as it did with the mean of two. Each probe that keeps the
+count doubles the steps to the next one (up to 16x ``period``); a probe that changes it starts
+again from ``period``, so a steady machine pays for few probes and a change of load is still seen.
 
 ``torch.set_num_threads`` is per thread for OpenMP, but it also sets the default that threads
 started later inherit; that default is put back from a short-lived helper thread so the rest of
@@ -38,6 +40,8 @@ class ThreadTuner:
         self.max_threads = max_threads or torch.get_num_threads()
         self.candidates = sorted({1, max(1, self.max_threads // 2), self.max_threads})
         self.period, self.trials, self.slack = period, trials, slack
+        self.base_period, self.max_period = period, period * 16
+        self._probed = False
         self.current = self.max_threads
         self._process_default = torch.get_num_threads()  # what threads started later should get
         self._plan: list[int] = []
@@ -70,8 +74,10 @@ class ThreadTuner:
             for c in slow:
                 del self._times[c]
         if not self._plan:
-            self.current = min(self._times, key=lambda c: statistics.median(self._times[c]))
-            self._since_probe = 0
+            best = min(self._times, key=lambda c: statistics.median(self._times[c]))
+            kept = self._probed and best == self.current
+            self.period = min(self.period * 2, self.max_period) if kept else self.base_period
+            self.current, self._probed, self._since_probe = best, True, 0
 
 
 def _set_threads_here(threads: int, default: int) -> None:

@@ -67,6 +67,30 @@ def test_a_candidate_far_slower_on_its_first_step_is_not_tried_again() -> None:
     assert spent == pytest.approx(0.1 * 3 + 0.8)  # all three 1-thread trials, one 2-thread step
 
 
+def test_probes_grow_apart_while_the_count_holds_and_close_up_when_it_changes() -> None:
+    def run() -> list[int]:
+        tuner = ThreadTuner(max_threads=2, period=4)
+        speed = {1: 0.1, 2: 0.3}
+        starts, probing = [], False
+        for step in range(120):
+            if step == 50:
+                speed = {1: 0.3, 2: 0.1}  # the load changed: 2 threads now win
+            n = tuner.next_threads()
+            if tuner._plan and not probing:
+                starts.append(step)
+            probing = bool(tuner._plan)
+            tuner.record(n, speed[n])
+        return starts
+
+    starts = _in_thread(run)
+    # a probe: 3 one-thread steps + 1 two-thread step (3x slower: tried once); then 4, 8, 16, 32
+    # steps on the winner, the gap doubling while 1 thread keeps winning
+    assert starts[:5] == [0, 8, 20, 40, 76], starts
+    # load changed at step 50; the probe at 76 (4 steps: 1 thread tried once) picks 2 threads,
+    # and the gaps start again from 4
+    assert starts[5:7] == [84, 96], starts
+
+
 def test_other_threads_keep_their_thread_count() -> None:
     before = torch.get_num_threads()
     _in_thread(lambda: ThreadTuner(max_threads=2).next_threads() if ThreadTuner(max_threads=2).enabled else 1)
