@@ -17,7 +17,7 @@ TRL's options that shape an iteration are set, not left to defaults, and printed
 it runs under bfloat16 autocast when ``--dtype bfloat16``, like agentbolt's engine (which holds
 bfloat16 weights; autocast re-casts the float32 weights at each product: a cost TRL keeps). TRL runs
 once per ``--trl-threads`` count each round: on a 2-core machine with other jobs, TRL at the default
-2 torch threads measured 3-25 s per tiny-model iteration against 0.5 s at 1 thread (every parallel
+2 torch threads measured 1.7-25 s per tiny-model iteration against 0.23-0.61 s at 1 thread (every parallel
 operator waits for a parked thread), while agentbolt's engine picks its thread count by timing; the
 ratio is taken against TRL's best count.
 
@@ -156,6 +156,7 @@ def run_trl(
     dtype: str,
     checkpointing: str = "auto",
     threads: int = 0,
+    generation_autocast: bool = True,
 ) -> list[float]:
     import torch
     from datasets import Dataset
@@ -181,7 +182,9 @@ def run_trl(
         runs in the weights' dtype (float32) with autocast off, even with ``bf16=True``."""
 
         def _generate_single_turn(self, *a, **k):  # noqa: ANN002, ANN003
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+            with torch.autocast(
+                "cpu", dtype=torch.bfloat16, enabled=generation_autocast and dtype == "bfloat16"
+            ):
                 return super()._generate_single_turn(*a, **k)
 
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": p}]} for p in PROMPTS])
@@ -251,6 +254,11 @@ def main() -> None:
         help="torch thread counts TRL runs with, each every round (default: 1 and all cores); "
         "agentbolt's engine picks its own count by timing, so TRL is compared at its best",
     )
+    ap.add_argument(
+        "--trl-float32-generation",
+        action="store_true",
+        help="leave TRL's generate in float32 (its own behaviour) instead of bfloat16 autocast",
+    )
     ap.add_argument("--quick", action="store_true", help="one round of 2 steps, 2 prompts x 4")
     args = ap.parse_args()
     if args.quick:
@@ -278,7 +286,7 @@ def main() -> None:
         ours += run[1:] or run
         if trl is not None:
             for n in args.trl_threads:
-                run = run_trl(path, *shape, threads=n)
+                run = run_trl(path, *shape, threads=n, generation_autocast=not args.trl_float32_generation)
                 print(
                     f"round {r + 1} TRL GRPOTrainer, {n} torch thread(s): {[round(t, 2) for t in run]} s/iteration",
                     flush=True,
