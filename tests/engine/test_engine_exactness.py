@@ -256,3 +256,21 @@ def test_decode_attention_leaves_other_calls_to_pytorch() -> None:
         assert decode_attention((q[:, :, :1], k, v), {"is_causal": True}) is None
         assert decode_attention((q[:, :, :1], k[:, :2], v[:, :2]), {}) is None  # fewer kv heads, no gqa flag
     assert decode_attention((q[:, :, :1], k, v), {}) is None  # autograd on: training passes keep PyTorch's
+
+
+def test_decode_attention_in_chunks_of_rows_gives_the_same_result(monkeypatch) -> None:
+    from agentbolt.engine import matmul
+
+    torch.manual_seed(3)
+    q, k, v = _bf16(5, 4, 1, 32), _bf16(5, 2, 40, 32), _bf16(5, 2, 40, 32)
+    mask = torch.ones(5, 1, 1, 40, dtype=torch.bool)
+    mask[1, :, :, :25] = False
+    shared = torch.ones(1, 1, 1, 40, dtype=torch.bool)  # one mask for every row
+    shared[..., :5] = False
+    with torch.inference_mode():
+        whole = [decode_attention((q, k, v), {"attn_mask": m, "enable_gqa": True}) for m in (mask, shared)]
+        monkeypatch.setattr(matmul, "_DECODE_CHUNK", 2 * 40 * 32 * 2)  # 2 rows at a time: 3 chunks
+        chunked = [decode_attention((q, k, v), {"attn_mask": m, "enable_gqa": True}) for m in (mask, shared)]
+    for a, b in zip(whole, chunked, strict=True):
+        assert a is not None and b is not None and torch.equal(a, b)
+    assert not torch.equal(whole[0], whole[1])  # the masks matter
