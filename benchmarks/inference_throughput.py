@@ -7,7 +7,8 @@ CPU:
 1. **agentbolt engine** - ``agentbolt model serve`` in its own process (bfloat16 by default),
    all requests sent at once over HTTP with ``logprobs: true`` and token ids (what the gateway
    asks for). ``--engine-variants auto,native`` also runs it with ``--cpu-matmul native``
-   (PyTorch's own bfloat16 kernels), to show what the engine's matrix-product mode buys
+   (PyTorch's own bfloat16 kernels and attention), to show what the engine's matrix-product
+   mode buys (packed weights, and float32 decode-step attention)
    (``auto`` is ``packed`` on CPUs with bfloat16 units, ``float32`` on the others).
 2. **static-batch generate** - ``model.generate`` on ONE left-padded batch of the same prompts,
    same dtype, same ``max_new_tokens``, greedy, in this process: what a user writes in ten lines.
