@@ -71,6 +71,7 @@ from agentbolt.algorithms.train_state import (
     TrainConfig,
     TrainState,
     fast_bf16,
+    frozen_base_to,
     load_checkpoint,
     make_train_state,
     optimizer_step,
@@ -134,7 +135,8 @@ class GRPO(RewardOptions, Algorithm):
     less), for about one more forward of the body per update. None: on when a micro-batch holds
     more than 1024 tokens. Updates spread over torchrun ranks are not checkpointed."""
     bf16: bool | None = None
-    """Train under bfloat16 autocast (fp32 master weights). None: where bfloat16 is native
+    """Train under bfloat16 autocast (fp32 master weights; with LoRA the frozen base projections
+    are stored in bfloat16, which autocast computes them in anyway). None: where bfloat16 is native
     (a GPU that has it, a CPU with AVX512-BF16 or AMX: :func:`~agentbolt.algorithms.train_state.fast_bf16`);
     on an AVX2-only CPU PyTorch emulates it and a linear layer runs 6-8x slower than in float32."""
     engine_dtype: str = "bfloat16"
@@ -283,7 +285,12 @@ class GRPO(RewardOptions, Algorithm):
         model = model.to(self._device())  # type: ignore[arg-type]
         config = TrainConfig(lora=self.lora, lora_r=self.lora_r, lora_alpha=2 * self.lora_r, lr=self.lr)
         # full fine-tuning with KL keeps a frozen copy of the initial weights beside the trained ones
-        return make_train_state(model, config, reference=bool(self.kl_coef))
+        state = make_train_state(model, config, reference=bool(self.kl_coef))
+        if self._bf16() and not distributed.leading():
+            # the update runs under bfloat16 autocast, which casts every frozen projection to
+            # bfloat16 anyway: stored so, the same results at half their memory
+            frozen_base_to(state.model, torch.bfloat16)
+        return state
 
     def _bf16(self) -> bool:
         return fast_bf16(self._device()) if self.bf16 is None else self.bf16

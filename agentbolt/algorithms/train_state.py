@@ -31,6 +31,7 @@ __all__ = [
     "capture_rng_state",
     "export_weights",
     "fast_bf16",
+    "frozen_base_to",
     "load_adapter",
     "load_checkpoint",
     "make_train_state",
@@ -123,6 +124,42 @@ def fast_bf16(device: str | torch.device = "cpu") -> bool:
     from agentbolt.engine.matmul import native_bf16_matmul  # one check for engine and trainer
 
     return native_bf16_matmul()
+
+
+@torch.no_grad()
+def frozen_base_to(model: nn.Module, dtype: torch.dtype) -> int:
+    """Store the frozen base weights of ``model``'s LoRA-adapted linear layers in ``dtype``
+    (bfloat16 when training under bfloat16 autocast): returns how many bytes that spared.
+
+    Under autocast a linear layer's product runs on its weight cast to bfloat16 at every call,
+    so a frozen weight kept in float32 is never used at more than bfloat16's precision: stored
+    in bfloat16 it gives the same logits and gradients at half the memory (SmolLM2-135M: 430 MB
+    of float32 projections become 215 MB). The adapter, embeddings and norms stay as they are.
+    Every other tensor is copied out of the weights file the model may have been loaded from
+    (a memory map): the file's pages read during the cast then leave the process. A model
+    without LoRA layers is left unchanged (0)."""
+    if not isinstance(model, PeftModel):
+        return 0
+    from peft.tuners.lora import LoraLayer
+
+    spared = 0
+    converted: set[int] = set()
+    for module in model.modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        base = module.get_base_layer()
+        for param in base.parameters(recurse=False):
+            if param.requires_grad or not param.dtype.is_floating_point or param.dtype == dtype:
+                continue
+            before = param.numel() * param.element_size()
+            param.data = param.data.to(dtype)
+            spared += before - param.numel() * param.element_size()
+            converted.add(id(param))
+    if converted:  # no tensor left in a memory-mapped file: all of its pages can go
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if id(tensor) not in converted:
+                tensor.data = tensor.data.clone()
+    return spared
 
 
 def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -313,7 +350,10 @@ def trained_weights(model: nn.Module) -> dict[str, Tensor] | None:
         if module.use_dora.get(adapter) or module.lora_embedding_A:
             return None
         weight: Tensor = module.get_base_layer().weight  # type: ignore[assignment]
-        out[f"{name}.weight"] = weight + module.get_delta_weight(adapter).to(weight.dtype)
+        # merged in float32 at least, then stored as the base is (a bfloat16 base: bfloat16)
+        wide = torch.promote_types(weight.dtype, torch.float32)
+        merged = weight.to(wide) + module.get_delta_weight(adapter).to(wide)
+        out[f"{name}.weight"] = merged.to(weight.dtype)
     if not out or any(p.requires_grad and id(p) not in covered for p in model.parameters()):
         return None
     return out
