@@ -201,10 +201,12 @@ class GRPO(RewardOptions, Algorithm):
     ``tasks_per_step`` complete groups, carries the unfinished ones over and tops the pool up,
     so rollouts keep running during the update. Samples are corrected by truncated importance
     sampling and dropped when staler than ``max_staleness`` (docs/training.md)."""
-    max_staleness: int = 1
+    max_staleness: int = 2
     """Asynchronous mode: drop a sample whose behaviour policy (the oldest weights that
     generated any of its tokens) is more than this many policy versions behind the policy being
-    updated; counted as ``stale_dropped``."""
+    updated; counted as ``stale_dropped``. 2: with the default pool (2 x ``tasks_per_step``
+    groups) a group may wait through two updates before one takes it, so every group the pool
+    carries can be used (``benchmarks/grpo_async.py`` measured this setting)."""
     max_groups_in_flight: int | None = None
     """Asynchronous mode: groups kept enqueued or running; None: 2 x ``tasks_per_step``."""
     importance: ImportanceMode = "token"

@@ -172,7 +172,7 @@ def test_bad_async_settings_are_refused(overrides: dict[str, Any], words: str) -
 
 def test_synchronous_is_the_default() -> None:
     algo = GRPO()
-    assert algo.asynchronous is False and algo.max_staleness == 1 and algo.importance == "token"
+    assert algo.asynchronous is False and algo.max_staleness == 2 and algo.importance == "token"
     assert algo.importance_cap == 2.0 and algo.groups_in_flight == 2 * algo.tasks_per_step
 
 

@@ -15,14 +15,14 @@ AGENTS = str(Path(__file__).parents[1] / "sample_agents.py")
 
 
 def test_the_async_flags_reach_grpo() -> None:
-    args = ["--asynchronous", "--max-staleness", "2", "--importance", "sequence", "--importance-cap", "3"]
+    args = ["--asynchronous", "--max-staleness", "3", "--importance", "sequence", "--importance-cap", "3"]
     args += ["--max-groups-in-flight", "12"]
     ctx = _algorithm_command("grpo").make_context("grpo", args)
     values = _settings(_sections(algorithm_class("grpo")), ctx.params)[None]
     grpo = algorithm_class("grpo")(**dataclass_schema(algorithm_class("grpo")).kwargs(values))
     assert (grpo.asynchronous, grpo.max_staleness, grpo.importance, grpo.importance_cap) == (
         True,
-        2,
+        3,
         "sequence",
         3.0,
     )
