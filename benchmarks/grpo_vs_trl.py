@@ -4,10 +4,10 @@ Same single-turn task, model, group size, batch, completion length, LoRA (r=16, 
 projections) and learning rate. agentbolt runs its whole machinery — embedded server, a runner
 process, the gateway, the batched engine, weight sync — while TRL runs its single-process
 trainer (generation with ``model.generate`` inside the trainer). Both generate and train in
-the same dtype, and both checkpoint activations in the update or neither (``--checkpointing``;
-by default as agentbolt's GRPO does, TRL set to match) (``--dtype``; default bfloat16 where the CPU has native bfloat16, float32 where it
-would be emulated), and the runs alternate, ``--rounds`` times each, so that a change of load hits
-both. Prints seconds per iteration for both (the first iteration of each run, a warm-up, left
+the same dtype (``--dtype``; default bfloat16 where the CPU has native bfloat16, float32 where
+it would be emulated), both checkpoint activations in the update or neither
+(``--checkpointing``; by default as agentbolt's GRPO does, TRL set to match), and the runs
+alternate, ``--rounds`` times each, so that a change of load hits both. Prints seconds per iteration for both (the first iteration of each run, a warm-up, left
 out) and the ratio (agentbolt / TRL; <= 1.0 means agentbolt is no slower).
 
     python benchmarks/grpo_vs_trl.py [--model smollm2|tiny] [--steps 3] [--rounds 2] [--quick]
