@@ -7,8 +7,9 @@ trainer (generation with ``model.generate`` inside the trainer). Both generate a
 the same dtype (``--dtype``; default bfloat16 where the CPU has native bfloat16, float32 where
 it would be emulated), both checkpoint activations in the update or neither
 (``--checkpointing``; by default as agentbolt's GRPO does, TRL set to match), and the runs
-alternate, ``--rounds`` times each, so that a change of load hits both. Prints seconds per iteration for both (the first iteration of each run, a warm-up, left
-out) and the ratio (agentbolt / TRL; <= 1.0 means agentbolt is no slower).
+alternate, ``--rounds`` times each, so that a change of load hits both. Prints seconds per
+iteration for both (the first iteration of each run, a warm-up, left out) and the ratio
+(agentbolt / TRL; <= 1.0 means agentbolt is no slower).
 
     python benchmarks/grpo_vs_trl.py [--model smollm2|tiny] [--steps 3] [--rounds 2] [--quick]
 
