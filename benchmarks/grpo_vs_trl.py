@@ -132,6 +132,7 @@ def run_agentbolt(
         success_threshold=0.5,
         bf16=dtype == "bfloat16",
         engine_dtype=dtype,
+        asynchronous=False,  # like TRL: each iteration generates, then trains on what it generated
     )
     tasks = [{"id": f"p{i}", "prompt": p} for i, p in enumerate(PROMPTS)]
     run_dir = Path(tempfile.mkdtemp(prefix="bench-grpo-"))

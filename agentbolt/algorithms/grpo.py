@@ -196,11 +196,12 @@ class GRPO(RewardOptions, Algorithm):
     collapse_steps: int = 3
     """Warn when more than 75% of the groups had zero reward spread for this many consecutive
     steps (0: never)."""
-    asynchronous: bool = False
-    """Keep groups in flight while the policy trains: each update takes the first
+    asynchronous: bool = True
+    """Keep groups in flight while the policy trains (the default): each update takes the first
     ``tasks_per_step`` complete groups, carries the unfinished ones over and tops the pool up,
     so rollouts keep running during the update. Samples are corrected by truncated importance
-    sampling and dropped when staler than ``max_staleness`` (docs/training.md)."""
+    sampling and dropped when staler than ``max_staleness`` (docs/training.md). False: each step
+    enqueues its groups, waits for them and trains on nothing else (on-policy)."""
     max_staleness: int = 2
     """Asynchronous mode: drop a sample whose behaviour policy (the oldest weights that
     generated any of its tokens) is more than this many policy versions behind the policy being

@@ -170,9 +170,9 @@ def test_bad_async_settings_are_refused(overrides: dict[str, Any], words: str) -
         GRPO(asynchronous=True, **overrides)
 
 
-def test_synchronous_is_the_default() -> None:
+def test_asynchronous_is_the_default() -> None:
     algo = GRPO()
-    assert algo.asynchronous is False and algo.max_staleness == 2 and algo.importance == "token"
+    assert algo.asynchronous is True and algo.max_staleness == 2 and algo.importance == "token"
     assert algo.importance_cap == 2.0 and algo.groups_in_flight == 2 * algo.tasks_per_step
 
 

@@ -223,7 +223,8 @@ def test_a_straggler_is_cancelled_and_small_groups_are_dropped(tiny, tmp_path):
         {"id": "few", "q": "two", "ok": 1, "dir": folder},
         {"id": "two", "q": "three", "ok": 2, "dir": folder},
     ]
-    settings = vars(_grpo(tiny, 1, tasks_per_step=3, step_timeout=15, min_group_size=2))
+    # synchronous: the step waits for its own groups (asynchronous mode: test_grpo_async_pool)
+    settings = vars(_grpo(tiny, 1, tasks_per_step=3, step_timeout=15, min_group_size=2, asynchronous=False))
     algo = BatchKeepingGRPO(**settings, folder=folder)
     t0 = time.monotonic()
     result = Trainer(algo, n_runners=1, runner_concurrency=12, run_dir=tmp_path / "run", lease_seconds=3).fit(
@@ -241,6 +242,35 @@ def test_a_straggler_is_cancelled_and_small_groups_are_dropped(tiny, tmp_path):
     # the runner learned of the cancellation and cancelled the agent while the run went on
     assert (tmp_path / "slow.cancelled").exists()
     assert float((tmp_path / "slow.cancelled").read_text()) < time.time()
+    assert time.monotonic() - t0 < 120
+
+
+def test_asynchronous_mode_cancels_a_straggler_at_step_timeout_and_drops_small_groups(tiny, tmp_path):
+    """The same three groups in asynchronous mode (the default): the update waits for its three
+    groups; ``slow``'s stalled member is cancelled when the group is ``step_timeout`` old and
+    the group trains on 3, ``few`` (1 finished) is dropped, ``two`` trains on 2."""
+    folder = str(tmp_path)
+    train = [
+        {"id": "slow", "q": "one", "stall": True, "dir": folder},
+        {"id": "few", "q": "two", "ok": 1, "dir": folder},
+        {"id": "two", "q": "three", "ok": 2, "dir": folder},
+    ]
+    algo = _grpo(tiny, 1, tasks_per_step=3, step_timeout=15, min_group_size=2)
+    assert algo.asynchronous
+    t0 = time.monotonic()
+    result = Trainer(
+        algo, n_runners=1, runner_concurrency=12, run_dir=tmp_path / "run", lease_seconds=10
+    ).fit(SamplingAgent(), train)
+    row = result.history[1]
+    assert row["retried"] == 0  # the stalled attempt held its lease until cancelled
+    assert row["groups_enqueued"] == 3  # no group that no update would take
+    assert row["dropped_groups"] == 1
+    assert row["samples"] == 3 + 2
+    assert 15 <= row["t_rollouts"] < 60  # it waited for the straggler as long as it was told, no longer
+    deadline = time.monotonic() + 20  # the runner learns of the cancellation and cancels the agent
+    while not (tmp_path / "slow.cancelled").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert (tmp_path / "slow.cancelled").exists()
     assert time.monotonic() - t0 < 120
 
 

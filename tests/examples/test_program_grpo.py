@@ -1,13 +1,16 @@
 """GRPO for two steps on a program agent (a child process that only knows the standard
 variables), with the tiny random model: server, runner, gateway, engine and trainer for real.
-The update must change the weights the engine serves, and the runs after it must be sampled
-from them."""
+The update must change the weights the engine serves. Synchronous: the runs after it are sampled
+from them. Asynchronous (the default): a run is sampled from the weights its resources version
+names or newer ones (the engine swapped while it was queued), never older."""
 
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
+
+import pytest
 
 from agentbolt import Trainer
 from agentbolt.client import Client
@@ -20,9 +23,10 @@ from tests.conftest import tiny_grpo
 PROGRAM = [sys.executable, str(Path(__file__).parent / "vowel_program.py")]
 
 
-def test_grpo_two_steps_on_a_program_agent_changes_the_served_weights(tmp_path):
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_grpo_two_steps_on_a_program_agent_changes_the_served_weights(tmp_path, asynchronous):
     model = str(tiny_model_dir(tmp_path / "tiny"))
-    algo = tiny_grpo(model, steps=2)
+    algo = tiny_grpo(model, steps=2, asynchronous=asynchronous)
     train = [{"id": f"t{i}", "q": f"say something {i}"} for i in range(4)]
     config = ServerConfig(db=str(tmp_path / "store.db"))
     with ServerThread(config) as server, Client(server.url) as client:
@@ -49,6 +53,7 @@ def test_grpo_two_steps_on_a_program_agent_changes_the_served_weights(tmp_path):
         }
         rollouts = list(client.pages(client.list_rollouts, limit=100))
         assert len(rollouts) == 16 and all(r.status == RolloutStatus.SUCCEEDED for r in rollouts)
+        order = [w.path.rpartition("@")[2] for w in weights]  # the engine's versions, oldest first
         served: dict[int, set[str]] = {}
         for rollout in rollouts:
             events = client.all_events(rollout.id)
@@ -65,9 +70,14 @@ def test_grpo_two_steps_on_a_program_agent_changes_the_served_weights(tmp_path):
             [call] = calls
             assert call["prompt_token_ids"] and call["choices"][0]["token_ids"]
             assert call["resources_version"] == rollout.resources_version
-            # served by the very weights its resources version names
-            assert str(call["model_version"]) == engine_version[rollout.resources_version]
+            named_weights = engine_version[rollout.resources_version]
+            if asynchronous:  # the weights its resources version names, or newer: never older
+                assert order.index(str(call["model_version"])) >= order.index(named_weights)
+            else:  # served by the very weights its resources version names
+                assert str(call["model_version"]) == named_weights
             served.setdefault(rollout.resources_version, set()).add(str(call["model_version"]))
+        if asynchronous:
+            return  # which weights served which run depends on when each group finished
         # step 1 sampled the base weights, step 2 those its update swapped into the engine
         assert len(served) == 2 and all(len(v) == 1 for v in served.values()), served
         first, second = (served[k] for k in sorted(served))
