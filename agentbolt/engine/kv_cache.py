@@ -16,7 +16,15 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-__all__ = ["GrowingLayer", "cut_left", "merge_rows", "new_cache", "select_rows"]
+__all__ = [
+    "GrowingLayer",
+    "cache_with_prefix",
+    "cut_left",
+    "merge_rows",
+    "new_cache",
+    "row_columns",
+    "select_rows",
+]
 
 
 class GrowingLayer(DynamicLayer):
@@ -63,6 +71,26 @@ def new_cache() -> Any:
     if hasattr(cache, "layer_class_to_replicate"):  # otherwise: plain DynamicLayers, still correct
         cache.layer_class_to_replicate = GrowingLayer
     return cache
+
+
+def cache_with_prefix(prefix: list[tuple[torch.Tensor, torch.Tensor]], rows: int) -> Any:
+    """A cache of ``rows`` rows that all start with the same keys and values (one row per layer)."""
+    cache = new_cache()
+    for keys, values in prefix:
+        layer = GrowingLayer()
+        layer.lazy_initialization(keys, values)
+        layer.keys = keys.expand(rows, -1, -1, -1)  # copied into the layer's buffer at its first update
+        layer.values = values.expand(rows, -1, -1, -1)
+        cache.layers.append(layer)
+    return cache
+
+
+def row_columns(cache: Any, row: int, columns: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Copies of one row's keys and values at ``columns``, per layer (a prefix to reuse)."""
+    return [
+        (layer.keys[row : row + 1, :, columns].clone(), layer.values[row : row + 1, :, columns].clone())
+        for layer in cache.layers
+    ]
 
 
 def select_rows(cache: Any, rows: torch.Tensor) -> None:
