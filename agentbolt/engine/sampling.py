@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["SamplingParams", "StepOutput", "sample_step"]
+__all__ = ["SamplingParams", "StepOutput", "first_argmax", "sample_step"]
 
 
 @dataclass
@@ -75,7 +75,7 @@ def sample_step(
     """Pick one token per row of ``logits_BV`` and report its raw log-probability."""
     logits_BV = logits_BV.float()
     logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
-    tokens_B = torch.argmax(logits_BV, dim=-1)
+    tokens_B = first_argmax(logits_BV)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:
         rows = torch.tensor(sampled)
@@ -88,6 +88,26 @@ def sample_step(
         top_vals_BK, top_idx_BK = logprobs_BV.topk(max_top_logprobs, dim=-1)
         top_ids, top_lps = top_idx_BK.tolist(), top_vals_BK.tolist()
     return StepOutput(tokens_B.tolist(), chosen_B.tolist(), top_ids, top_lps)
+
+
+def first_argmax(x_BV: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """``torch.argmax(x_BV, dim=-1)`` (the first index of each row's maximum), found block-wise.
+
+    PyTorch's CPU argmax over a vocabulary-wide row is about ten times slower than ``amax``
+    (2.4-5.4 ms against 0.26 ms for 32 x 49152 float32, one thread): here the row maximum comes
+    from ``amax`` over blocks, the first block holding it from a short argmax, and the index from
+    an argmax inside that block, which gives the same first index as ``torch.argmax``.
+    """
+    rows, width = x_BV.shape
+    if width % block or width < 4 * block or not x_BV.is_contiguous():
+        return torch.argmax(x_BV, dim=-1)
+    block_max_BN = x_BV.view(rows, width // block, block).amax(dim=-1)
+    if torch.isnan(block_max_BN).any():  # amax propagates NaN; argmax's rule for it is its own
+        return torch.argmax(x_BV, dim=-1)
+    first_block_B = torch.argmax(block_max_BN, dim=-1)  # argmax returns the first maximum
+    starts_B = first_block_B * block
+    inside_BK = x_BV.gather(1, starts_B[:, None] + torch.arange(block)[None, :])
+    return starts_B + torch.argmax(inside_BK, dim=-1)
 
 
 def _sample_rows(

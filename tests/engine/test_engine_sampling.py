@@ -49,3 +49,19 @@ def test_a_row_draws_from_its_own_generator() -> None:
     a = sample_step(logits, [SamplingParams()] * 3, _gens(3, seed=7)).token_ids
     b = sample_step(logits[:1], [SamplingParams()], _gens(1, seed=7)).token_ids
     assert a[0] == b[0] and len(set(a)) > 1
+
+
+def test_first_argmax_is_torch_argmax_including_ties_and_nan() -> None:
+    from agentbolt.engine.sampling import first_argmax
+
+    torch.manual_seed(5)
+    x = torch.randn(6, 64 * 20)
+    x[1, 70] = x[1, 900] = x[1, 65] = 50.0  # ties across blocks and inside one: the first index wins
+    x[2] = float("-inf")
+    x[2, 1000] = 0.0
+    x[3] = 7.0  # all equal
+    x[4, 333] = float("nan")
+    x[5, 128:192] = 9.0
+    for t in (x, x.bfloat16().float(), torch.randn(3, 1000), torch.randn(4, 64 * 8)[:, ::2]):
+        assert torch.equal(first_argmax(t), torch.argmax(t, dim=-1))
+    assert first_argmax(x)[1] == 65
