@@ -39,9 +39,11 @@ Targets from the issue: >= 1.5x static-batch generate and >= 4x llama-cpp-python
     python benchmarks/inference_throughput.py --quick      # 1 round, 16 tokens, 1 baseline thread count
 
 ``--decode-attention-ab`` measures one engine detail instead: the engine's batcher in this process
-(no server), bfloat16 with packed weights, the same chats decoded with the engine's decode-step
-attention (``agentbolt.engine.matmul.decode_attention``) and with PyTorch's CPU flash kernel,
-alternating for ``--repeat`` rounds.
+(no server), bfloat16 with packed weights, the same chats decoded with the float32 decode-step
+attention (``agentbolt.engine.matmul.decode_attention``, ``PackedMatmul(attention=True)``) and
+with PyTorch's CPU flash kernel (the default), alternating for ``--repeat`` rounds. With
+transformers 5.x a grouped-query model such as SmolLM2 packs its decode-step queries so that
+``decode_attention`` declines them: both variants then run the flash kernel.
 """
 
 from __future__ import annotations
@@ -324,24 +326,22 @@ def decode_attention_ab(texts: list[str], args) -> None:
         for t in texts
     ]
     prompt_ids = [tokenizer(r, add_special_tokens=False)["input_ids"] for r in rendered]
-    real = mm.decode_attention
 
     def run(variant: str) -> float:
-        mm.decode_attention = real if variant == "decode_attention" else (lambda args, kwargs: None)
-        try:
-            batcher = Batcher(
-                model, {tokenizer.eos_token_id}, max_batch=args.max_batch, max_context=2048, matmul="packed"
-            )
-            params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-            seqs = [Sequence(p, params, tokenizer.decode) for p in prompt_ids]
-            started = time.perf_counter()
-            for seq in seqs:
-                batcher.submit([seq])
-            while batcher.num_running or batcher.num_waiting:
-                batcher._step()
-            return sum(len(s.output_ids) for s in seqs) / (time.perf_counter() - started)
-        finally:
-            mm.decode_attention = real
+        batcher = Batcher(
+            model, {tokenizer.eos_token_id}, max_batch=args.max_batch, max_context=2048, matmul="packed"
+        )
+        mode = batcher.matmul_mode
+        assert isinstance(mode, mm.PackedMatmul)
+        mode.attention = variant == "decode_attention"
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+        seqs = [Sequence(p, params, tokenizer.decode) for p in prompt_ids]
+        started = time.perf_counter()
+        for seq in seqs:
+            batcher.submit([seq])
+        while batcher.num_running or batcher.num_waiting:
+            batcher._step()
+        return sum(len(s.output_ids) for s in seqs) / (time.perf_counter() - started)
 
     variants = ["decode_attention", "flash kernel"]
     run(variants[0])  # warm-up

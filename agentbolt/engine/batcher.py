@@ -113,7 +113,7 @@ class Batcher:
         self.tuner = ThreadTuner() if tune_threads else None
         self.matmul_kind = matmul or ("float32" if float32_matmul else None)
         """None (PyTorch's kernels), "float32" or "packed": see :mod:`agentbolt.engine.matmul`."""
-        self.matmul_mode = make_matmul_mode(self.matmul_kind, max_batch)
+        self.matmul_mode = make_matmul_mode(self.matmul_kind, max_batch, model)
 
     # ------------------------------------------------------------------ public, any thread
     def start(self) -> None:

@@ -56,9 +56,8 @@ class EngineConfig:
     cpu_matmul: str = "auto"
     """How a bfloat16 model on the CPU multiplies matrices: "native" (PyTorch's bfloat16 kernels),
     "packed" (the same oneDNN kernels with weights packed once instead of at every product;
-    identical products, one more copy of the linear weights in memory; decode-step attention as
-    float32 products, 1.7x faster steps than PyTorch's CPU flash kernel, see
-    :func:`agentbolt.engine.matmul.decode_attention`), "float32" (bfloat16 weights
+    identical products, one more copy of the linear weights in memory; the q/k/v and gate/up
+    projections of a layer as one product each, see :mod:`agentbolt.engine.matmul`), "float32" (bfloat16 weights
     converted block by block and multiplied in float32, result rounded to bfloat16; see
     :mod:`agentbolt.engine.matmul`) or "auto": packed when the CPU has bfloat16 instructions
     (AVX512-BF16/AMX), float32 when it lacks them, where PyTorch's bfloat16 kernels are 4-5x

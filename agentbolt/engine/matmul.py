@@ -29,18 +29,33 @@ rebuilt when a weight changes: ``invalidate()`` after a weight update (the engin
 weight replaced by another tensor or changed in place by an autograd-visible op (its version
 counter moves) is packed afresh on its next use. Measured on a loaded 2-core AVX512-BF16 machine,
 SmolLM2-135M, 32 rows, decode steps alternated between the two settings in one run: 1.10-1.12x
-faster steps than PyTorch's own path. ``PackedMatmul`` also computes decode-step attention (one
-query position per row) with ``decode_attention``: two float32 batched products instead of
-PyTorch's CPU flash kernel, which is 5-7x slower at that shape in bfloat16. In-process batches of
-32 chats x 64 tokens of SmolLM2, interleaved on a loaded 2-core machine: 360 tokens/s against 172
-with the flash kernel (median of 3 rounds; ``benchmarks/inference_throughput.py`` measures the
-served engine); the bfloat16 log-probability error against a teacher-forced pass was unchanged
-(0.22 nats at most, 0.037 on average, over 248 tokens of 8 mixed-length chats).
+faster steps than PyTorch's own path.
+
+``PackedMatmul`` also computes sibling projections in one product: the query, key and value
+projections of a Llama-style attention layer, and the gate and up projections of a gated MLP,
+are bias-free linear layers applied to the same input one after another; the first call computes
+all of them with one packed copy of their concatenated weights and hands the others their slice
+when they are called with that same input. The logits are bit-identical (tested); decode steps
+of SmolLM2 (32 rows, one thread) took 1.8% less CPU (median of 80 alternated steps, loaded
+machine; 4-5% for these products alone in isolation).
+
+``decode_attention`` (two float32 batched products for the attention of one query position per
+row) is used only when ``PackedMatmul(attention=True)``. On an earlier install it measured 5-7x
+faster than PyTorch's CPU flash kernel at that shape in bfloat16 (in-process batches of 32 chats
+x 64 tokens of SmolLM2: 360 tokens/s against 172). With torch 2.13 and transformers 5.25 it is
+not: transformers hands a grouped-query model's decode step to ``scaled_dot_product_attention``
+with the query heads of each key-value head packed as query rows (``pack_gqa``), which the flash
+kernel runs fast (0.3-0.5 ms per layer for 32 rows at 60-110 cached positions) and which
+``decode_attention`` does not take, and for one query position per head (a model without
+grouped queries) the flash kernel measured 3.5-4.6x faster than ``decode_attention`` (32 rows,
+9 heads, 80 and 400 positions, one thread, loaded 2-core AVX512-BF16 machine). So by default
+attention is left to PyTorch.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -103,25 +118,54 @@ def use_float32_matmul(choice: str, model: torch.nn.Module) -> bool:
     return cpu_matmul_mode(choice, model) == "float32"
 
 
-def make_matmul_mode(mode: str | None, batch_hint: int = 32) -> TorchFunctionMode | None:
+def make_matmul_mode(
+    mode: str | None, batch_hint: int = 32, model: torch.nn.Module | None = None
+) -> TorchFunctionMode | None:
     if mode == "float32":
         return Float32Matmul()
     if mode == "packed":
-        return PackedMatmul(batch_hint)
+        return PackedMatmul(batch_hint, fuse=sibling_projections(model) if model is not None else ())
     return None
+
+
+_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def sibling_projections(model: torch.nn.Module) -> list[list[torch.nn.Linear]]:
+    """Bias-free linear layers that a module applies to one input one after another, in call
+    order: Llama-style attention (q, k, v) and gated MLPs (gate, up)."""
+    groups: list[list[torch.nn.Linear]] = []
+    for module in model.modules():
+        for names in _SIBLINGS:
+            layers = [getattr(module, n, None) for n in names]
+            linears = [la for la in layers if isinstance(la, torch.nn.Linear)]
+            if len(linears) == len(names) and all(la.bias is None for la in linears):
+                groups.append(linears)
+    return groups
 
 
 class PackedMatmul(TorchFunctionMode):
     """Computes bfloat16 CPU ``linear`` calls with weights packed once for oneDNN (module docstring)."""
 
-    def __init__(self, batch_hint: int = 32) -> None:
+    def __init__(
+        self, batch_hint: int = 32, fuse: Sequence[Sequence[torch.nn.Linear]] = (), attention: bool = False
+    ) -> None:
         super().__init__()
-        self.batch_hint = batch_hint
+        self.batch_hint, self.attention = batch_hint, attention
         self._packed: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
+        self._groups: dict[int, list[torch.nn.Linear]] = {}  # id(first weight) -> the group
+        self._later: set[int] = set()  # ids of the other weights of a group
+        for group in fuse:
+            self._groups[id(group[0].weight)] = list(group)
+            self._later.update(id(la.weight) for la in group[1:])
+        self._fused: dict[int, tuple[list[weakref.ref], list[int], list[int], torch.Tensor]] = {}
+        self._ahead: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # id(weight) -> (x, version, out)
 
     def invalidate(self) -> None:
         """Forget every packed weight (call after changing weights through ``.data``)."""
         self._packed.clear()
+        self._fused.clear()
+        self._ahead.clear()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
@@ -134,12 +178,54 @@ class PackedMatmul(TorchFunctionMode):
                 and (bias is None or _is_cpu_bf16(bias))
                 and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
             ):
+                if bias is None and (id(weight) in self._groups or id(weight) in self._later):
+                    out = self._sibling_linear(x, weight)
+                    if out is not None:
+                        return out
                 return torch.ops.mkldnn._linear_pointwise(x, self._pack(weight), bias, "none", [], "")
-        elif func in _ATTENTION:
+        elif func in _ATTENTION and self.attention:
             out = decode_attention(args, kwargs)
             if out is not None:
                 return out
         return func(*args, **kwargs)
+
+    def _sibling_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """The first layer of a group computes every layer's product of ``x`` in one call; the
+        others then take theirs if they are applied to the same, unchanged ``x``."""
+        ahead = self._ahead.pop(id(weight), None)
+        if ahead is not None and ahead[0] is x and ahead[1] == _version_of(x):
+            return ahead[2]
+        group = self._groups.get(id(weight))
+        if group is None or group[0].weight is not weight:
+            return None
+        weights = [la.weight for la in group]
+        if any(not (_is_cpu_bf16(w) and w.dim() == 2 and w.shape[1] == weight.shape[1]) for w in weights):
+            return None
+        out = torch.ops.mkldnn._linear_pointwise(x, self._pack_group(weights), None, "none", [], "")
+        parts = out.split([w.shape[0] for w in weights], dim=-1)
+        for w, part in zip(weights[1:], parts[1:], strict=True):
+            self._ahead[id(w)] = (x, _version_of(x), part)
+        return parts[0]
+
+    def _pack_group(self, weights: list[torch.Tensor]) -> torch.Tensor:
+        entry = self._fused.get(id(weights[0]))
+        if (
+            entry is not None
+            and all(r() is w for r, w in zip(entry[0], weights, strict=True))
+            and entry[1] == [w._version for w in weights]
+            and entry[2] == [w.data_ptr() for w in weights]
+        ):
+            return entry[3]
+        packed = torch.ops.mkldnn._reorder_linear_weight(
+            torch.cat([w.detach() for w in weights]), self.batch_hint
+        )
+        self._fused[id(weights[0])] = (
+            [weakref.ref(w) for w in weights],
+            [w._version for w in weights],
+            [w.data_ptr() for w in weights],
+            packed,
+        )
+        return packed
 
     def _pack(self, weight: torch.Tensor) -> torch.Tensor:
         entry = self._packed.get(id(weight))
@@ -209,10 +295,11 @@ def decode_attention(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor | None
     """``scaled_dot_product_attention`` of one bfloat16 CPU query position per row (a decode step)
     as two float32 batched products, or None for any other call (left to PyTorch).
 
-    PyTorch's CPU flash kernel is slow at one query position in bfloat16: 2.1 ms against 0.29 ms
-    here for 32 rows, 9 query / 3 key-value heads, 80 cached positions (9.8 ms against 1.7 ms at
-    400 positions, 104 ms against 15-20 ms at 4000), one thread of a loaded 2-core AVX512-BF16
-    machine. Rows go in chunks (``_DECODE_CHUNK``). Queries, keys
+    On an earlier install PyTorch's CPU flash kernel was slow at one query position in bfloat16:
+    2.1 ms against 0.29 ms here for 32 rows, 9 query / 3 key-value heads, 80 cached positions
+    (9.8 ms against 1.7 ms at 400 positions, 104 ms against 15-20 ms at 4000), one thread of a
+    loaded 2-core AVX512-BF16 machine; with torch 2.13 the flash kernel is the faster one (module
+    docstring), so ``PackedMatmul`` calls this only when asked to. Rows go in chunks (``_DECODE_CHUNK``). Queries, keys
     and values are converted to float32 (bfloat16 -> float32 is exact), so scores and softmax are
     float32 as in the flash kernel, and the result is rounded to bfloat16 once: its error against a
     float64 reference is no larger than the flash kernel's (tested). Query heads that share a
@@ -266,6 +353,11 @@ def _attend(
             per_head.add_(mask.float())
     probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, v.float()).reshape(b, h, 1, v.shape[3]).to(q.dtype)
+
+
+def _version_of(t: torch.Tensor) -> int:
+    """The in-place version counter; inference-mode tensors have none (-1)."""
+    return -1 if t.is_inference() else t._version
 
 
 def _is_cpu_bf16(t: Any) -> bool:

@@ -20,6 +20,7 @@ from agentbolt.engine.matmul import (
     decode_attention,
     native_bf16_matmul,
     packed_matmul_available,
+    sibling_projections,
     use_float32_matmul,
 )
 
@@ -215,6 +216,33 @@ async def test_bfloat16_engine_with_packed_weights_matches_its_teacher_forced_pa
         assert max(errors) < BF16_BOUND, errors
 
 
+@needs_packed
+def test_packed_matmul_computes_sibling_projections_in_one_product(tiny_dir: Path) -> None:
+    """q/k/v and gate/up of each layer as one packed product: the same logits, bit for bit, and
+    weight changes are followed as for single products."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.bfloat16).eval()
+    groups = sibling_projections(model)
+    assert len(groups) == 2 * model.config.num_hidden_layers
+    assert [len(g) for g in groups[:2]] in ([3, 2], [2, 3])
+    ids = torch.randint(0, model.config.vocab_size, (3, 9))
+    fused, single = PackedMatmul(4, fuse=groups), PackedMatmul(4)
+    outputs = []
+    for _ in range(2):
+        with torch.inference_mode():
+            with single:
+                expected = model(input_ids=ids).logits
+            with fused:
+                outputs.append(model(input_ids=ids).logits)
+        assert torch.equal(outputs[-1], expected)
+        assert len(fused._fused) == len(groups) and not fused._ahead  # every group fused, all taken
+        with torch.no_grad():
+            for g in groups:
+                g[-1].weight.mul_(1.5)  # seen through the version counter: repacked
+    assert not torch.equal(outputs[0], outputs[1])
+
+
 # ---------------------------------------------------------------- decode attention (one query position)
 
 
@@ -240,8 +268,10 @@ def test_decode_attention_is_no_less_exact_than_the_flash_kernel(heads, kv_heads
     with torch.inference_mode():
         flash = sdpa(q, k, v, attn_mask=mask, **gqa)
         got = decode_attention((q, k, v), {"attn_mask": mask, **gqa})
-        with PackedMatmul():  # the engine's mode on CPUs with bfloat16 units computes it this way
+        with PackedMatmul(attention=True):  # the mode computes it this way when asked to
             assert torch.equal(sdpa(q, k, v, attn_mask=mask, **gqa), got)
+        with PackedMatmul():  # by default attention is PyTorch's
+            assert torch.equal(sdpa(q, k, v, attn_mask=mask, **gqa), flash)
     assert got is not None and got.dtype == torch.bfloat16 and got.shape == flash.shape
     err, flash_err = (got.double() - exact).abs().max(), (flash.double() - exact).abs().max()
     assert err <= flash_err + 1e-6, (err, flash_err)
