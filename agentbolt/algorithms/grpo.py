@@ -79,7 +79,7 @@ from agentbolt.algorithms.train_state import (
 )
 from agentbolt.console import print_line, task_bars
 from agentbolt.errors import ConfigError
-from agentbolt.memory import release_free_memory
+from agentbolt.memory import large_blocks_mapped, release_free_memory
 from agentbolt.schemas import Event, Mode, ModelWeights, Rollout, Task
 
 __all__ = ["GRPO", "GRPOResult", "success_rate"]
@@ -721,7 +721,9 @@ class GRPO(RewardOptions, Algorithm):
         autocast = (
             torch.autocast(device.type, dtype=torch.bfloat16) if self._bf16() else contextlib.nullcontext()
         )
-        with autocast:
+        release_free_memory()  # what the rollouts freed into the heap, before the pass adds its own
+        # the pass's large blocks given back when freed, not kept as heap holes (memory.large_blocks_mapped)
+        with autocast, large_blocks_mapped():
             if self.kl_coef:  # under the same autocast as the update: KL is 0 before the first one
                 batches = [_with_ref(b, reference_logprobs(state.reference_model, b)) for b in batches]
             out = optimizer_step(state, batches, cast(LossFn, loss))
