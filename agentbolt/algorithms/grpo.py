@@ -72,6 +72,7 @@ from agentbolt.algorithms.train_state import (
     TrainState,
     fast_bf16,
     frozen_base_to,
+    frozen_embeddings_to,
     load_checkpoint,
     make_train_state,
     optimizer_step,
@@ -293,6 +294,7 @@ class GRPO(RewardOptions, Algorithm):
             # the update runs under bfloat16 autocast, which casts every frozen projection to
             # bfloat16 anyway: stored so, the same results at half their memory
             frozen_base_to(state.model, torch.bfloat16)
+            frozen_embeddings_to(state.model, torch.bfloat16)  # lookups widened back to float32
         return state
 
     def _bf16(self) -> bool:

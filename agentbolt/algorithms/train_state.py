@@ -32,6 +32,7 @@ __all__ = [
     "export_weights",
     "fast_bf16",
     "frozen_base_to",
+    "frozen_embeddings_to",
     "load_adapter",
     "load_checkpoint",
     "make_train_state",
@@ -160,6 +161,38 @@ def frozen_base_to(model: nn.Module, dtype: torch.dtype) -> int:
             if id(tensor) not in converted:
                 tensor.data = tensor.data.clone()
     return spared
+
+
+@torch.no_grad()
+def frozen_embeddings_to(model: nn.Module, dtype: torch.dtype) -> int:
+    """Store the frozen input embeddings of a LoRA ``model`` in ``dtype`` (bfloat16 when training
+    under bfloat16 autocast), with the output layer when it is tied to them; returns how many
+    bytes that spared.
+
+    Each lookup is cast back to the embeddings' former dtype, so the layers still add up float32
+    hidden states; what changes is the embedding values, rounded to ``dtype`` as an engine serving
+    the model in ``dtype`` holds them (bfloat16: a relative error of at most 2^-8). A tied
+    output layer gives the same logits under autocast, which multiplies in bfloat16 anyway, and
+    autocast no longer casts the whole float32 matrix at every call of it (SmolLM2: 57 MB each
+    time, with 113 MB of float32 embeddings becoming 57 MB). Trainable embeddings, a model without
+    LoRA and embeddings already in ``dtype`` are left unchanged (0)."""
+    if not isinstance(model, PeftModel):
+        return 0
+    embeddings = model.get_input_embeddings()
+    weight = getattr(embeddings, "weight", None)
+    if not isinstance(weight, Tensor) or weight.requires_grad or weight.dtype == dtype:
+        return 0
+    if not weight.dtype.is_floating_point:
+        return 0
+    wide = weight.dtype
+    before = weight.numel() * weight.element_size()
+    weight.data = weight.data.to(dtype)
+
+    def widen(module: nn.Module, args: Any, out: Tensor) -> Tensor:
+        return out.to(wide)
+
+    embeddings.register_forward_hook(widen)
+    return before - weight.numel() * weight.element_size()
 
 
 def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

@@ -12,6 +12,7 @@ from agentbolt.algorithms.losses import PolicyLoss, TrainRow, pad_batch
 from agentbolt.algorithms.train_state import (
     TrainConfig,
     frozen_base_to,
+    frozen_embeddings_to,
     make_train_state,
     trained_weights,
 )
@@ -92,3 +93,53 @@ def test_the_weights_sent_from_a_bf16_base_are_merged_in_float32(tiny_llama: Tin
         base = state.model.get_base_model().get_parameter(name)
         delta = wide[name] - tiny_llama().state_dict()[name]
         assert torch.equal(tensor, (base.float() + delta).to(torch.bfloat16)), name
+
+
+def _tied_llama() -> LlamaForCausalLM:
+    from transformers import LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(config)
+
+
+def test_bf16_frozen_embeddings_keep_float32_hidden_states(one_thread: None) -> None:
+    """The tied embeddings stored in bfloat16: half their memory, the layers still get float32
+    hidden states (the lookups widened back), the update differs only by the embeddings' rounding."""
+    state = make_train_state(_tied_llama(), TrainConfig(lora_r=4, lr=1e-2))
+    with torch.no_grad():
+        for name, p in state.model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.05)
+    frozen_base_to(state.model, torch.bfloat16)
+    loss, grads = _update_under_autocast(state)
+    embeddings = state.model.get_input_embeddings()
+    wide = embeddings.weight.detach().clone()
+
+    spared = frozen_embeddings_to(state.model, torch.bfloat16)
+    assert spared == wide.numel() * 2 > 0
+    assert embeddings.weight.dtype == torch.bfloat16
+    assert state.model.get_output_embeddings().weight is embeddings.weight  # still tied
+    assert torch.equal(embeddings.weight.float(), wide.to(torch.bfloat16).float())
+    seen: list[torch.dtype] = []
+    layer = state.model.get_base_model().model.layers[0]
+    hook = layer.register_forward_pre_hook(lambda module, args: seen.append(args[0].dtype))
+    loss_bf16, grads_bf16 = _update_under_autocast(state)
+    hook.remove()
+    assert seen == [torch.float32]  # the residual stream stays float32
+    assert abs(loss_bf16 - loss) < 0.02 * max(1.0, abs(loss))
+    assert grads_bf16.keys() == grads.keys() and len(grads) > 0
+    for name, grad in grads.items():  # the same direction, up to the embeddings' rounding
+        cos = torch.nn.functional.cosine_similarity(grad.flatten(), grads_bf16[name].flatten(), dim=0)
+        assert cos > 0.99, name
+    assert frozen_embeddings_to(state.model, torch.bfloat16) == 0  # already so
+    assert frozen_embeddings_to(_tied_llama(), torch.bfloat16) == 0  # no adapter: left as it is
