@@ -17,7 +17,7 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def _tiny_llama(vocab: int = 300, seed: int = 0) -> LlamaForCausalLM:
+def _tiny_llama(vocab: int = 300, seed: int = 0, tied: bool = False) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab,
@@ -27,11 +27,13 @@ def _tiny_llama(vocab: int = 300, seed: int = 0) -> LlamaForCausalLM:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
+        tie_word_embeddings=tied,
     )
     return LlamaForCausalLM(config)
 
 
 @pytest.fixture
 def tiny_llama() -> Callable[..., LlamaForCausalLM]:
-    """``tiny_llama(vocab=300, seed=0)``: a 2-layer, 64-wide random Llama (3 M parameters)."""
+    """``tiny_llama(vocab=300, seed=0, tied=False)``: a 2-layer, 64-wide random Llama (3 M parameters);
+    ``tied``: its output layer is its input embeddings."""
     return _tiny_llama

@@ -95,27 +95,10 @@ def test_the_weights_sent_from_a_bf16_base_are_merged_in_float32(tiny_llama: Tin
         assert torch.equal(tensor, (base.float() + delta).to(torch.bfloat16)), name
 
 
-def _tied_llama() -> LlamaForCausalLM:
-    from transformers import LlamaConfig
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(config)
-
-
-def test_bf16_frozen_embeddings_keep_float32_hidden_states(one_thread: None) -> None:
+def test_bf16_frozen_embeddings_keep_float32_hidden_states(one_thread: None, tiny_llama: TinyLlama) -> None:
     """The tied embeddings stored in bfloat16: half their memory, the layers still get float32
     hidden states (the lookups widened back), the update differs only by the embeddings' rounding."""
-    state = make_train_state(_tied_llama(), TrainConfig(lora_r=4, lr=1e-2))
+    state = make_train_state(tiny_llama(tied=True), TrainConfig(lora_r=4, lr=1e-2))
     with torch.no_grad():
         for name, p in state.model.named_parameters():
             if "lora_B" in name:
@@ -142,4 +125,4 @@ def test_bf16_frozen_embeddings_keep_float32_hidden_states(one_thread: None) -> 
         cos = torch.nn.functional.cosine_similarity(grad.flatten(), grads_bf16[name].flatten(), dim=0)
         assert cos > 0.99, name
     assert frozen_embeddings_to(state.model, torch.bfloat16) == 0  # already so
-    assert frozen_embeddings_to(_tied_llama(), torch.bfloat16) == 0  # no adapter: left as it is
+    assert frozen_embeddings_to(tiny_llama(tied=True), torch.bfloat16) == 0  # no adapter: left as it is
