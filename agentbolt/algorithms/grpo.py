@@ -1,18 +1,23 @@
 """GRPO: reinforcement learning on the policy's weights from the agent's own runs.
 
-One step: enqueue every sampled training task ``group_size`` times (a group), wait for the
-group with a bound (stragglers are cancelled; groups with fewer than ``min_group_size``
-finished samples are dropped), turn each rollout's ``llm_call`` events into token rows with the
-gateway's exact ids and masks (:mod:`agentbolt.adapters`), compute group-normalised advantages,
-take one clipped policy-gradient update on model-generated tokens only
-(:mod:`agentbolt.algorithms.losses`), push the new weights into the serving engine in place and
-publish them as a new resources version. Validation and checkpoints every K steps; ``resume``
-continues from the last checkpoint exactly (weights, optimizer, RNG, step, history).
+One synchronous step (``asynchronous=False``): enqueue every sampled training task ``group_size``
+times (a group), wait for the group with a bound (stragglers are cancelled; groups with fewer
+than ``min_group_size`` finished samples are dropped), turn each rollout's ``llm_call`` events
+into token rows with the gateway's exact ids and masks (:mod:`agentbolt.adapters`), compute
+group-normalised advantages, take one clipped policy-gradient update on model-generated tokens
+only (:mod:`agentbolt.algorithms.losses`), push the new weights into the serving engine in place
+and publish them as a new resources version. The default, asynchronous mode, keeps more groups in
+flight than one update takes and trains on the first complete ones while the rest keep running
+(:mod:`agentbolt.algorithms.async_grpo`, docs/training.md). Validation and checkpoints every K
+steps; ``resume`` continues from the last checkpoint exactly (weights, optimizer, RNG, step,
+history).
 
-Departures from the paper are listed in :mod:`agentbolt.algorithms.losses`. Here: one update
-per batch (fully on-policy, so the ratio starts at 1 and clipping guards numeric drift between
-the engine's bf16 sampling pass and the training pass), and the engine's weights are the merged
-LoRA weights (serving never pays for the adapter).
+Departures from the paper are listed in :mod:`agentbolt.algorithms.losses`. Here: one update per
+batch (synchronous mode is fully on-policy, so the ratio starts at 1 and clipping guards numeric
+drift between the engine's bf16 sampling pass and the training pass), and the engine's weights
+are the merged LoRA weights (serving never pays for the adapter). Asynchronous mode takes the
+ratio against the current policy and corrects for the older behaviour policy with truncated
+importance weights (:mod:`agentbolt.algorithms.importance`).
 
 The KL penalty (``kl_coef``) is to the initial weights: with LoRA the same model with its adapter
 disabled, with full fine-tuning a frozen copy of the initial model kept on the training device
