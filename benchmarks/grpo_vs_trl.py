@@ -22,6 +22,12 @@ once per ``--trl-threads`` count each round: on a 2-core machine with other jobs
 operator waits for a parked thread), while agentbolt's engine picks its thread count by timing; the
 ratio is taken against TRL's best count.
 
+``--asynchronous`` also runs agentbolt's default, asynchronous GRPO every round and prints its
+figure on its own line: its runner generates the next groups while the update trains, so an
+iteration costs about the longer of the two phases rather than their sum. That is a different
+algorithm from TRL's (each update trains on groups generated up to ``max_staleness`` policy
+versions earlier, importance-corrected), so the like-for-like ratio is the synchronous one.
+
 Differences that remain: agentbolt serves rollouts over HTTP from its engine to a runner process
 and records every call in its store; TRL calls ``generate`` in-process on one padded batch.
 """
@@ -115,6 +121,7 @@ def run_agentbolt(
     lr: float,
     dtype: str,
     checkpointing: str = "auto",
+    asynchronous: bool = False,
 ) -> list[float]:
     from agentbolt import Trainer
     from agentbolt.algorithms.grpo import GRPO
@@ -132,7 +139,9 @@ def run_agentbolt(
         success_threshold=0.5,
         bf16=dtype == "bfloat16",
         engine_dtype=dtype,
-        asynchronous=False,  # like TRL: each iteration generates, then trains on what it generated
+        # synchronous is like TRL: each iteration generates, then trains on what it generated;
+        # asynchronous (agentbolt's default) generates the next groups while the update trains
+        asynchronous=asynchronous,
     )
     tasks = [{"id": f"p{i}", "prompt": p} for i, p in enumerate(PROMPTS)]
     run_dir = Path(tempfile.mkdtemp(prefix="bench-grpo-"))
@@ -140,9 +149,10 @@ def run_agentbolt(
         SingleTurn(max_tokens), tasks, []
     )
     steps_ = [h for h in result.history if h.get("step", 0) > 0]
+    mode = "asynchronous" if asynchronous else "synchronous"
     for h in steps_:
         print(
-            f"  agentbolt step {h['step']}: rollouts {h['t_rollouts']:.2f} s, update {h['t_update']:.2f} s, "
+            f"  agentbolt ({mode}) step {h['step']}: rollouts {h['t_rollouts']:.2f} s, update {h['t_update']:.2f} s, "
             f"weight sync {h['t_sync']:.2f} s, total {h['t_step']:.2f} s"
         )
     return [h["t_step"] for h in steps_]
@@ -261,6 +271,13 @@ def main() -> None:
         action="store_true",
         help="leave TRL's generate in float32 (its own behaviour) instead of bfloat16 autocast",
     )
+    ap.add_argument(
+        "--asynchronous",
+        action="store_true",
+        help="also run agentbolt's default asynchronous GRPO every round, reported on its own line "
+        "(not like for like: it trains on groups generated while the previous update ran, one policy "
+        "version behind at most, importance-corrected; TRL and the main figure are on-policy)",
+    )
     ap.add_argument("--quick", action="store_true", help="one round of 2 steps, 2 prompts x 4")
     args = ap.parse_args()
     if args.quick:
@@ -280,12 +297,19 @@ def main() -> None:
         trl = None
         print("TRL is not installed: pip install 'agentbolt[compare]' (or pip install trl) to compare")
     ours: list[float] = []
+    ours_async: list[float] = []
     theirs: dict[int, list[float]] = {n: [] for n in args.trl_threads}
     for r in range(args.rounds):
         # the first iteration of each run warms up (allocations, kernels); compare the rest
         run = run_agentbolt(path, *shape)
         print(f"round {r + 1} agentbolt: {[round(t, 2) for t in run]} s/iteration", flush=True)
         ours += run[1:] or run
+        if args.asynchronous:
+            run = run_agentbolt(path, *shape, asynchronous=True)
+            print(
+                f"round {r + 1} agentbolt asynchronous: {[round(t, 2) for t in run]} s/iteration", flush=True
+            )
+            ours_async += run[1:] or run
         if trl is not None:
             for n in args.trl_threads:
                 run = run_trl(path, *shape, threads=n, generation_autocast=not args.trl_float32_generation)
@@ -301,6 +325,11 @@ def main() -> None:
     )
     a = statistics.median(ours)
     print(f"agentbolt s/iteration: median {a:.2f}, range {min(ours):.2f}-{max(ours):.2f}")
+    if ours_async:
+        print(
+            f"agentbolt asynchronous s/iteration: median {statistics.median(ours_async):.2f}, "
+            f"range {min(ours_async):.2f}-{max(ours_async):.2f}"
+        )
     if trl is None:
         return
     for n, t in theirs.items():
@@ -312,6 +341,11 @@ def main() -> None:
     print(
         f"ratio agentbolt / TRL (TRL at its best, {best} thread(s)): {a / b:.2f} (<= 1.0: agentbolt no slower)"
     )
+    if ours_async:
+        print(
+            f"ratio agentbolt asynchronous / TRL (not like for like, see --asynchronous): "
+            f"{statistics.median(ours_async) / b:.2f}"
+        )
 
 
 if __name__ == "__main__":
