@@ -275,8 +275,8 @@ def main() -> None:
         "--asynchronous",
         action="store_true",
         help="also run agentbolt's default asynchronous GRPO every round, reported on its own line "
-        "(not like for like: it trains on groups generated while the previous update ran, one policy "
-        "version behind at most, importance-corrected; TRL and the main figure are on-policy)",
+        "(not like for like: it trains on groups generated while earlier updates ran, up to "
+        "max_staleness policy versions behind, importance-corrected; TRL and the main figure are on-policy)",
     )
     ap.add_argument("--quick", action="store_true", help="one round of 2 steps, 2 prompts x 4")
     args = ap.parse_args()
