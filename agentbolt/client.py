@@ -1,7 +1,13 @@
 """HTTP clients for the server: :class:`Client` (sync) and :class:`AsyncClient`.
 
 Every call has a timeout. Connection errors and 5xx answers are retried with exponential
-backoff and full jitter; 4xx answers are never retried and raise the error the server names in
+backoff and full jitter, and a call still failing is logged (a warning at its third failure,
+then at every twentieth), so a client that rides out an outage says so. An outage (no
+connection, 502, 503, 504) is retried up to ``RetryPolicy.attempts`` times (forever for the
+runner); a 500 answer, the server failing on this very request, which sending it again usually
+meets again, at most ``RetryPolicy.server_errors`` times, so that one request the server cannot
+handle ends in an error its caller handles (the runner fails that attempt with the reason)
+rather than a slot retrying it forever. 4xx answers are never retried and raise the error the server names in
 its body (``{"error": {"type": "NotFound", ...}}`` → :class:`NotFound`), or else one chosen by
 status (404 :class:`NotFound`, 409 :class:`LeaseLost`/:class:`InvalidTransition`, else
 :class:`RequestError`).
@@ -20,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import random
 import ssl
 import time
@@ -70,6 +77,7 @@ from agentbolt.schemas import (
 __all__ = ["AsyncClient", "Client", "Registration", "RequestError", "RetryPolicy"]
 
 T = TypeVar("T")
+log = logging.getLogger("agentbolt.client")
 # Rollout ids per events query, and events per page: the most the server takes (EventsQuery).
 _EVENTS_BATCH = 1000
 
@@ -88,12 +96,53 @@ class RetryPolicy:
     """Tries per call; ``0`` retries forever (the runner uses that while the server is down)."""
     base_delay: float = 0.2
     max_delay: float = 10.0
+    server_errors: int = 5
+    """Tries per call answered HTTP 500, even when ``attempts`` is 0: the server failed on this
+    request, and a fault of its own is not an outage to wait out."""
 
     def delay(self, attempt: int) -> float:
-        return random.uniform(0, min(self.max_delay, self.base_delay * 2**attempt))
+        # the exponent capped: 2.0**1024 overflows, which a runner retrying forever would reach
+        return random.uniform(0, min(self.max_delay, self.base_delay * 2.0 ** min(attempt, 64)))
 
-    def gives_up(self, attempt: int) -> bool:
+    def gives_up(self, attempt: int, server_errors: int = 0) -> bool:
+        """After the call's ``attempt + 1``-th failure, ``server_errors`` of them HTTP 500."""
+        if server_errors >= max(self.server_errors, 1):
+            return True
         return self.attempts > 0 and attempt + 1 >= self.attempts
+
+
+class _Retries:
+    """One call's failures so far: decides whether to try again, and says when it keeps failing."""
+
+    __slots__ = ("call", "client", "failures", "server_errors")
+
+    def __init__(self, client: _Base, call: _Request[Any]) -> None:
+        self.client, self.call = client, call
+        self.failures = self.server_errors = 0
+
+    def delay_after(self, exc: Exception) -> float:
+        """The wait before the next try; raises ``exc`` (not retryable) or
+        :class:`ServerUnavailable` (given up)."""
+        if not _retryable(exc):
+            raise exc
+        if isinstance(exc, _ServerError) and exc.status == 500:
+            self.server_errors += 1
+        policy, call = self.client.retry, self.call
+        self.failures += 1
+        if policy.gives_up(self.failures - 1, self.server_errors):
+            raise ServerUnavailable(
+                f"{call.method} {self.client.url}{call.path} failed after {self.failures} tries: {exc}"
+            ) from exc
+        if self.failures == 3 or self.failures % 20 == 0:
+            log.warning(
+                "%s %s%s has failed %d times (%s); trying again",
+                call.method,
+                self.client.url,
+                call.path,
+                self.failures,
+                exc,
+            )
+        return policy.delay(self.failures - 1)
 
 
 @dataclass
@@ -346,11 +395,6 @@ class _Base:
             _raise_for(response)
         return call.parse(response.json())
 
-    def _give_up(self, call: _Request[Any], exc: Exception) -> ServerUnavailable:
-        return ServerUnavailable(
-            f"{call.method} {self.url}{call.path} failed after {self.retry.attempts} tries: {exc}"
-        )
-
 
 class Client(_Base):
     """Synchronous client (algorithms, Trainer, CLI)."""
@@ -378,7 +422,7 @@ class Client(_Base):
         self.close()
 
     def _send(self, call: _Request[T]) -> T:
-        attempt = 0
+        retries = _Retries(self, call)
         while True:
             try:
                 response = self.http.request(
@@ -391,12 +435,7 @@ class Client(_Base):
                 )
                 return self._handle(call, response)
             except Exception as exc:
-                if not _retryable(exc):
-                    raise
-                if self.retry.gives_up(attempt):
-                    raise self._give_up(call, exc) from exc
-                time.sleep(self.retry.delay(attempt))
-                attempt += 1
+                time.sleep(retries.delay_after(exc))
 
     def health(self) -> dict[str, Any]:
         return self._send(_Request("GET", "/health", _identity))
@@ -604,7 +643,7 @@ class AsyncClient(_Base):
         await self.http.aclose()
 
     async def _send(self, call: _Request[T]) -> T:
-        attempt = 0
+        retries = _Retries(self, call)
         while True:
             try:
                 if self._lean is not None and not call.params:
@@ -619,12 +658,7 @@ class AsyncClient(_Base):
                 )
                 return self._handle(call, response)
             except Exception as exc:
-                if not _retryable(exc):
-                    raise
-                if self.retry.gives_up(attempt):
-                    raise self._give_up(call, exc) from exc
-                await asyncio.sleep(self.retry.delay(attempt))
-                attempt += 1
+                await asyncio.sleep(retries.delay_after(exc))
 
     async def _send_lean(self, call: _Request[T], lean: tuple[Http1Transport, tuple[str, int], bytes]) -> T:
         """One try of ``call`` through the lean transport; answers and errors as :meth:`_send`'s

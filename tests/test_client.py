@@ -153,3 +153,15 @@ def _attempt_ended(request: httpx.Request) -> httpx.Response:
 def test_a_real_server_error_arrives_as_its_class(client: Client):
     with pytest.raises(NotFound, match="ro-missing"):
         client.get_rollout("ro-missing")
+
+
+def test_the_backoff_stays_finite_however_long_a_call_keeps_failing():
+    """A runner retries forever while the server is down: its thousandth delay is as bounded
+    as its tenth (the exponent once overflowed a float at the 1,025th failure)."""
+    from agentbolt.client import RetryPolicy
+
+    policy = RetryPolicy(attempts=0, base_delay=0.2, max_delay=5.0)
+    for attempt in (0, 10, 1024, 5000, 10**6):
+        assert 0.0 <= policy.delay(attempt) <= 5.0
+    assert not policy.gives_up(10**6)  # attempts=0: an outage is ridden out
+    assert policy.gives_up(7, server_errors=5)  # but not a request the server fails on

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import subprocess
@@ -171,3 +172,79 @@ def test_runner_survives_a_server_restart(tmp_path):
         assert all(r.status == RolloutStatus.SUCCEEDED for r in final.rollouts)
     finally:
         srv.stop()
+
+
+class _FailingEventsStore:
+    """The real SQLite store, except that adding events to attempts of a rollout whose task says
+    ``"poison"`` raises: the server answers those requests HTTP 500, every time (a fault of
+    the server on one request, not an outage)."""
+
+    def __init__(self, store) -> None:
+        self._store = store
+        self.refused = 0
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def add_events(self, attempt_id, events, worker_id=None):
+        attempt = self._store.get_attempt(attempt_id)
+        if self._store.get_rollout(attempt.rollout_id).task.data.get("poison"):
+            self.refused += 1
+            raise RuntimeError("the store cannot take these events")
+        return self._store.add_events(attempt_id, events, worker_id)
+
+
+def test_a_request_the_server_fails_on_ends_the_attempt_with_the_reason(tmp_path, caplog):
+    """The runner rides out outages forever, but a request answered 500 again and again is given
+    up after RetryPolicy.server_errors tries: that attempt fails naming the error (the warning
+    logged on the way), and the runner's other rollouts go on."""
+    from agentbolt.server import ServerThread
+    from agentbolt.store import open_store
+
+    store = _FailingEventsStore(open_store(str(tmp_path / "store.db"), lease_seconds=30.0))
+    config = ServerConfig(db=str(tmp_path / "store.db"), lease_seconds=30.0)
+    with ServerThread(config, store=store) as srv, Client(srv.url) as client:
+        datas = [{"poison": True}, {"q": "a", "reward": 1.0}, {"q": "b", "reward": 1.0}]
+        poison, *fine = _enqueue(client, datas, max_attempts=1)
+        runner = Runner(_agent("echo"), srv.url, concurrency=1, max_rollouts=3)
+        runner.client.retry = dataclasses.replace(runner.client.retry, base_delay=0.01, max_delay=0.01)
+        with caplog.at_level("WARNING", logger="agentbolt.client"):
+            _run(runner)
+        done = client.wait([r.id for r in (poison, *fine)], 10)
+        assert done.done
+        by_id = {r.id: r for r in done.rollouts}
+        assert by_id[poison.id].status == RolloutStatus.FAILED
+        [attempt] = client.list_attempts(poison.id)
+        assert "events could not be uploaded" in (attempt.error or "")
+        assert "failed after 5 tries" in attempt.error and "HTTP 500" in attempt.error
+        assert [by_id[r.id].status for r in fine] == [RolloutStatus.SUCCEEDED] * 2
+        # each batch of events that reached the store was tried exactly server_errors (5) times
+        assert store.refused >= 5 and store.refused % 5 == 0
+        assert runner.failed == 1 and runner.completed == 2
+    assert any(
+        "has failed 3 times" in r.getMessage() and "HTTP 500" in r.getMessage() for r in caplog.records
+    )
+
+
+def test_an_unreachable_server_is_retried_past_the_server_error_limit_with_warnings(caplog):
+    """No connection is an outage: with ``attempts=0`` (the runner's) the call keeps trying
+    beyond ``server_errors`` tries, and says so in the log."""
+    from agentbolt.client import AsyncClient, RetryPolicy
+    from agentbolt.server.run import free_port
+
+    async def main() -> None:
+        client = AsyncClient(
+            f"http://127.0.0.1:{free_port()}",
+            retry=RetryPolicy(attempts=0, base_delay=0.001, max_delay=0.002),
+        )
+        try:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(client.health(), 3.0)
+        finally:
+            await client.aclose()
+
+    with caplog.at_level("WARNING", logger="agentbolt.client"):
+        asyncio.run(main())
+    counts = [r.getMessage() for r in caplog.records if "has failed" in r.getMessage()]
+    assert any("has failed 3 times" in m for m in counts)
+    assert any("has failed 20 times" in m for m in counts)  # well past server_errors (5)
