@@ -357,6 +357,70 @@ def decode_attention_ab(texts: list[str], args) -> None:
     print(f"decode_attention / flash kernel per round: {min(ratios):.2f}-{max(ratios):.2f}x")
 
 
+def forward_ab(texts: list[str], args) -> None:
+    """Decode steps of one in-process batch, alternating transformers' forward and the engine's own."""
+    import statistics
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from agentbolt.engine import ensure_model
+    from agentbolt.engine.batcher import Batcher
+    from agentbolt.engine.engine import cpu_matmul_mode, resolve_dtype
+    from agentbolt.engine.sampling import SamplingParams
+    from agentbolt.engine.sequence import Sequence
+
+    path = ensure_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(args.dtype)).eval()
+    rendered = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False
+        )
+        for t in texts
+    ]
+    prompt_ids = [tokenizer(r, add_special_tokens=False)["input_ids"] for r in rendered]
+    matmul = cpu_matmul_mode(args.engine_variants.split(",")[0], model)
+    threads = int(args.baseline_threads.split(",")[0] or 1)
+    torch.set_num_threads(threads)
+    batcher = Batcher(
+        model,
+        {tokenizer.eos_token_id},
+        max_batch=args.max_batch,
+        max_context=2048,
+        matmul=matmul,
+        tune_threads=False,
+    )
+    own = batcher.own_forward
+    if own is None:
+        print(f"the engine's forward does not take this model ({batcher.forward_note}): nothing to compare")
+        return
+    variants = ["transformers", "engine"]
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    for round_ in range(args.repeat):
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+        seqs = [Sequence(p, params, tokenizer.decode) for p in prompt_ids]
+        for seq in seqs:
+            batcher.submit([seq])
+        batcher._step()  # the prefill (and a first decode step), not timed
+        step = 0
+        while batcher.num_running:
+            which = variants[(step + round_) % len(variants)]
+            batcher.own_forward = None if which == "transformers" else own
+            started = time.perf_counter()
+            batcher._step()
+            times[which].append(time.perf_counter() - started)
+            step += 1
+        batcher.own_forward = own
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    base = med["transformers"]
+    print(
+        f"{args.requests} rows, {args.dtype}, cpu_matmul={matmul or 'native'}, {threads} thread(s), "
+        f"decode steps alternated ({len(times['engine'])} each), load average {os.getloadavg()[0]:.1f}; "
+        "median step: " + ", ".join(f"{k} {v:.1f} ms ({base / v:.2f}x)" for k, v in med.items())
+    )
+
+
 def report(rounds: list[dict[str, Result]], skipped: list[str], memory: dict[str, int], args) -> None:
     engine_name = "agentbolt engine"
     names = list(dict.fromkeys(n for r in rounds for n in r))
@@ -429,7 +493,15 @@ def main() -> None:
         action="store_true",
         help="only compare the engine's decode-step attention with PyTorch's flash kernel, in process",
     )
+    parser.add_argument(
+        "--forward-ab",
+        action="store_true",
+        help="only compare decode steps of transformers' forward and the engine's own, alternated in process",
+    )
     args = parser.parse_args()
+    if args.forward_ab:
+        forward_ab(prompts(args.requests), args)
+        return
     if args.decode_attention_ab:
         decode_attention_ab(prompts(args.requests), args)
         return

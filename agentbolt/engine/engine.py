@@ -62,6 +62,11 @@ class EngineConfig:
     :mod:`agentbolt.engine.matmul`) or "auto": packed when the CPU has bfloat16 instructions
     (AVX512-BF16/AMX), float32 when it lacks them, where PyTorch's bfloat16 kernels are 4-5x
     slower. Other dtypes and devices ignore it."""
+    forward: str = "auto"
+    """Whose forward pass serves prefills and decode steps: "engine" (the engine's own for Llama
+    models, :mod:`agentbolt.engine.forward`: less per-step work outside the matrix products),
+    "transformers" (the model's own ``forward``) or "auto": the engine's where the model is
+    supported, transformers' otherwise (``stats()["forward"]`` says which, ``"forward_note"`` why)."""
 
 
 class ModelEngine:
@@ -96,6 +101,7 @@ class ModelEngine:
             prefill_tokens=self.config.prefill_tokens,
             drain_timeout_s=self.config.drain_timeout_s,
             matmul=cpu_matmul_mode(self.config.cpu_matmul, model),
+            forward=self.config.forward,
         )
         self._started = False
         self._start_lock = threading.Lock()
@@ -168,6 +174,8 @@ class ModelEngine:
             "threads": threads,
             "float32_matmul": b.matmul_kind == "float32",
             "cpu_matmul": b.matmul_kind or "native",
+            "forward": "engine" if b.own_forward is not None else "transformers",
+            "forward_note": b.forward_note,
         }
 
     def models(self) -> dict[str, Any]:

@@ -62,11 +62,21 @@ def _errors(model, responses: list[dict], matmul: contextlib.AbstractContextMana
 
 
 async def test_float32_logprobs_are_exact_in_mixed_batches(engine: ModelEngine) -> None:
+    assert engine.stats()["forward"] == "engine"  # the engine's own Llama forward pass
     responses, running = await _staggered(engine, MIXED, {})
     assert max(running[1:]) >= 2, f"the requests never shared a batch: {running}"
     lengths = [len(r["choices"][0]["token_ids"]) for r in responses]
     assert lengths == [m for _, m, _ in MIXED]
     errors = _errors(engine.model, responses, contextlib.nullcontext())
+    assert max(errors) < 1e-4, errors
+
+
+async def test_float32_logprobs_exact_on_transformers_forward_too(tiny_dir: Path) -> None:
+    with make_engine(tiny_dir, max_batch=16, forward="transformers") as engine:
+        assert engine.stats()["forward"] == "transformers"
+        responses, running = await _staggered(engine, MIXED, {})
+        assert max(running[1:]) >= 2, f"the requests never shared a batch: {running}"
+        errors = _errors(engine.model, responses, contextlib.nullcontext())
     assert max(errors) < 1e-4, errors
 
 

@@ -31,6 +31,7 @@ def _perturbed(engine: ModelEngine, scale: float = 0.5) -> dict[str, torch.Tenso
 async def test_state_dict_update_changes_outputs_and_version(
     fresh_engine: ModelEngine, tmp_path: Path
 ) -> None:
+    assert fresh_engine.stats()["forward"] == "engine"  # the engine's own forward sees updates
     original = {k: v.clone() for k, v in fresh_engine.model.state_dict().items()}
     before = await _greedy(fresh_engine)
     assert before["model_version"] == 0
@@ -77,6 +78,7 @@ def _peft_logprobs(base_dir: Path, adapter: Path, prompt_ids: list[int], ids: li
 async def test_lora_adapters_apply_to_the_base_weights(
     fresh_engine: ModelEngine, tiny_dir: Path, tmp_path: Path
 ) -> None:
+    assert fresh_engine.stats()["forward"] == "engine"
     base = await _greedy(fresh_engine)
     first = _adapter(tiny_dir, tmp_path / "a1", seed=1, targets=["q_proj", "v_proj", "down_proj"])
     second = _adapter(tiny_dir, tmp_path / "a2", seed=2, targets=["k_proj", "up_proj"])

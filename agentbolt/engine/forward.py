@@ -1,0 +1,178 @@
+"""The engine's own forward pass for Llama-family models (prefills and decode steps).
+
+transformers' ``LlamaForCausalLM.forward`` is general: every call it builds a 4-D attention mask
+from the 2-D padding mask (Python-heavy mask functions), recomputes the rotary embedding's cos/sin
+from the position ids, runs ``LlamaRMSNorm`` as seven separate ops with float32 upcasts, and goes
+through its cache, output and keyword-argument machinery. ``LlamaForward`` computes the same
+function with less of that work around the matrix products:
+
+- the key-padding mask is the batcher's 2-D mask viewed as booleans (one op per step); a causal
+  mask is built only for prefills (more than one new token per row);
+- RoPE reads cos/sin from tables computed once by the model's own rotary module for every
+  position (bit-identical to computing them per step: each entry is one product), indexed by
+  the position ids;
+- RMSNorm is ``F.rms_norm`` on the float32 input, rounded to the model's dtype, times the
+  weight: the rounding steps of ``LlamaRMSNorm`` in three or four ops;
+- attention is ``F.scaled_dot_product_attention`` on the batch's KV cache
+  (:mod:`agentbolt.engine.kv_cache`); for one new token per row, the query heads that share a
+  key-value head are packed as query rows of that head (what transformers does too, and what the
+  CPU flash kernel runs fast), otherwise ``enable_gqa=True``;
+- every linear product is a call of the model's own ``nn.Linear`` modules, so weight updates,
+  merged LoRA adapters and :class:`~agentbolt.engine.matmul.PackedMatmul` (which intercepts the
+  products by the weight tensor) all apply unchanged; only the last position of each row goes
+  through the final norm and the output layer.
+
+``LlamaForward.supports(model)`` says whether a model can take this path (a
+``LlamaForCausalLM`` with a static RoPE type, sdpa or eager attention, SiLU-style MLP); anything
+else keeps transformers' forward (``Batcher(forward=...)``, reported by ``ModelEngine.stats()``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["LlamaForward", "unsupported_reason"]
+
+_STATIC_ROPE = {"default", "linear", "llama3"}
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot take the engine's own forward pass (None: it can)."""
+    if type(model).__name__ != "LlamaForCausalLM":
+        return f"{type(model).__name__} is not LlamaForCausalLM"
+    inner = getattr(model, "model", None)
+    config = getattr(model, "config", None)
+    if inner is None or config is None:
+        return "no .model or .config"
+    rotary = getattr(inner, "rotary_emb", None)
+    if rotary is None or getattr(rotary, "rope_type", None) not in _STATIC_ROPE:
+        return f"RoPE type {getattr(rotary, 'rope_type', None)!r} is not one of {sorted(_STATIC_ROPE)}"
+    if getattr(config, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
+        return f"attention implementation {config._attn_implementation!r}"
+    for layer in inner.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            return "attention layer without q/k/v/o projections"
+        if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            return "MLP without gate/up/down projections"
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if type(norm).__name__ != "LlamaRMSNorm":
+                return f"norm {type(norm).__name__}"
+    return None
+
+
+class LlamaForward:
+    """A Llama forward pass over the batcher's mask, position ids and KV cache (module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, max_positions: int) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"the engine's Llama forward does not support this model: {reason}")
+        self.model: Any = model
+        inner: Any = model.model
+        self.inner = inner
+        config: Any = model.config
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.groups = self.heads // self.kv_heads
+        self.scale = self.head_dim**-0.5
+        self.eps = float(inner.norm.variance_epsilon)
+        self._tables_for(max(max_positions, int(getattr(config, "max_position_embeddings", 0))))
+
+    def _tables_for(self, positions: int) -> None:
+        """cos/sin for positions 0..positions-1, from the model's rotary module (same numbers)."""
+        weight = self.inner.embed_tokens.weight
+        probe = torch.empty(0, device=weight.device, dtype=weight.dtype)
+        with torch.inference_mode():
+            cos, sin = self.inner.rotary_emb(probe, torch.arange(positions, device=weight.device)[None])
+        half = self.head_dim // 2
+        self.cos = cos[0]
+        # rotate_half(x) * sin == roll(x, half) * sin with the first half of sin negated
+        self.sin_signed = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
+
+    def __call__(
+        self, ids_BT: torch.Tensor, mask_BL: torch.Tensor, pos_BT: torch.Tensor, cache: Any
+    ) -> torch.Tensor:
+        """Logits of every row's last position; appends this step's keys and values to ``cache``.
+
+        ``mask_BL`` covers the cached positions and the new ones (1: a token, 0: padding),
+        ``pos_BT`` holds the new tokens' positions.
+        """
+        device = self.inner.embed_tokens.weight.device
+        ids_BT, mask_BL, pos_BT = ids_BT.to(device), mask_BL.to(device), pos_BT.to(device)
+        B, T = ids_BT.shape
+        L = mask_BL.shape[1]
+        if int(pos_BT.max()) >= self.cos.shape[0]:
+            self._tables_for(int(pos_BT.max()) * 2)
+        cos = self.cos[pos_BT].unsqueeze(2)  # B T 1 D: broadcast over the heads
+        sin = self.sin_signed[pos_BT].unsqueeze(2)
+        keys_ok = mask_BL.bool()
+        if T == 1:
+            attn_mask = keys_ok[:, None, None, :]  # B 1 1 L: the packed query rows share it
+        else:
+            query_cols = torch.arange(L - T, L, device=device)
+            causal_TL = torch.arange(L, device=device)[None, :] <= query_cols[:, None]
+            attn_mask = keys_ok[:, None, None, :] & causal_TL
+            # a padding query sees at least itself: no fully masked row (NaN) whose values would
+            # then reach the real tokens through a zero weight
+            attn_mask[:, :, torch.arange(T, device=device), query_cols] = True
+        x = self.inner.embed_tokens(ids_BT)
+        half = self.head_dim // 2
+        # Elementwise work runs with torch-function modes off: a mode such as PackedMatmul costs
+        # about 2.5 us of Python per torch call it sees (~1,500 calls a step for SmolLM2). The
+        # linear products and the attention call stay inside whatever mode the caller entered.
+        plain = torch._C.DisableTorchFunction
+        layers = self.inner.layers
+        with plain():
+            h = self._norm(x, layers[0].input_layernorm.weight)
+        for i, layer in enumerate(layers):
+            attn = layer.self_attn
+            q = attn.q_proj(h)
+            k = attn.k_proj(h)
+            v = attn.v_proj(h)
+            with plain():
+                q = q.view(B, T, self.heads, self.head_dim)
+                k = k.view(B, T, self.kv_heads, self.head_dim)
+                q = q * cos + q.roll(half, -1) * sin
+                k = k * cos + k.roll(half, -1) * sin
+                v = v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+                keys, values = cache.update(k.transpose(1, 2), v, i)
+                if T == 1:
+                    q = q.view(B, self.kv_heads, self.groups, self.head_dim)
+                else:
+                    q = q.transpose(1, 2)
+            if T == 1:
+                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, scale=self.scale)
+            else:
+                out = F.scaled_dot_product_attention(
+                    q, keys, values, attn_mask=attn_mask, scale=self.scale, enable_gqa=self.groups > 1
+                ).transpose(1, 2)
+            with plain():
+                out = out.reshape(B, T, self.heads * self.head_dim)
+            out = attn.o_proj(out)
+            mlp = layer.mlp
+            with plain():
+                x = x + out
+                h = self._norm(x, layer.post_attention_layernorm.weight)
+            gate = mlp.gate_proj(h)
+            up = mlp.up_proj(h)
+            with plain():
+                h = mlp.act_fn(gate) * up
+            out = mlp.down_proj(h)
+            with plain():
+                x = x + out
+                if i + 1 < len(layers):
+                    h = self._norm(x, layers[i + 1].input_layernorm.weight)
+                else:
+                    h = self._norm(x[:, -1:], self.inner.norm.weight)
+        return self.model.lm_head(h)[:, -1, :]
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``LlamaRMSNorm``: normalised in float32, rounded to the input dtype, times the weight."""
+        if x.dtype == weight.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+        return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
