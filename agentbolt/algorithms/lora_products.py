@@ -1,0 +1,80 @@
+"""LoRA layers computed with fewer passes over their activations.
+
+peft computes a LoRA linear layer as ``base(x) + lora_B(lora_A(x)) * scaling``: besides the
+three products, a multiplication and an addition over the whole ``(tokens x out)`` output, and
+under autocast the input cast to bfloat16 twice (once for the base product, once for
+``lora_A``). On a CPU these passes over memory are a large share of an update: profiled on
+SmolLM2-135M (32 rows, 1,973 tokens, activation checkpointing, bfloat16 autocast, 2 cores),
+matrix products were 31% of the update's CPU time, casts 19% and elementwise multiplications
+and additions 22%.
+
+:func:`fuse_lora_products` gives every vanilla LoRA linear layer of a peft model a forward that
+casts the input once, folds ``scaling`` into the small ``lora_B`` matrix and adds the LoRA
+product onto the base output inside one ``addmm``: the same function (the sum is rounded once
+instead of twice, so under bfloat16 the result differs from peft's by rounding only), with
+gradients flowing to ``lora_A`` and ``lora_B`` as before. Whatever this does not cover falls
+back to peft's own forward at call time: adapters disabled or merged, several active adapters,
+per-call adapter names, LoRA variants (DoRA and others), dropout, extra arguments, or dtypes
+that do not match without autocast.
+
+Measured on SmolLM2-135M, 32 rows of GRPO's update (1,973 tokens, checkpointed, bfloat16
+autocast, one thread, machine loaded by other jobs), alternating peft's forward and this one in
+one process: 15.4-15.9 s against 13.6-14.5 s per update (about 12% less).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["fuse_lora_products", "fused_layers"]
+
+_FUSED = "_agentbolt_fused_forward"
+
+
+def fuse_lora_products(model: nn.Module) -> int:
+    """Give each vanilla LoRA linear layer of ``model`` the fused forward; returns how many.
+    Calling it again changes nothing."""
+    try:
+        from peft.tuners.lora.layer import Linear as LoraLinear
+    except ImportError:  # pragma: no cover - peft is a dependency of training
+        return 0
+    count = 0
+    for module in model.modules():
+        if isinstance(module, LoraLinear) and isinstance(module.base_layer, nn.Linear):
+            if not getattr(module, _FUSED, False):
+                module.forward = types.MethodType(_forward, module)  # type: ignore[method-assign]
+                setattr(module, _FUSED, True)
+            count += 1
+    return count
+
+
+def fused_layers(model: nn.Module) -> int:
+    """How many layers of ``model`` have the fused forward."""
+    return sum(1 for m in model.modules() if getattr(m, _FUSED, False))
+
+
+def _forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    cls = type(self)
+    if args or kwargs or self.disable_adapters or self.merged:
+        return cls.forward(self, x, *args, **kwargs)
+    active = self.active_adapters
+    if len(active) != 1 or active[0] not in self.lora_A or active[0] in self.lora_variant:
+        return cls.forward(self, x, *args, **kwargs)
+    name = active[0]
+    if not isinstance(self.lora_dropout[name], nn.Identity):
+        return cls.forward(self, x, *args, **kwargs)
+    if torch.is_autocast_enabled(x.device.type):
+        x = x.to(torch.get_autocast_dtype(x.device.type))  # cast once, for both products
+    result = self.base_layer(x)
+    xa = F.linear(x, self.lora_A[name].weight)
+    b_scaled = self.lora_B[name].weight * self.scaling[name]
+    if result.dtype != xa.dtype:  # mixed dtypes without autocast: peft's own way
+        return cls.forward(self, x, *args, **kwargs)
+    shape = result.shape
+    out = torch.addmm(result.reshape(-1, shape[-1]), xa.reshape(-1, xa.shape[-1]), b_scaled.t())
+    return out.view(shape)
