@@ -395,7 +395,7 @@ def forward_ab(texts: list[str], args) -> None:
     if own is None:
         print(f"the engine's forward does not take this model ({batcher.forward_note}): nothing to compare")
         return
-    variants = ["transformers", "engine"]
+    variants = ["transformers", "engine", "engine, bmm attention"]
     times: dict[str, list[float]] = {v: [] for v in variants}
     for round_ in range(args.repeat):
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
@@ -407,6 +407,7 @@ def forward_ab(texts: list[str], args) -> None:
         while batcher.num_running:
             which = variants[(step + round_) % len(variants)]
             batcher.own_forward = None if which == "transformers" else own
+            own.bmm_attention = which.endswith("bmm attention")
             started = time.perf_counter()
             batcher._step()
             times[which].append(time.perf_counter() - started)

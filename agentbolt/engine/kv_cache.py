@@ -48,6 +48,16 @@ class GrowingLayer(DynamicLayer):
         self.keys, self.values = self._buf_k[:, :, :new], self._buf_v[:, :, :new]
         return self.keys, self.values
 
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The whole key and value buffers (rows x heads x capacity x dim) that ``keys`` and
+        ``values`` are the first columns of, or None when they are not (yet) such views."""
+        buf_k, buf_v = self._buf_k, self._buf_v
+        if buf_k is None or buf_v is None or self.keys.data_ptr() != buf_k.data_ptr():
+            return None
+        if self.keys.stride() != buf_k.stride() or self.values.data_ptr() != buf_v.data_ptr():
+            return None
+        return buf_k, buf_v
+
     def _owns_buffer(self, key_states: torch.Tensor, needed: int) -> bool:
         buf = self._buf_k
         if buf is None or buf.shape[-2] < needed or buf.shape[:2] != key_states.shape[:2]:
@@ -59,8 +69,10 @@ class GrowingLayer(DynamicLayer):
     def _regrow(self, key_states: torch.Tensor, value_states: torch.Tensor, old: int, new: int) -> None:
         capacity = max(new + 32, new * 3 // 2)
         b, h, _, d = key_states.shape
-        self._buf_k = key_states.new_empty(b, h, capacity, d)
-        self._buf_v = value_states.new_empty(b, h, capacity, value_states.shape[-1])
+        # zeros, not empty: whole-buffer attention (agentbolt.engine.forward) multiplies the
+        # columns past the end by a zero weight, which must not meet NaN or inf
+        self._buf_k = key_states.new_zeros(b, h, capacity, d)
+        self._buf_v = value_states.new_zeros(b, h, capacity, value_states.shape[-1])
         if old:
             self._buf_k[:, :, :old].copy_(self.keys)
             self._buf_v[:, :, :old].copy_(self.values)

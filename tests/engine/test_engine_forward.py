@@ -25,13 +25,10 @@ def _hf_step(model, ids, mask, pos, cache) -> torch.Tensor:
     return out.logits[:, -1, :]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_own_forward_matches_transformers_with_a_shared_prefix_and_padding(
-    tiny_dir: Path, dtype: torch.dtype
-) -> None:
-    """A shared prefix in the cache, then mid-row padding, then each row's tokens; decode steps."""
-    model = _tiny(tiny_dir, dtype)
-    own = LlamaForward(model, 256)
+def _run(model, step) -> torch.Tensor:
+    """Logits of a prefill over a shared prefix in the cache, then mid-row padding, then each
+    row's own tokens, and of 34 decode steps (the same tokens on every path: a near-tie must not
+    make them diverge; the cache buffers grow, and whole-buffer attention spans spare columns)."""
     torch.manual_seed(0)
     prefix = torch.randint(3, 200, (1, 9))
     suffixes = [torch.randint(3, 200, (n,)).tolist() for n in (4, 1, 6)]
@@ -39,21 +36,44 @@ def test_own_forward_matches_transformers_with_a_shared_prefix_and_padding(
     ids = torch.tensor([[0] * (width - len(s)) + s for s in suffixes])
     mask = torch.tensor([[1] * 9 + [0] * (width - len(s)) + [1] * len(s) for s in suffixes])
     pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, 9:]
-    got = {}
     with torch.inference_mode():
-        for name, step in (("own", own), ("hf", lambda *a: _hf_step(model, *a))):
-            first = kv_cache.new_cache()
-            _hf_step(model, prefix, torch.ones(1, 9, dtype=torch.long), torch.arange(9)[None], first)
-            cache = kv_cache.cache_with_prefix([(la.keys, la.values) for la in first.layers], 3)
-            m, logits = mask, [step(ids, mask, pos, cache)]
-            for _ in range(5):
-                nxt = logits[-1].argmax(-1, keepdim=True)
-                p = m.sum(1, keepdim=True)
-                m = torch.cat([m, torch.ones(3, 1, dtype=torch.long)], 1)
-                logits.append(step(nxt, m, p, cache))
-            got[name] = torch.stack(logits).float()
-    tol = 1e-5 if dtype == torch.float32 else 0.05
-    assert torch.allclose(got["own"], got["hf"], atol=tol, rtol=0), (got["own"] - got["hf"]).abs().max()
+        first = kv_cache.new_cache()
+        _hf_step(model, prefix, torch.ones(1, 9, dtype=torch.long), torch.arange(9)[None], first)
+        cache = kv_cache.cache_with_prefix([(la.keys, la.values) for la in first.layers], 3)
+        logits = [step(ids, mask, pos, cache)]
+        for nxt in torch.randint(3, 200, (34, 3, 1)):
+            p = mask.sum(1, keepdim=True)
+            mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1)
+            logits.append(step(nxt, mask, p, cache))
+    return torch.stack(logits).float()
+
+
+@pytest.fixture(scope="module")
+def hf_logits(tiny_dir: Path) -> torch.Tensor:
+    model = _tiny(tiny_dir, torch.float32)
+    return _run(model, lambda *a: _hf_step(model, *a))
+
+
+@pytest.mark.parametrize("bmm", [True, False], ids=["bmm-attention", "flash-attention"])
+def test_own_forward_matches_transformers_with_a_shared_prefix_and_padding(
+    tiny_dir: Path, hf_logits: torch.Tensor, bmm: bool
+) -> None:
+    model = _tiny(tiny_dir, torch.float32)
+    own = LlamaForward(model, 256)
+    own.bmm_attention = bmm
+    hf = hf_logits
+    got = _run(model, own)
+    assert torch.allclose(got, hf, atol=1e-4, rtol=0), (got - hf).abs().max()
+    if not bmm:
+        return  # in bfloat16 the flash kernel gives transformers' numbers
+    # bfloat16: no further from the float32 logits than transformers' own bfloat16 forward
+    # (measured here with batched-product attention: mean 0.061 against 0.057, max 1.61 against 1.58)
+    model = model.bfloat16()
+    own = LlamaForward(model, 256)
+    own.bmm_attention = bmm
+    hf16 = (_run(model, lambda *a: _hf_step(model, *a)) - hf).abs()
+    got16 = (_run(model, own) - hf).abs()
+    assert got16.mean() <= 1.2 * hf16.mean() and got16.max() <= 1.2 * hf16.max(), (got16.max(), hf16.max())
 
 
 def test_unsupported_models_keep_transformers_forward() -> None:
