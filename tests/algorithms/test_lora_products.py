@@ -97,3 +97,19 @@ def test_what_it_does_not_cover_is_peft_own(tiny_llama):
 def test_fusing_twice_changes_nothing(tiny_llama):
     _, fused = _pair(tiny_llama)
     assert fuse_lora_products(fused) == 14 and fused_layers(fused) == 14
+
+
+def test_one_cast_serves_every_layer_that_takes_the_same_input():
+    from agentbolt.algorithms.lora_products import _cast_once
+
+    x = torch.randn(4, 8, requires_grad=True)
+    h = x * 2
+    first = _cast_once(h, torch.bfloat16)
+    assert _cast_once(h, torch.bfloat16) is first  # q, k and v: one cast
+    assert first.grad_fn is not None
+    h.add_(1)  # changed in place: cast afresh
+    again = _cast_once(h, torch.bfloat16)
+    assert again is not first and torch.equal(again, h.detach().to(torch.bfloat16))
+    with torch.no_grad():
+        assert _cast_once(h, torch.bfloat16) is not again  # no autograd history to share
+    assert _cast_once(h * 1, torch.bfloat16) is not again  # another tensor, equal values
