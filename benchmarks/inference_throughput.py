@@ -38,6 +38,13 @@ Targets from the issue: >= 1.5x static-batch generate and >= 4x llama-cpp-python
     python benchmarks/inference_throughput.py [--requests 32] [--max-tokens 64] [--dtype bfloat16] [--repeat 3]
     python benchmarks/inference_throughput.py --quick      # 1 round, 16 tokens, 1 baseline thread count
 
+``--engine-forwards auto,transformers`` also runs the engine server with transformers' forward
+pass instead of its own Llama forward (:mod:`agentbolt.engine.forward`), in the same rounds.
+``--forward-ab`` measures that difference in this process instead: one batch of the chats in the
+engine's batcher (no server, ``--baseline-threads``' first count, 1 by default), its decode steps
+alternating step by step between transformers' forward, the engine's own, and the engine's own
+with batched-product decode attention; it prints the median step time of each.
+
 ``--decode-attention-ab`` measures one engine detail instead: the engine's batcher in this process
 (no server), bfloat16 with packed weights, the same chats decoded with the float32 decode-step
 attention (``agentbolt.engine.matmul.decode_attention``, ``PackedMatmul(attention=True)``) and
@@ -173,15 +180,46 @@ async def fire(base_url: str, texts: list[str], max_tokens: int, extra: dict) ->
         return sum(counts), time.perf_counter() - started
 
 
-def bench_engine(texts: list[str], args, cpu_matmul: str = "auto") -> tuple[Result, int]:
+_SERVE_WITH_FORWARD = """
+import sys, uvicorn
+from agentbolt.engine.engine import ModelEngine
+from agentbolt.engine.server import create_engine_app
+model, port, dtype, max_batch, cpu_matmul, forward = sys.argv[1:]
+engine = ModelEngine.from_pretrained(
+    model, dtype=dtype, max_batch=int(max_batch), cpu_matmul=cpu_matmul, forward=forward
+)
+print("forward:", engine.stats()["forward"], flush=True)
+with engine:
+    uvicorn.run(create_engine_app(engine), host="127.0.0.1", port=int(port), log_level="warning")
+"""
+
+
+def bench_engine(
+    texts: list[str], args, cpu_matmul: str = "auto", forward: str = "auto"
+) -> tuple[Result, int]:
     port = free_port()
-    cmd = [sys.executable, "-m", "agentbolt.engine.cli", "serve", "--model", args.model, "--port", str(port)]
-    cmd += ["--dtype", args.dtype, "--max-batch", str(args.max_batch), "--cpu-matmul", cpu_matmul]
+    if forward == "auto":
+        cmd = [
+            sys.executable,
+            "-m",
+            "agentbolt.engine.cli",
+            "serve",
+            "--model",
+            args.model,
+            "--port",
+            str(port),
+        ]
+        cmd += ["--dtype", args.dtype, "--max-batch", str(args.max_batch), "--cpu-matmul", cpu_matmul]
+    else:  # `agentbolt model serve` always takes the default; the same server with another forward
+        cmd = [sys.executable, "-c", _SERVE_WITH_FORWARD, args.model, str(port), args.dtype]
+        cmd += [str(args.max_batch), cpu_matmul, forward]
     with server_process(cmd, port) as proc, RssSampler(proc.pid) as rss:
         extra = {"logprobs": True, "return_token_ids": True}
         tokens, seconds = asyncio.run(fire(f"http://127.0.0.1:{port}/v1", texts, args.max_tokens, extra))
-    name = "agentbolt engine" if cpu_matmul == "auto" else f"agentbolt engine ({cpu_matmul} matmul)"
-    note = f"{args.dtype}, max batch {args.max_batch}, logprobs + token ids on, cpu_matmul={cpu_matmul}"
+    tags = [f"{cpu_matmul} matmul"] if cpu_matmul != "auto" else []
+    tags += [f"{forward} forward"] if forward != "auto" else []
+    name = "agentbolt engine" + (f" ({', '.join(tags)})" if tags else "")
+    note = f"{args.dtype}, max batch {args.max_batch}, logprobs + token ids on, cpu_matmul={cpu_matmul}, forward={forward}"
     return Result(name, len(texts), tokens, seconds, note), rss.peak
 
 
@@ -481,6 +519,12 @@ def main() -> None:
         help="comma-separated --cpu-matmul settings of the engine to run each round (auto,native,packed,float32)",
     )
     parser.add_argument(
+        "--engine-forwards",
+        default="auto",
+        help="comma-separated forward passes of the engine to run each round: auto (the engine's own "
+        "for Llama models), transformers (transformers' forward, what the engine used before)",
+    )
+    parser.add_argument(
         "--baseline-threads",
         default="",
         help="thread counts for the baselines, e.g. 1 or 1,2 (default: 1 and all CPUs)",
@@ -514,9 +558,9 @@ def main() -> None:
     skipped: list[str] = []
     memory: dict[str, int] = {}
 
-    def run_engine(variant: str) -> Result:
-        result, peak = bench_engine(texts, args, variant)
-        key = "engine server" if variant == "auto" else f"engine server ({variant} matmul)"
+    def run_engine(variant: str, forward: str = "auto") -> Result:
+        result, peak = bench_engine(texts, args, variant, forward)
+        key = "engine server" + result.name.removeprefix("agentbolt engine")
         memory[key] = max(memory.get(key, 0), peak)
         return result
 
@@ -534,7 +578,9 @@ def main() -> None:
         return llama
 
     systems: list[tuple[str, Callable[[], Result | None]]] = [
-        (f"engine {v}", partial(run_engine, v)) for v in args.engine_variants.split(",")
+        (f"engine {v} {f}", partial(run_engine, v, f))
+        for v in args.engine_variants.split(",")
+        for f in args.engine_forwards.split(",")
     ]
     if not args.skip_static:
         assert baseline is not None

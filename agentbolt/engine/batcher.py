@@ -37,7 +37,7 @@ linear product still a call of the model's own layers. Other models keep transfo
 (``forward="transformers"`` forces it; ``ModelEngine.stats()["forward"]`` says which serves).
 Decode steps of SmolLM2 (bfloat16, packed weights, 32 rows, one thread) took 1.07-1.11x less
 time than transformers' forward (medians of 62 steps each, the two alternated step by step in one
-process, on a 2-core machine shared with other jobs, load average 1.9-2.4).
+process, on a 2-core machine shared with other jobs, load average 1.0-2.4, seven runs).
 
 On CPU the thread count of the forward passes is re-chosen from measured step times
 (:mod:`agentbolt.engine.threads`): on a shared machine one thread can beat two by several times.
