@@ -2,17 +2,18 @@
 
 transformers' ``LlamaForCausalLM.forward`` is general: every call it builds a 4-D attention mask
 from the 2-D padding mask (Python-heavy mask functions), recomputes the rotary embedding's cos/sin
-from the position ids, runs ``LlamaRMSNorm`` as seven separate ops with float32 upcasts, and goes
+from the position ids, runs ``LlamaRMSNorm`` as eight separate ops with float32 upcasts, and goes
 through its cache, output and keyword-argument machinery. ``LlamaForward`` computes the same
 function with less of that work around the matrix products:
 
-- the key-padding mask is the batcher's 2-D mask viewed as booleans (one op per step); a causal
-  mask is built only for prefills (more than one new token per row);
+- the key-padding mask is the batcher's 2-D mask viewed as booleans (one op per step; an additive
+  bias for the float32 batched-product attention below); a causal mask is built only for
+  prefills (more than one new token per row);
 - RoPE reads cos/sin from tables computed once by the model's own rotary module for every
   position (bit-identical to computing them per step: each entry is one product), indexed by
   the position ids;
 - RMSNorm is ``F.rms_norm`` on the float32 input, rounded to the model's dtype, times the
-  weight: the rounding steps of ``LlamaRMSNorm`` in three or four ops;
+  weight: the rounding steps of ``LlamaRMSNorm`` in four ops (one, weight included, in float32);
 - attention is ``F.scaled_dot_product_attention`` on the batch's KV cache
   (:mod:`agentbolt.engine.kv_cache`); for one new token per row, the query heads that share a
   key-value head are packed as query rows of that head (what transformers does too, and what the
@@ -20,16 +21,21 @@ function with less of that work around the matrix products:
   step's attention is instead two batched products over the whole cache buffers (the columns past
   the end masked), which needs no copy of the strided cache (``torch.matmul`` on the cache view
   copies it): SmolLM2 decode steps in float32 1.05x against the flash kernel's 1.01x over
-  transformers' forward, alternated; not used in bfloat16, where its scores are rounded to
-  bfloat16 (decode steps 1.21x against 1.13x, but logprobs up to twice as far from a
-  teacher-forced pass when attention scores are large);
+  transformers' forward (one thread, alternated); not used in bfloat16, where its scores are
+  rounded to bfloat16 (decode steps 1.21x against 1.09-1.13x, but logprobs up to twice as far from
+  a teacher-forced pass when attention scores are large; ``bmm_attention`` switches it);
+- the elementwise work runs with torch-function modes switched off, the linear products and the
+  attention call inside the caller's mode (``PackedMatmul`` costs ~2.5 us of Python per call it
+  sees): decode steps 1.04-1.05x faster than transformers' forward without this, 1.08-1.09x with
+  it (SmolLM2 bf16, 32 rows, one thread, alternated step by step, loaded 2-core machine);
 - every linear product is a call of the model's own ``nn.Linear`` modules, so weight updates,
   merged LoRA adapters and :class:`~agentbolt.engine.matmul.PackedMatmul` (which intercepts the
   products by the weight tensor) all apply unchanged; only the last position of each row goes
   through the final norm and the output layer.
 
-``LlamaForward.supports(model)`` says whether a model can take this path (a
-``LlamaForCausalLM`` with a static RoPE type, sdpa or eager attention, SiLU-style MLP); anything
+``unsupported_reason(model)`` says why a model cannot take this path (it takes a
+``LlamaForCausalLM`` with a static RoPE type, sdpa or eager attention, LlamaRMSNorm norms and
+gate/up/down MLPs); anything
 else keeps transformers' forward (``Batcher(forward=...)``, reported by ``ModelEngine.stats()``).
 """
 
