@@ -21,6 +21,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from agentbolt.algorithms.lora_products import fuse_lora_products
 from agentbolt.algorithms.losses import Batch, LossFn
 
 __all__ = [
@@ -109,7 +110,9 @@ def make_trainable(model: nn.Module, config: TrainConfig) -> nn.Module:
         task_type="CAUSAL_LM",
     )
     with _quiet_peft():
-        return get_peft_model(model, lora)  # type: ignore[arg-type]
+        model = get_peft_model(model, lora)  # type: ignore[arg-type]
+    fuse_lora_products(model)  # the same function in fewer passes over the activations
+    return model
 
 
 def fast_bf16(device: str | torch.device = "cpu") -> bool:

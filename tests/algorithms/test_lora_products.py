@@ -113,3 +113,8 @@ def test_one_cast_serves_every_layer_that_takes_the_same_input():
     with torch.no_grad():
         assert _cast_once(h, torch.bfloat16) is not again  # no autograd history to share
     assert _cast_once(h * 1, torch.bfloat16) is not again  # another tensor, equal values
+
+
+def test_make_trainable_fuses_every_lora_layer(tiny_llama):
+    model = make_trainable(tiny_llama(), TrainConfig())
+    assert fused_layers(model) == 14
