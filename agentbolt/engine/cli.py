@@ -55,6 +55,11 @@ def serve(
         "auto",
         help="bfloat16 on CPU: auto, native, packed (weights packed once for oneDNN) or float32 (faster without AVX512-BF16/AMX).",
     ),
+    forward: str = typer.Option(
+        "auto",
+        help="Whose forward pass serves: engine (the engine's own, Llama models), transformers, or auto "
+        "(the engine's where the model is supported).",
+    ),
     device: str | None = typer.Option(None, help="cpu or cuda (default: cuda when available)."),
     name: str | None = typer.Option(
         None, help="Model name to serve under (default: the model's folder name)."
@@ -70,7 +75,13 @@ def serve(
     _logging()
     try:
         engine = ModelEngine.from_pretrained(
-            model, device=device, dtype=dtype, name=name, max_batch=max_batch, cpu_matmul=cpu_matmul
+            model,
+            device=device,
+            dtype=dtype,
+            name=name,
+            max_batch=max_batch,
+            cpu_matmul=cpu_matmul,
+            forward=forward,
         )
     except (ModelNotFoundError, ValueError) as exc:
         typer.echo(str(exc), err=True)
