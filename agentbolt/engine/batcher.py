@@ -310,11 +310,11 @@ class Batcher:
         last_B1 = torch.tensor([[s.output_ids[-1]] for s in seqs])
         pos_B1 = self._mask_BL.sum(dim=1, keepdim=True)
         self._mask_BL = torch.cat([self._mask_BL, torch.ones(len(seqs), 1, dtype=torch.long)], dim=1)
-        threads = self.tuner.next_threads() if self.tuner else 0
+        threads = self.tuner.next_threads(len(seqs)) if self.tuner else 0
         started = time.perf_counter()
         logits_BV = self._forward(last_B1, self._mask_BL, pos_B1, self._cache)
         if self.tuner:
-            self.tuner.record(threads, time.perf_counter() - started)
+            self.tuner.record(threads, time.perf_counter() - started, len(seqs))
         self._record(seqs, logits_BV)
         self._evict_finished()
 

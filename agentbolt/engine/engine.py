@@ -172,6 +172,7 @@ class ModelEngine:
             "version": b.version,
         } | {
             "threads": threads,
+            "threads_by_batch": b.tuner.chosen() if b.tuner else {},
             "float32_matmul": b.matmul_kind == "float32",
             "cpu_matmul": b.matmul_kind or "native",
             "forward": "engine" if b.own_forward is not None else "transformers",

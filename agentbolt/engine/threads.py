@@ -3,7 +3,8 @@
 On a CPU shared with other busy processes, every parallel operator waits for its slowest thread,
 and a thread the OS has parked stalls them all: on a 2-core machine running other jobs, decode
 steps with 1 thread measured 4-6x faster than with 2, while on an idle machine 2 threads win.
-So the engine keeps measuring: every ``period`` decode steps it times a few steps with each
+So the engine keeps measuring, for each range of batch sizes on its own (see
+:class:`ThreadTuner`): every ``period`` decode steps it times a few steps with each
 candidate count (interleaved, so a change in load hits both) and keeps the fastest until the next
 probe. Probe steps do real work; nothing is spent on dummy runs.
 
@@ -31,8 +32,28 @@ import torch
 __all__ = ["ThreadTuner"]
 
 
+class _Bucket:
+    """The probe state of one range of batch sizes."""
+
+    __slots__ = ("current", "period", "plan", "probed", "since_probe", "times")
+
+    def __init__(self, current: int, period: int) -> None:
+        self.current, self.period = current, period
+        self.plan: list[int] = []
+        self.times: dict[int, list[float]] = defaultdict(list)
+        self.probed = False
+        self.since_probe = period  # probe as soon as there is work
+
+
 class ThreadTuner:
-    """Picks the intra-op thread count of the calling (engine) thread from measured step times."""
+    """Picks the intra-op thread count of the calling (engine) thread from measured step times,
+    for each range of batch sizes on its own (rows 1, 2-3, 4-7, ..., a power of two each).
+
+    A step's best count depends on its size: one row gains nothing from a second thread while
+    32 rows nearly halve their time with it. Compared across sizes, probe steps lied: a server's
+    first steps decode a warm-up request or the first arrival alone, the batch then grows, and
+    one count's probe step had 1 row where the other's had 32; so each range probes and keeps
+    its own count, and inside a range a step's time is taken per row."""
 
     def __init__(
         self, max_threads: int | None = None, period: int = 48, trials: int = 3, slack: float = 1.5
@@ -41,43 +62,69 @@ class ThreadTuner:
         self.candidates = sorted({1, max(1, self.max_threads // 2), self.max_threads})
         self.period, self.trials, self.slack = period, trials, slack
         self.base_period, self.max_period = period, period * 16
-        self._probed = False
-        self.current = self.max_threads
         self._process_default = torch.get_num_threads()  # what threads started later should get
-        self._plan: list[int] = []
-        self._times: dict[int, list[float]] = defaultdict(list)
-        self._since_probe = period  # probe as soon as there is work
+        self._buckets: dict[int, _Bucket] = {}
+        self._active = self._bucket(1)
 
     @property
     def enabled(self) -> bool:
         return len(self.candidates) > 1
 
-    def next_threads(self) -> int:
-        """Thread count for the coming decode step (applied to the calling thread)."""
-        if self.enabled and not self._plan and self._since_probe >= self.period:
-            self._plan = [c for _ in range(self.trials) for c in self.candidates]
-            self._times.clear()
-        threads = self._plan[0] if self._plan else self.current
+    @property
+    def current(self) -> int:
+        """The count kept for the batch size of the latest step."""
+        return self._active.current
+
+    @property
+    def probing(self) -> bool:
+        """Whether the latest step's range of batch sizes is in the middle of a probe."""
+        return bool(self._active.plan)
+
+    def chosen(self) -> dict[str, int]:
+        """The count kept per range of batch sizes probed so far (``"4-7": 2``)."""
+        return {_label(k): b.current for k, b in sorted(self._buckets.items()) if b.probed}
+
+    def _bucket(self, rows: int) -> _Bucket:
+        key = max(1, rows).bit_length()
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = _Bucket(self.max_threads, self.base_period)
+        return bucket
+
+    def next_threads(self, rows: int = 1) -> int:
+        """Thread count for the coming decode step of ``rows`` rows (applied to the calling thread)."""
+        b = self._active = self._bucket(rows)
+        if self.enabled and not b.plan and b.since_probe >= b.period:
+            b.plan = [c for _ in range(self.trials) for c in self.candidates]
+            b.times.clear()
+        threads = b.plan[0] if b.plan else b.current
         _set_threads_here(threads, self._process_default)
         return threads
 
-    def record(self, threads: int, seconds: float) -> None:
-        self._since_probe += 1
-        if not self._plan or self._plan[0] != threads:
+    def record(self, threads: int, seconds: float, rows: int = 1) -> None:
+        """The time a step of ``rows`` rows took with ``threads``."""
+        b = self._bucket(rows)
+        b.since_probe += 1
+        if not b.plan or b.plan[0] != threads:
             return
-        self._plan.pop(0)
-        self._times[threads].append(seconds)
-        if len(self._times) == len(self.candidates) and all(len(t) == 1 for t in self._times.values()):
-            best = min(t[0] for t in self._times.values())  # first round done: drop the slow ones
-            slow = {c for c, t in self._times.items() if t[0] > self.slack * best}
-            self._plan = [c for c in self._plan if c not in slow]
+        b.plan.pop(0)
+        b.times[threads].append(seconds / max(1, rows))
+        if len(b.times) == len(self.candidates) and all(len(t) == 1 for t in b.times.values()):
+            best = min(t[0] for t in b.times.values())  # first round done: drop the slow ones
+            slow = {c for c, t in b.times.items() if t[0] > self.slack * best}
+            b.plan = [c for c in b.plan if c not in slow]
             for c in slow:
-                del self._times[c]
-        if not self._plan:
-            best = min(self._times, key=lambda c: statistics.median(self._times[c]))
-            kept = self._probed and best == self.current
-            self.period = min(self.period * 2, self.max_period) if kept else self.base_period
-            self.current, self._probed, self._since_probe = best, True, 0
+                del b.times[c]
+        if not b.plan:
+            best = min(b.times, key=lambda c: statistics.median(b.times[c]))
+            kept = b.probed and best == b.current
+            b.period = min(b.period * 2, self.max_period) if kept else self.base_period
+            b.current, b.probed, b.since_probe = best, True, 0
+
+
+def _label(key: int) -> str:
+    low, high = 1 << (key - 1), (1 << key) - 1
+    return str(low) if low == high else f"{low}-{high}"
 
 
 def _set_threads_here(threads: int, default: int) -> None:

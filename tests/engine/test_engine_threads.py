@@ -43,7 +43,7 @@ def _probe(tuner: ThreadTuner, step_times: dict[int, list[float]]) -> tuple[int,
     spent = 0.0
     while True:
         n = tuner.next_threads()
-        if tuner._plan == [] and spent:
+        if not tuner.probing and spent:
             return n, spent
         seconds = queues[n].pop(0)
         spent += seconds
@@ -76,9 +76,9 @@ def test_probes_grow_apart_while_the_count_holds_and_close_up_when_it_changes() 
             if step == 50:
                 speed = {1: 0.3, 2: 0.1}  # the load changed: 2 threads now win
             n = tuner.next_threads()
-            if tuner._plan and not probing:
+            if tuner.probing and not probing:
                 starts.append(step)
-            probing = bool(tuner._plan)
+            probing = tuner.probing
             tuner.record(n, speed[n])
         return starts
 
@@ -96,3 +96,47 @@ def test_other_threads_keep_their_thread_count() -> None:
     _in_thread(lambda: ThreadTuner(max_threads=2).next_threads() if ThreadTuner(max_threads=2).enabled else 1)
     assert torch.get_num_threads() == before
     assert _in_thread(torch.get_num_threads) == before  # threads started later too
+
+
+def test_each_range_of_batch_sizes_keeps_its_own_count() -> None:
+    """A lone row is fastest on 1 thread and 32 rows on 2: the first steps (a warm-up request,
+    then a full batch) must not hand the full batch the lone row's count, as one shared probe
+    comparing a 1-row step with a 32-row step did."""
+
+    def run() -> tuple[list[int], list[int], dict[str, int]]:
+        tuner = ThreadTuner(max_threads=2, period=100)
+        per_step = {1: {1: 0.010, 2: 0.012}, 32: {1: 0.100, 2: 0.060}}  # seconds per step
+        lone = []
+        for _ in range(8):  # a warm-up request decoded alone
+            n = tuner.next_threads(1)
+            tuner.record(n, per_step[1][n], 1)
+            lone.append(n)
+        full = []
+        for _ in range(10):  # then 32 rows
+            n = tuner.next_threads(32)
+            tuner.record(n, per_step[32][n], 32)
+            full.append(n)
+        return lone, full, tuner.chosen()
+
+    lone, full, chosen = _in_thread(run)
+    assert lone[-2:] == [1, 1]  # the lone row's probe picked 1 thread
+    # the full batch probed for itself: 1 thread over 1.5x slower per step, tried once
+    assert full[:2] == [1, 2]
+    assert full[2:] == [2] * 8  # 2 threads' remaining trials, then kept
+    assert chosen == {"1": 1, "32-63": 2}
+
+
+def test_steps_of_one_range_are_compared_per_row() -> None:
+    """16 and 31 rows fall in one range: a probe step's time counts per row, so a count whose
+    trials happened to get the bigger batch is not judged slower for it."""
+
+    def run() -> int:
+        tuner = ThreadTuner(max_threads=2, period=100, trials=1)
+        # 2 threads take 6 ms per row, 1 thread 8 ms; the 2-thread trial gets 31 rows, 1 thread 16
+        n = tuner.next_threads(16)
+        tuner.record(n, 0.008 * 16, 16)
+        n = tuner.next_threads(31)
+        tuner.record(n, 0.006 * 31, 31)
+        return tuner.next_threads(20)
+
+    assert _in_thread(run) == 2
