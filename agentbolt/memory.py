@@ -23,6 +23,7 @@ __all__ = [
     "PeakMemory",
     "descendants",
     "large_blocks_mapped",
+    "map_large_blocks",
     "pss_bytes",
     "release_free_memory",
     "tree_pss_bytes",
@@ -149,7 +150,25 @@ def release_free_memory() -> bool:
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 _GLIBC_MMAP_THRESHOLD_MAX = 32 * 2**20
 """The ceiling of glibc's own (dynamic) threshold on 64-bit systems: what
-:func:`large_blocks_mapped` sets on exit."""
+:func:`large_blocks_mapped` sets on exit unless :func:`map_large_blocks` set another."""
+_THRESHOLD_AFTER = [_GLIBC_MMAP_THRESHOLD_MAX]
+
+
+def map_large_blocks(threshold: int = 2**20) -> bool:
+    """From now on, in the whole process, every allocation of ``threshold`` bytes or more gets its
+    own memory map, handed back to the system when freed (glibc's ``M_MMAP_THRESHOLD``, kept
+    after :func:`large_blocks_mapped` blocks too); False without glibc.
+
+    Otherwise blocks up to 32 MB (the threshold glibc raises as mapped blocks are freed, and
+    what :func:`large_blocks_mapped` leaves) come from the heaps, and each thread that
+    allocates (the engine's, the trainer's) gets a heap of its own: the key-value caches and
+    activations of the engine's batches, freed between two blocks that live on, leave holes that
+    ``malloc_trim`` cannot hand back. ``agentbolt demo`` calls this first (figures there)."""
+    mallopt = _glibc_function("mallopt")
+    if mallopt is None or not mallopt(_M_MMAP_THRESHOLD, int(threshold)):
+        return False
+    _THRESHOLD_AFTER[0] = int(threshold)
+    return True
 
 
 @contextlib.contextmanager
@@ -178,4 +197,4 @@ def large_blocks_mapped(threshold: int = 128 * 2**10) -> Iterator[bool]:
     try:
         yield True
     finally:
-        mallopt(_M_MMAP_THRESHOLD, _GLIBC_MMAP_THRESHOLD_MAX)
+        mallopt(_M_MMAP_THRESHOLD, _THRESHOLD_AFTER[0])

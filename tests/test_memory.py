@@ -145,3 +145,39 @@ def test_large_blocks_mapped_sets_the_threshold_back(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(memory, "_glibc_function", lambda name: None)
     with memory.large_blocks_mapped() as mapped:
         assert mapped is False
+
+
+KEPT = """
+import gc, json, os
+from agentbolt.memory import large_blocks_mapped, map_large_blocks, pss_bytes
+
+ok = map_large_blocks(2**20)
+with large_blocks_mapped():  # its exit keeps map_large_blocks' threshold
+    pass
+before = pss_bytes(os.getpid())
+blocks, pins = [], []
+for _ in range(100):  # touched 2 MB blocks, each followed by a small malloc block that stays
+    block = bytearray(2 * 2**20)
+    block[::4096] = b"x" * len(block[::4096])
+    blocks.append(block)
+    pins.append(bytearray(1024))
+held = pss_bytes(os.getpid())
+del blocks
+gc.collect()
+kept = pss_bytes(os.getpid())
+print(json.dumps([ok, (held - before) / 2**20, (kept - before) / 2**20]))
+"""
+
+
+def test_map_large_blocks_holds_for_the_whole_process():
+    """After ``map_large_blocks``, 2 MB blocks freed between small ones that stay leave the process
+    at once, also after a ``large_blocks_mapped`` block has ended (fresh process)."""
+    from agentbolt.memory import _glibc_function
+
+    if _glibc_function("mallopt") is None:
+        pytest.skip("needs glibc's mallopt")
+    out = subprocess.run([sys.executable, "-c", KEPT], capture_output=True, text=True, check=True)
+    ok, held, kept = json.loads(out.stdout)
+    assert ok is True
+    assert held > 190
+    assert kept < 10
