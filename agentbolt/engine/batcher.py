@@ -30,16 +30,17 @@ SmolLM2 (about 43 prompt tokens each, 30 of them shared) served over HTTP, the p
 a quarter of the served time to a tenth, and the engine process's CPU per generated token down
 by 15-20% (measured with and without, alternating, on a loaded 2-core machine).
 
-The forward passes of a Llama-family model (SmolLM2 included) are the engine's own
-(:mod:`agentbolt.engine.forward`): no 4-D mask built by transformers each step, RoPE from
-precomputed tables, a cheaper RMSNorm and attention straight on the batch's KV cache, with every
-linear product still a call of the model's own layers. Other models keep transformers' forward
-(``forward="transformers"`` forces it; ``ModelEngine.stats()["forward"]`` says which serves).
+With ``forward="auto"`` or ``"engine"`` the forward passes of a Llama-family model (SmolLM2
+included) are the engine's own (:mod:`agentbolt.engine.forward`): no 4-D mask built by
+transformers each step, RoPE from precomputed tables, a cheaper RMSNorm and attention straight on
+the batch's KV cache, with every linear product still a call of the model's own layers. Other
+models keep transformers' forward (``ModelEngine.stats()["forward"]`` says which serves).
 Decode steps of SmolLM2 (bfloat16, packed weights, 32 rows) were 1.07-1.11x faster than with
 transformers' forward on one thread (seven runs) and 1.14-1.15x on two (medians of 62-124 steps
 each, the two alternated step by step in one process, on a 2-core machine shared with other jobs,
 load average 1.0-3.4); the matrix products (~63% of a step) and the flash attention kernel (~21%)
-are unchanged.
+are unchanged. Served over HTTP it was not faster (see ``EngineConfig.forward``, whose default
+is transformers' forward for that reason).
 
 On CPU the thread count of the forward passes is re-chosen from measured step times
 (:mod:`agentbolt.engine.threads`): on a shared machine one thread can beat two by several times.

@@ -56,8 +56,8 @@ def serve(
         help="bfloat16 on CPU: auto, native, packed (weights packed once for oneDNN) or float32 (faster without AVX512-BF16/AMX).",
     ),
     forward: str = typer.Option(
-        "auto",
-        help="Whose forward pass serves: engine (the engine's own, Llama models), transformers, or auto "
+        "transformers",
+        help="Whose forward pass serves: transformers, engine (the engine's own, Llama models), or auto "
         "(the engine's where the model is supported).",
     ),
     device: str | None = typer.Option(None, help="cpu or cuda (default: cuda when available)."),

@@ -10,7 +10,9 @@ from agentbolt.engine import ModelEngine
 
 
 def make_engine(path: Path, **config) -> ModelEngine:
-    """A float32 engine named "tiny" over the model at ``path``, started."""
+    """A float32 engine named "tiny" over the model at ``path``, started; its forward pass the
+    engine's own unless ``forward`` says otherwise (the tests cover that path first)."""
+    config.setdefault("forward", "auto")
     return ModelEngine.from_pretrained(path, device="cpu", dtype="float32", name="tiny", **config).start()
 
 
