@@ -149,8 +149,8 @@ def _run(
     # Blocks of 1 MB or more mapped on their own for the whole run (memory.map_large_blocks):
     # `agentbolt demo --steps 2 --val-tasks 96`, peak 2.46 GB without, 2.14 GB with (tree PSS;
     # 253 s against 157 s, on a machine shared with other jobs, part of it with tests beside it).
-    # With both, the full `agentbolt demo` peaked at 2.31 GB (during an update, step 4-5; 2.86 GB
-    # before them), held-out success sampled 53% -> 99%, greedy 93% -> 100%, in 325 s.
+    # With both, three full `agentbolt demo` runs peaked at 2.31, 2.41 and 2.62 GB (during an
+    # update; 2.86 GB before them), held-out success sampled 51-59% -> 97-99%, greedy 91-93% -> 100%.
     map_large_blocks()
     t0 = time.perf_counter()
     try:
