@@ -90,24 +90,34 @@ def test_free_heap_pages_go_back_to_the_system():
     assert len(pin) == 100
 
 
-BLOCKS = """
+FREED_BETWEEN_PINS = """
 import gc, json, os
-from agentbolt.memory import large_blocks_mapped, pss_bytes
+from agentbolt.memory import large_blocks_mapped, map_large_blocks, pss_bytes
 
-with large_blocks_mapped() as mapped:
+def held_and_kept(size, count):
+    \"\"\"MB the process grew by with ``count`` touched blocks of ``size`` bytes, each followed by a
+    small malloc block that stays, and MB it still holds once the big ones are freed.\"\"\"
     before = pss_bytes(os.getpid())
     blocks, pins = [], []
-    for _ in range(150):  # touched 1 MB blocks, each followed by a small malloc block that stays
-        block = bytearray(2**20)
+    for _ in range(count):
+        block = bytearray(size)
         block[::4096] = b"x" * len(block[::4096])
         blocks.append(block)
         pins.append(bytearray(1024))
     held = pss_bytes(os.getpid())
     del blocks
     gc.collect()
-    kept = pss_bytes(os.getpid())
-print(json.dumps([mapped, (held - before) / 2**20, (kept - before) / 2**20]))
+    return (held - before) / 2**20, (pss_bytes(os.getpid()) - before) / 2**20
 """
+
+BLOCKS = (
+    FREED_BETWEEN_PINS
+    + """
+with large_blocks_mapped() as mapped:
+    held, kept = held_and_kept(2**20, 150)
+print(json.dumps([mapped, held, kept]))
+"""
+)
 
 
 def test_large_blocks_mapped_are_given_back_when_freed():
@@ -147,26 +157,15 @@ def test_large_blocks_mapped_sets_the_threshold_back(monkeypatch: pytest.MonkeyP
         assert mapped is False
 
 
-KEPT = """
-import gc, json, os
-from agentbolt.memory import large_blocks_mapped, map_large_blocks, pss_bytes
-
+KEPT = (
+    FREED_BETWEEN_PINS
+    + """
 ok = map_large_blocks(2**20)
 with large_blocks_mapped():  # its exit keeps map_large_blocks' threshold
     pass
-before = pss_bytes(os.getpid())
-blocks, pins = [], []
-for _ in range(100):  # touched 2 MB blocks, each followed by a small malloc block that stays
-    block = bytearray(2 * 2**20)
-    block[::4096] = b"x" * len(block[::4096])
-    blocks.append(block)
-    pins.append(bytearray(1024))
-held = pss_bytes(os.getpid())
-del blocks
-gc.collect()
-kept = pss_bytes(os.getpid())
-print(json.dumps([ok, (held - before) / 2**20, (kept - before) / 2**20]))
+print(json.dumps([ok, *held_and_kept(2 * 2**20, 100)]))
 """
+)
 
 
 def test_map_large_blocks_holds_for_the_whole_process():
