@@ -72,13 +72,14 @@ def _forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Ten
     name = active[0]
     if not isinstance(self.lora_dropout[name], nn.Identity):
         return cls.forward(self, x, *args, **kwargs)
+    a, b = self.lora_A[name].weight, self.lora_B[name].weight
     if torch.is_autocast_enabled(x.device.type):
         x = _cast_once(x, torch.get_autocast_dtype(x.device.type))
+    elif not x.dtype == self.base_layer.weight.dtype == a.dtype == b.dtype:
+        return cls.forward(self, x)  # mixed dtypes without autocast: peft's own way, before any product
     result = self.base_layer(x)
-    xa = F.linear(x, self.lora_A[name].weight)
-    b_scaled = self.lora_B[name].weight * self.scaling[name]
-    if result.dtype != xa.dtype:  # mixed dtypes without autocast: peft's own way
-        return cls.forward(self, x, *args, **kwargs)
+    xa = F.linear(x, a)
+    b_scaled = b * self.scaling[name]
     shape = result.shape
     out = torch.addmm(result.reshape(-1, shape[-1]), xa.reshape(-1, xa.shape[-1]), b_scaled.t())
     return out.view(shape)
