@@ -77,7 +77,9 @@ def sample_step(
     logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
     tokens_B = first_argmax(logits_BV)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
-    if sampled:
+    if len(sampled) == len(params):  # every row sampled (rollouts): no copy of the logits
+        tokens_B = _sample_rows(logits_BV, params, generators)
+    elif sampled:
         rows = torch.tensor(sampled)
         tokens_B[rows] = _sample_rows(
             logits_BV[rows], [params[i] for i in sampled], [generators[i] for i in sampled]
@@ -113,18 +115,78 @@ def first_argmax(x_BV: torch.Tensor, block: int = 64) -> torch.Tensor:
 def _sample_rows(
     logits_RV: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator]
 ) -> torch.Tensor:
+    """One token per row by inverse-CDF sampling, each row's uniform number from its own generator.
+
+    Rows without truncation (``top_p`` 1, no ``top_k``: what RL rollouts use) search the
+    cumulative sum of their probabilities in vocabulary order; rows with only ``top_k`` that of
+    their ``k`` largest (``topk``); only nucleus rows sort the whole vocabulary. For SmolLM2's
+    49,152 tokens and 32 rows, 2 threads, the sort cost 81 ms per decode step against 2.7 ms for
+    greedy rows; the unsorted search draws from the same distribution without it."""
     temps_R = torch.tensor([p.temperature for p in params], dtype=logits_RV.dtype)
     probs_RV = torch.softmax(logits_RV / temps_R[:, None], dim=-1)
-    # Sort once; top-k and top-p both cut a prefix of the sorted distribution.
-    sorted_RV, order_RV = probs_RV.sort(dim=-1, descending=True)
-    keep_RV = _truncation_mask(sorted_RV, params)
-    sorted_RV = sorted_RV * keep_RV
-    cdf_RV = sorted_RV.cumsum(dim=-1)
-    u_R1 = torch.stack([torch.rand(1, generator=g) for g in gens]) * cdf_RV[:, -1:]
-    pos_R = torch.searchsorted(cdf_RV, u_R1, right=True).clamp_(max=cdf_RV.shape[1] - 1)
-    # searchsorted may land on a zeroed tail entry when u hits the total exactly; step back.
-    pos_R = torch.minimum(pos_R.squeeze(1), keep_RV.sum(dim=-1).long() - 1)
-    return order_RV.gather(1, pos_R[:, None]).squeeze(1)
+    u_R = torch.cat([torch.rand(1, generator=g) for g in gens])
+    vocab = probs_RV.shape[1]
+    out_R = torch.empty(len(params), dtype=torch.long)
+    plain, top_k, nucleus = [], [], []
+    for i, p in enumerate(params):
+        if p.top_p < 1.0:
+            nucleus.append(i)
+        elif 0 < p.top_k < vocab:
+            top_k.append(i)
+        else:
+            plain.append(i)
+    if len(plain) == len(params):
+        return _inverse_cdf(probs_RV, u_R)
+    if plain:
+        out_R[plain] = _inverse_cdf(probs_RV[plain], u_R[plain])
+    if top_k:
+        ks_R1 = torch.tensor([[params[i].top_k] for i in top_k])
+        vals_RK, idx_RK = probs_RV[top_k].topk(int(ks_R1.max()), dim=-1)  # sorted, largest first
+        vals_RK = vals_RK * (torch.arange(vals_RK.shape[1])[None, :] < ks_R1)
+        out_R[top_k] = idx_RK.gather(1, _inverse_cdf(vals_RK, u_R[top_k])[:, None]).squeeze(1)
+    if nucleus:
+        # top-k and top-p both cut a prefix of the sorted distribution: the largest NUCLEUS_HEAD
+        # probabilities are enough when, in every row, they reach top_p or top_k (an LLM's
+        # distribution usually does), else the whole vocabulary is sorted
+        sub_params = [params[i] for i in nucleus]
+        probs_NV = probs_RV[nucleus]
+        head = min(NUCLEUS_HEAD, vocab)
+        sorted_NK, order_NK = probs_NV.topk(head, dim=-1)
+        if head < vocab and not _head_suffices(sorted_NK, sub_params):
+            sorted_NK, order_NK = probs_NV.sort(dim=-1, descending=True)
+        sorted_NK = sorted_NK * _truncation_mask(sorted_NK, sub_params)
+        out_R[nucleus] = order_NK.gather(1, _inverse_cdf(sorted_NK, u_R[nucleus])[:, None]).squeeze(1)
+    return out_R
+
+
+NUCLEUS_HEAD = 1024
+"""How many of a nucleus row's largest probabilities are taken first (``topk``) before sorting all."""
+
+
+def _head_suffices(sorted_NK: torch.Tensor, params: list[SamplingParams]) -> bool:
+    """Whether every row's cut lies inside its ``K`` largest probabilities (sorted, largest first):
+    their mass reaches the row's top_p (the mass before the last of them is at least top_p, so the
+    nucleus is decided inside them) or its top_k is at most K."""
+    k = sorted_NK.shape[1]
+    mass_before_last_N = sorted_NK.sum(dim=-1) - sorted_NK[:, -1]
+    for n, p in enumerate(params):
+        if not (0 < p.top_k <= k or float(mass_before_last_N[n]) >= p.top_p):
+            return False
+    return True
+
+
+def _inverse_cdf(weights_RN: torch.Tensor, u_R: torch.Tensor) -> torch.Tensor:
+    """The column where each row's cumulative weight first exceeds ``u`` times the row's total:
+    column ``j`` with probability ``weights[j] / total``, never a column of weight 0."""
+    cdf_RN = weights_RN.cumsum(dim=-1)
+    total_R1 = cdf_RN[:, -1:]
+    pos_R = torch.searchsorted(cdf_RN, u_R[:, None] * total_R1, right=True).squeeze(1)
+    # u * total may round up to the total itself: searchsorted then passes the last column of
+    # positive weight (the first whose cumulative weight reaches the total)
+    over = pos_R >= cdf_RN.shape[1]
+    if over.any():
+        pos_R[over] = (cdf_RN[over] < total_R1[over]).sum(dim=-1)
+    return pos_R
 
 
 def _truncation_mask(sorted_RV: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
