@@ -122,6 +122,7 @@ def _run(
         val_every=0 if name == "calculator" else 10,
         checkpoint_every=max(1, steps // 2) if name == "calculator" else 5,
         bf16=bf16,
+        low_memory=True,  # the updates' large blocks mapped: the demo's peak is a target (README)
         # bfloat16 weights in the engine in any case: without native bfloat16 it computes their
         # products in float32 (EngineConfig.cpu_matmul), near float32's speed at half the memory
         engine_dtype="bfloat16",

@@ -251,3 +251,40 @@ def test_a_checkpointed_update_equals_the_plain_one(tiny):
     assert moved
     for name, weight in plain_weights.items():
         assert torch.allclose(ckpt_weights[name], weight, atol=1e-5), name
+
+
+def test_low_memory_maps_the_updates_blocks_and_changes_nothing_else(tiny, monkeypatch):
+    """``low_memory``: the update runs inside ``large_blocks_mapped`` (its large blocks handed back
+    when freed); off (the default), it does not; the step is the same either way."""
+    import contextlib
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from agentbolt.algorithms import grpo as grpo_module
+    from agentbolt.algorithms.losses import TrainRow
+    from agentbolt.algorithms.train_state import TrainConfig, make_train_state
+
+    entered: list[bool] = []
+    real = grpo_module.large_blocks_mapped
+
+    @contextlib.contextmanager
+    def recording(*args, **kwargs):
+        with real(*args, **kwargs) as mapped:
+            entered.append(mapped)
+            yield mapped
+
+    monkeypatch.setattr(grpo_module, "large_blocks_mapped", recording)
+    rows = [TrainRow((5, 6, 7, 8, 9), (0, 0, 1, 1, 1), (-1.0,) * 5, a) for a in (1.0, -1.0)]
+    weights = []
+    for low in (False, True):
+        torch.manual_seed(0)
+        state = make_train_state(
+            AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32), TrainConfig(lora_r=4)
+        )
+        grpo_module.GRPO(model=tiny, low_memory=low)._update(state, rows)
+        weights.append({n: p.detach().clone() for n, p in state.model.named_parameters() if p.requires_grad})
+        assert len(entered) == int(low)
+    assert grpo_module.GRPO().low_memory is False
+    for name, w in weights[0].items():
+        assert torch.equal(weights[1][name], w), name
