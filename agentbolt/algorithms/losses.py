@@ -31,6 +31,7 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 import torch.utils.checkpoint
 from peft import PeftModel
 from torch import Tensor, nn
@@ -337,6 +338,77 @@ def _head_chunk(head: nn.Module, hidden_NH: Tensor, targets_N: Tensor) -> tuple[
     return logprobs_N, entropy_N
 
 
+def _head_logits(hidden_NH: Tensor, weight_VH: Tensor, bias_V: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """``head(hidden)`` computed in ``dtype`` (what autocast multiplies in), as float32."""
+    bias = None if bias_V is None else bias_V.to(dtype)
+    return F.linear(hidden_NH.to(dtype), weight_VH.to(dtype), bias).float()
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """Log-prob of each target under ``linear(hidden)`` and the entropy (no gradient) of its
+    distribution, ``chunk`` tokens at a time, keeping only the hidden states and each token's
+    log-normalizer for the backward pass, which computes the logits once more.
+
+    The same values and gradients as :func:`_head_chunk` under ``torch.utils.checkpoint`` (which
+    :func:`masked_logprobs` used for this before), with less work around the products: that path
+    ran the whole chunk twice, entropy included, then took the log-softmax's and the gather's
+    gradients as separate vocabulary-wide passes (a scatter into zeros among them); here the
+    backward pass is one exponential, one scaled subtraction at the targets and the product."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden_NH: Tensor,
+        weight_VH: Tensor,
+        bias_V: Tensor | None,
+        targets_N: Tensor,
+        chunk: int,
+        dtype: torch.dtype,
+    ) -> tuple[Tensor, Tensor]:
+        N = hidden_NH.shape[0]
+        logprobs_N = hidden_NH.new_empty(N, dtype=torch.float32)
+        entropy_N, lse_N = torch.empty_like(logprobs_N), torch.empty_like(logprobs_N)
+        for start in range(0, N, chunk):
+            end = min(start + chunk, N)
+            logp_CV = _head_logits(hidden_NH[start:end], weight_VH, bias_V, dtype)
+            lse_C = torch.logsumexp(logp_CV, dim=-1)
+            logp_CV.sub_(lse_C[:, None])
+            logprobs_N[start:end] = logp_CV.gather(-1, targets_N[start:end, None]).squeeze(-1)
+            entropy_N[start:end] = -(logp_CV.exp() * logp_CV).sum(-1)
+            lse_N[start:end] = lse_C
+        ctx.save_for_backward(hidden_NH, weight_VH, bias_V, targets_N, lse_N)
+        ctx.chunk, ctx.dtype = chunk, dtype
+        ctx.mark_non_differentiable(entropy_N)
+        return logprobs_N, entropy_N
+
+    @staticmethod
+    def backward(ctx: Any, grad_N: Tensor, _grad_entropy: Tensor) -> tuple[Tensor | None, ...]:
+        hidden_NH, weight_VH, bias_V, targets_N, lse_N = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden_NH) if need_h else None
+        grad_w = torch.zeros_like(weight_VH, dtype=torch.float32) if need_w else None
+        grad_b = torch.zeros_like(bias_V, dtype=torch.float32) if need_b else None
+        weight = weight_VH.to(ctx.dtype)
+        for start in range(0, hidden_NH.shape[0], ctx.chunk):
+            end = min(start + ctx.chunk, hidden_NH.shape[0])
+            h_CH, g_C1 = hidden_NH[start:end], grad_N[start:end, None]
+            # d logprob[target] / d logits = onehot(target) - softmax: the softmax computed in place
+            grad_CV = _head_logits(h_CH, weight_VH, bias_V, ctx.dtype).sub_(lse_N[start:end, None]).exp_()
+            grad_CV.mul_(-g_C1).scatter_add_(1, targets_N[start:end, None], g_C1)
+            grad_CV = grad_CV.to(ctx.dtype)
+            if grad_h is not None:
+                grad_h[start:end] = grad_CV.mm(weight).to(grad_h.dtype)
+            if grad_w is not None:
+                grad_w += grad_CV.t().mm(h_CH.to(ctx.dtype)).float()
+            if grad_b is not None:
+                grad_b += grad_CV.float().sum(0)
+        return grad_h, _cast_like(grad_w, weight_VH), _cast_like(grad_b, bias_V), None, None, None
+
+
+def _cast_like(grad: Tensor | None, like: Tensor | None) -> Tensor | None:
+    return None if grad is None or like is None else grad.to(like.dtype)
+
+
 def masked_logprobs(
     model: nn.Module,
     batch: Batch,
@@ -384,6 +456,13 @@ def masked_logprobs(
         raise ValueError(f"a model token lies inside the shared prefix (prefix_len={prefix_len})")
     hidden_NH = hidden_BSH[rows_N, cols_N - prefix_len]
     targets_N = ids_BT[rows_N, cols_N + 1]
+    if recompute and torch.is_grad_enabled() and type(head) is nn.Linear:
+        device = hidden_NH.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden_NH.dtype
+        logprobs_N, entropy_N = _HeadLogprobs.apply(
+            hidden_NH, head.weight, head.bias, targets_N, chunk_tokens, dtype
+        )
+        return _scatter_rows(logprobs_N, entropy_N if entropy else None, rows_N, cols_N, B, T)
     logps, ents = [], []
     for start in range(0, len(targets_N), chunk_tokens):
         h, y = hidden_NH[start : start + chunk_tokens], targets_N[start : start + chunk_tokens]
@@ -394,12 +473,17 @@ def masked_logprobs(
         logps.append(lp)
         ents.append(ent)
     logprobs_N = torch.cat(logps) if logps else hidden_BSH.new_zeros(0, dtype=torch.float32)
+    entropy_N = (torch.cat(ents) if ents else logprobs_N.detach()) if entropy else None
+    return _scatter_rows(logprobs_N, entropy_N, rows_N, cols_N, B, T)
+
+
+def _scatter_rows(
+    logprobs_N: Tensor, entropy_N: Tensor | None, rows_N: Tensor, cols_N: Tensor, B: int, T: int
+) -> tuple[Tensor, Tensor | None]:
+    """The per-target values back at their ``[B, T]`` positions (target t = cols + 1), 0 elsewhere."""
     index = (rows_N, cols_N + 1)
-    logprobs_BT = torch.zeros(B, T, dtype=torch.float32, device=ids_BT.device).index_put(index, logprobs_N)
-    entropy_BT = None
-    if entropy:
-        entropy_N = torch.cat(ents) if ents else logprobs_N.detach()
-        entropy_BT = torch.zeros(B, T, dtype=torch.float32, device=ids_BT.device).index_put(index, entropy_N)
+    logprobs_BT = logprobs_N.new_zeros(B, T).index_put(index, logprobs_N)
+    entropy_BT = None if entropy_N is None else entropy_N.new_zeros(B, T).index_put(index, entropy_N.detach())
     return logprobs_BT, entropy_BT
 
 

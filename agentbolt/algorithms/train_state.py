@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from agentbolt.algorithms.lora_products import fuse_lora_products
 from agentbolt.algorithms.losses import Batch, LossFn
+from agentbolt.algorithms.train_attention import use_train_attention
 
 __all__ = [
     "Checkpoint",
@@ -98,7 +99,10 @@ def _quiet_peft() -> Iterator[None]:
 
 
 def make_trainable(model: nn.Module, config: TrainConfig) -> nn.Module:
-    """Wrap ``model`` in a LoRA adapter (or leave it whole for full fine-tuning)."""
+    """Wrap ``model`` in a LoRA adapter (or leave it whole for full fine-tuning); either way its
+    attention takes :func:`~agentbolt.algorithms.train_attention.train_attention` (faster
+    training passes on the CPU, sdpa otherwise)."""
+    use_train_attention(model)
     if not config.lora:
         return model
     targets = config.target_modules if isinstance(config.target_modules, str) else list(config.target_modules)

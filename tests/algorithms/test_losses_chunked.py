@@ -99,6 +99,40 @@ def test_masked_logprobs_match_the_full_softmax(
         assert torch.allclose(got_grads[name], grad, atol=1e-5), name
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_fused_output_layer_under_bfloat16_autocast(tiny_llama: TinyLlama, lora: bool) -> None:
+    """With ``recompute`` the output layer's log-probs and gradients come from one autograd
+    function (logits computed again in its backward pass); under bfloat16 autocast it multiplies
+    in bfloat16 like the plain chunked path, so both agree up to float32 summation order, for
+    the hidden states and, in full fine-tuning, the (tied) output weights too."""
+    results = []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        model = tiny_llama()
+        if lora:
+            model = make_trainable(model, TrainConfig(lora_r=4))
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    torch.nn.init.normal_(p, std=0.05, generator=torch.Generator().manual_seed(3))
+        batch = pad_batch(_rows(True))
+        weights_BT = torch.randn(batch.loss_mask_BT.shape, generator=torch.Generator().manual_seed(2))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got_BT, ent_BT = masked_logprobs(
+                model, batch, shared_prefix_len(batch), entropy=True, chunk_tokens=5, recompute=recompute
+            )
+        (got_BT * weights_BT).sum().backward()
+        results.append((got_BT.detach(), ent_BT, _grads(model)))
+    (plain_BT, plain_ent, plain_grads), (fused_BT, fused_ent, fused_grads) = results
+    assert torch.allclose(fused_BT, plain_BT, atol=1e-4)
+    assert fused_ent is not None and plain_ent is not None and torch.allclose(fused_ent, plain_ent, atol=1e-4)
+    assert fused_grads.keys() == plain_grads.keys() and fused_grads
+    if not lora:
+        assert any("embed" in n or "lm_head" in n for n in fused_grads)
+    for name, grad in plain_grads.items():
+        scale = float(grad.abs().max()) or 1.0
+        assert float((fused_grads[name] - grad).abs().max()) <= 2e-2 * scale, name
+
+
 @pytest.mark.parametrize("shared", [False, True])
 def test_checkpointed_policy_loss_equals_the_plain_one(tiny_llama: TinyLlama, shared: bool) -> None:
     """Activation checkpointing changes memory, not results: the same GRPO loss, metrics and
