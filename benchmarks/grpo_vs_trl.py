@@ -28,12 +28,6 @@ iteration costs about the longer of the two phases rather than their sum. That i
 algorithm from TRL's (each update trains on groups generated up to ``max_staleness`` policy
 versions earlier, importance-corrected), so the like-for-like ratio is the synchronous one.
 
-Both systems run in this one process, one after the other. glibc's threshold for giving a block
-its own memory map (with page faults on every first touch) moves with the blocks the process
-frees, so whichever ran first would change the other's cost: it is fixed at 32 MB, the ceiling
-its own adjustment reaches, for the whole run (``agentbolt.memory.map_large_blocks``); blocks
-below that come from the heap, on both sides.
-
 Both systems run in this one process, one after the other, with glibc's allocator at its
 defaults (its mmap and trim thresholds adjust to the blocks the process frees). Fixing the mmap
 threshold at 32 MB for both, to take out the order, made agentbolt's iterations about 30% slower
@@ -299,10 +293,7 @@ def main() -> None:
 
     from agentbolt.algorithms.train_state import fast_bf16
     from agentbolt.engine import ensure_model, tiny_model_dir
-    from agentbolt.memory import map_large_blocks
 
-    # one mapping threshold for the whole run, whichever system runs first (module docstring)
-    fixed = map_large_blocks(32 * 2**20)
     args.trl_threads = args.trl_threads or sorted({1, torch.get_num_threads()})
     dtype = args.dtype or ("bfloat16" if fast_bf16() else "float32")
     path = str(tiny_model_dir(tempfile.mkdtemp()) if args.model == "tiny" else ensure_model(args.model))
@@ -337,8 +328,7 @@ def main() -> None:
     print(
         f"model={args.model} dtype={dtype} (generation and update, both) group={args.group} "
         f"prompts/step={args.prompts} max_tokens={args.max_tokens} steps={args.steps} rounds={args.rounds} "
-        f"activation checkpointing={'on' if checkpointing_options(args.checkpointing)[1] else 'off'} (both), "
-        f"glibc mmap threshold {'fixed at 32 MB' if fixed else 'left to glibc (no glibc)'} (both)"
+        f"activation checkpointing={'on' if checkpointing_options(args.checkpointing)[1] else 'off'} (both)"
     )
     a = statistics.median(ours)
     print(f"agentbolt s/iteration: median {a:.2f}, range {min(ours):.2f}-{max(ours):.2f}")
