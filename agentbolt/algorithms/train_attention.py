@@ -44,13 +44,14 @@ def _sdpa() -> Any:
     return sdpa_attention_forward
 
 
-def _plain(query: Tensor, key: Tensor, dropout: float, kwargs: dict[str, Any]) -> bool:
+def _plain(query: Tensor, key: Tensor, value: Tensor, dropout: float, kwargs: dict[str, Any]) -> bool:
     B, H, S, _ = query.shape
     return (
         torch.is_grad_enabled()
         and query.device.type == "cpu"
         and not dropout
         and H % key.shape[1] == 0
+        and value.shape[-1] == query.shape[-1]  # not for value heads of another width (MLA)
         and B * H * S * key.shape[2] <= MAX_SCORES
         and not kwargs.get("output_attentions")
         and all(kwargs.get(k) is None for k in ("position_bias", "softcap", "s_aux"))
@@ -71,7 +72,7 @@ def train_attention(
     """transformers' attention-function signature: ``query`` [B, H, S, D], ``key``/``value``
     [B, KV, T, D], a boolean (True: attend) or additive mask [B, 1, S, T] or None (causal when
     the layer is, the queries being the last S of the T positions); returns [B, S, H, D]."""
-    if not _plain(query, key, dropout, kwargs):
+    if not _plain(query, key, value, dropout, kwargs):
         return _sdpa()(  # type: ignore[no-any-return]
             module,
             query,

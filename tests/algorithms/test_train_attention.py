@@ -151,3 +151,18 @@ def test_only_sdpa_models_are_switched_and_the_name_is_not_saved(tmp_path, tiny_
     assert ta.use_train_attention(model)
     model.save_pretrained(tmp_path)
     assert ta.NAME not in (tmp_path / "config.json").read_text()
+
+
+def test_value_heads_of_another_width_go_to_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[int, ...]] = []
+
+    def recording(module, query, key, value, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(tuple(value.shape))
+        return torch.zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
+
+    monkeypatch.setattr(ta, "_sdpa", lambda: recording)
+    q, k = torch.randn(1, 2, 3, 8, requires_grad=True), torch.randn(1, 2, 3, 8)
+    out, _ = ta.train_attention(torch.nn.Module(), q, k, torch.randn(1, 2, 3, 4), None)
+    assert calls == [(1, 2, 3, 4)] and out.shape == (1, 3, 2, 4)
+    out, _ = ta.train_attention(torch.nn.Module(), q, k, torch.randn(1, 2, 3, 8), None)
+    assert len(calls) == 1 and out.shape == (1, 3, 2, 8)  # same widths: computed here
