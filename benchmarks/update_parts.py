@@ -16,7 +16,9 @@ sampled during it (every 5 ms). The first variant of the first round pays first-
 compare within a round. Also prints the sampler's cost per decode step at 32 rows over the
 vocabulary (``--sampling``), against the full sort the sampler used to do for every sampled row.
 
-    python benchmarks/update_parts.py [--rounds 3] [--variants default,sdpa-attention] [--sampling]
+``--attention`` times one layer's attention forward and backward both ways at three shapes.
+
+    python benchmarks/update_parts.py [--rounds 3] [--variants default,sdpa-attention] [--sampling] [--attention]
 """
 
 from __future__ import annotations
@@ -176,6 +178,45 @@ def sampling(repeat: int = 20) -> None:
     )
 
 
+def attention(repeat: int = 5) -> None:
+    """Forward and backward of one layer's attention (bfloat16, SmolLM2's 9 query heads over 3
+    key-value heads, a causal mask over the keys' last queries): the training attention against
+    transformers' sdpa function (PyTorch's CPU flash kernel), at GRPO-like and longer shapes."""
+    import torch
+
+    from agentbolt.algorithms import train_attention as ta
+
+    limit, train_attention = ta.MAX_SCORES, ta.train_attention
+
+    sdpa = __import__("transformers.integrations.sdpa_attention", fromlist=["x"]).sdpa_attention_forward
+    layer = torch.nn.Module()
+    layer.num_key_value_groups, layer.is_causal = 3, True  # type: ignore[assignment]
+    print(f"attention forward + backward, bfloat16, {torch.get_num_threads()} thread(s), ms per layer:")
+    for B, S, T in ((32, 40, 72), (24, 169, 169), (8, 512, 512)):
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randn(B, 9, S, 64, generator=gen).to(torch.bfloat16).requires_grad_()
+        k = torch.randn(B, 3, T, 64, generator=gen).to(torch.bfloat16).requires_grad_()
+        v = torch.randn(B, 3, T, 64, generator=gen).to(torch.bfloat16).requires_grad_()
+        mask = torch.ones(B, 1, S, T, dtype=torch.bool).tril(T - S)
+        cost = {}
+        for name, fn in (("sdpa", sdpa), ("plain", train_attention)):
+            args = (layer, q, k, v, mask)
+            ta.MAX_SCORES = 2**62  # the plain computation at every size, to show where it loses
+            try:
+                fn(*args)[0].float().sum().backward()  # warm-up
+                started = time.perf_counter()
+                for _ in range(repeat):
+                    fn(*args)[0].float().sum().backward()
+            finally:
+                ta.MAX_SCORES = limit
+            cost[name] = (time.perf_counter() - started) / repeat * 1e3
+        used = "plain" if B * 9 * S * T <= limit else "sdpa"
+        print(
+            f"  {B:2} rows, {S:3} queries over {T:3} keys: sdpa {cost['sdpa']:6.1f}, "
+            f"plain float32 {cost['plain']:6.1f} (training attention uses {used} here)"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
@@ -186,12 +227,16 @@ def main() -> None:
         help=f"comma-separated, from {', '.join(VARIANTS)}",
     )
     ap.add_argument("--sampling", action="store_true", help="only time the sampler")
+    ap.add_argument("--attention", action="store_true", help="only time one layer's attention, both ways")
     args = ap.parse_args()
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
         ap.error(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
     if args.sampling:
         sampling()
+        return
+    if args.attention:
+        attention()
         return
     updates(args)
 
