@@ -144,9 +144,10 @@ class GRPO(RewardOptions, Algorithm):
     """Give every block of 128 KB or more that an update allocates its own memory map, handed back
     the moment it is freed (:func:`~agentbolt.memory.large_blocks_mapped`): a lower peak while the
     update runs, for page faults on every such block. A SmolLM2 update of 32 rows (2,078 tokens,
-    checkpointed) in a fresh process peaked at 1.14 GB resident against 1.64 GB without, and took
-    11.9 s against 6.8 s (3.1 million page faults against 0.6 million); once the process's heap
-    has grown, both take about the same time. ``agentbolt demo`` turns it on (its memory target);
+    checkpointed) in a fresh process peaked at 1.02 GB resident against 1.41-1.43 GB without, and
+    took 9.7-10.1 s against 5.0-6.2 s (3.2 million page faults against 0.37 million;
+    ``benchmarks/update_parts.py``); once the process's heap has grown, both take about the same
+    time. ``agentbolt demo`` turns it on (its memory target);
     the default favours speed."""
     bf16: bool | None = None
     """Train under bfloat16 autocast (fp32 master weights; with LoRA the frozen base projections

@@ -4,10 +4,11 @@ A GRPO update's attention is many short rows: 32 completions of about 40 tokens 
 prompt prefix. For those shapes PyTorch's CPU flash-attention kernel (what transformers' "sdpa"
 implementation runs) spends most of its time in the backward pass: SmolLM2's attention shapes
 (32 rows, 9 query heads sharing 3 key-value heads, 40 queries over 72 keys, bfloat16, 2 threads)
-took 34-42 ms per layer forward and backward, against 14 ms for the plain computation below; in
-a profiled 6.3 s update its backward calls took 1.0 s and its forward calls 0.3 s. For long rows
-the fused kernel wins (8 x 512 x 512: 149 ms against 349 ms), so the plain computation is used
-only up to :data:`MAX_SCORES` attention scores per call.
+took 49 ms per layer forward and backward, against 16 ms for the plain computation below
+(``benchmarks/update_parts.py --attention``); in a profiled 6.3 s update its backward calls took
+1.0 s and its forward calls 0.3 s. For long rows the fused kernel wins (8 rows of 512 tokens:
+144 ms against 231 ms), so the plain computation is used only up to :data:`MAX_SCORES`
+attention scores per call.
 
 :func:`use_train_attention` registers an attention implementation with transformers
 (``AttentionInterface``, with sdpa's masks) and switches a model to it. It computes, with
