@@ -230,10 +230,12 @@ def serve_policy(
     serve_model: str | None = None,
     dtype: str | None = None,
     device: str | None = None,
+    forward: str | None = None,
 ) -> Iterator[PolicyServer]:
     """A remote policy when ``serve_url`` is given (one server, or several: a list or a
     comma-separated string), else the embedded engine started here, on ``device`` (None:
-    ``cuda`` when available, else ``cpu``)."""
+    ``cuda`` when available, else ``cpu``), running ``forward`` (``EngineConfig.forward``; None:
+    its default)."""
     from agentbolt.engine import EngineServer, ModelEngine, ensure_model
 
     urls = server_urls(serve_url) if serve_url else None  # bad URLs fail before the model loads
@@ -242,7 +244,8 @@ def serve_policy(
         yield RemotePolicy(urls, serve_model or model, path, run_dir / "adapters")
         return
     console.print(f"loading the policy model ({model}) into the embedded engine ...")
-    engine = ModelEngine.from_pretrained(path, device=device, dtype=dtype)
+    options: dict[str, Any] = {"forward": forward} if forward else {}
+    engine = ModelEngine.from_pretrained(path, device=device, dtype=dtype, **options)
     try:
         with EngineServer(engine) as server:
             yield EnginePolicy(engine, server.base_url, path)

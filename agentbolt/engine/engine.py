@@ -70,8 +70,9 @@ class EngineConfig:
     transformers' is the default: the engine's own made SmolLM2's decode steps 1.07-1.15x faster
     alternated step by step in one process, but served over HTTP (32 chats x 64 tokens, bfloat16,
     quiet 2-core AVX512-BF16 machine, 6 rounds in two runs) it gave 288-335 tokens/s against
-    309-378 for transformers' forward, 0.84-0.96x; until that difference is understood it is
-    opt-in."""
+    309-378 for transformers' forward, 0.84-0.96x (again 180-242 against 254-313 in a later
+    session); until that difference is understood it is opt-in here. GRPO's embedded engine,
+    where it measured faster, turns it on (``GRPO.engine_forward``)."""
 
 
 class ModelEngine:

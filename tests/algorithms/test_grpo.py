@@ -288,3 +288,19 @@ def test_low_memory_maps_the_updates_blocks_and_changes_nothing_else(tiny, monke
     assert grpo_module.GRPO().low_memory is False
     for name, w in weights[0].items():
         assert torch.equal(weights[1][name], w), name
+
+
+def test_the_embedded_engine_runs_the_forward_grpo_asks_for(tiny, tmp_path):
+    """``GRPO.engine_forward`` reaches the embedded engine ("auto" by default: the engine's own
+    for a Llama model); a value that is not a forward pass is refused up front."""
+    from rich.console import Console
+
+    from agentbolt.algorithms.policy import serve_policy
+    from agentbolt.errors import ConfigError
+
+    assert GRPO().engine_forward == "auto"
+    with pytest.raises(ConfigError, match="engine_forward must be"):
+        GRPO(engine_forward="fast")
+    for forward, runs in (("auto", "engine"), ("transformers", "transformers")):
+        with serve_policy(tiny, tmp_path, Console(quiet=True), forward=forward) as policy:
+            assert policy.engine.stats()["forward"] == runs  # type: ignore[attr-defined]
