@@ -84,6 +84,7 @@ from agentbolt.algorithms.train_state import (
     save_checkpoint,
 )
 from agentbolt.console import print_line, task_bars
+from agentbolt.engine.forward import FORWARDS
 from agentbolt.errors import ConfigError
 from agentbolt.memory import large_blocks_mapped, release_free_memory
 from agentbolt.schemas import Event, Mode, ModelWeights, Rollout, Task
@@ -261,9 +262,9 @@ class GRPO(RewardOptions, Algorithm):
             raise ConfigError(
                 f"activation_checkpointing must be True, False or None (automatic); got {self.activation_checkpointing!r}"
             )
-        if self.engine_forward not in ("auto", "engine", "transformers"):
+        if self.engine_forward not in FORWARDS:
             raise ConfigError(
-                f"engine_forward must be 'auto', 'engine' or 'transformers'; got {self.engine_forward!r}"
+                f"engine_forward must be one of {', '.join(FORWARDS)}; got {self.engine_forward!r}"
             )
         if self.max_groups_in_flight is not None and self.max_groups_in_flight < self.tasks_per_step:
             raise ConfigError(

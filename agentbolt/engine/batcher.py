@@ -70,7 +70,7 @@ import torch
 import torch.nn.functional as F
 
 from agentbolt.engine import kv_cache
-from agentbolt.engine.forward import LlamaForward, unsupported_reason
+from agentbolt.engine.forward import FORWARDS, LlamaForward, unsupported_reason
 from agentbolt.engine.matmul import make_matmul_mode
 from agentbolt.engine.sampling import sample_step
 from agentbolt.engine.sequence import Sequence
@@ -132,8 +132,8 @@ class Batcher:
         """The engine's own forward pass (:mod:`agentbolt.engine.forward`), or None: transformers'."""
         self.forward_note = ""
         """Why transformers' forward is used (empty when the engine's own is)."""
-        if forward not in ("auto", "engine", "transformers"):
-            raise ValueError(f"forward must be one of auto, engine, transformers, not {forward!r}")
+        if forward not in FORWARDS:
+            raise ValueError(f"forward must be one of {', '.join(FORWARDS)}, not {forward!r}")
         reason = "asked for" if forward == "transformers" else unsupported_reason(model)
         if reason is None:
             self.own_forward = LlamaForward(model, max_context + 1)

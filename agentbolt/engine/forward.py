@@ -46,7 +46,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["LlamaForward", "unsupported_reason"]
+__all__ = ["FORWARDS", "LlamaForward", "unsupported_reason"]
+
+FORWARDS = ("auto", "engine", "transformers")
+"""The values of ``EngineConfig.forward`` (and ``GRPO.engine_forward``)."""
 
 _STATIC_ROPE = {"default", "linear", "llama3"}
 

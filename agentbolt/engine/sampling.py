@@ -75,15 +75,16 @@ def sample_step(
     """Pick one token per row of ``logits_BV`` and report its raw log-probability."""
     logits_BV = logits_BV.float()
     logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
-    tokens_B = first_argmax(logits_BV)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
-    if len(sampled) == len(params):  # every row sampled (rollouts): no copy of the logits
+    if len(sampled) == len(params):  # every row sampled (rollouts): no argmax, no copy of the logits
         tokens_B = _sample_rows(logits_BV, params, generators)
-    elif sampled:
-        rows = torch.tensor(sampled)
-        tokens_B[rows] = _sample_rows(
-            logits_BV[rows], [params[i] for i in sampled], [generators[i] for i in sampled]
-        )
+    else:
+        tokens_B = first_argmax(logits_BV)
+        if sampled:
+            rows = torch.tensor(sampled)
+            tokens_B[rows] = _sample_rows(
+                logits_BV[rows], [params[i] for i in sampled], [generators[i] for i in sampled]
+            )
     chosen_B = logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
     top_ids = top_lps = None
     if max_top_logprobs > 0:
