@@ -123,7 +123,7 @@ def _sample_rows(
     their ``k`` largest (``topk``); nucleus rows take their 1,024 largest first and sort the whole
     vocabulary only when those do not hold the nucleus. For SmolLM2's 49,152 tokens and 32 rows,
     2 threads, sampling every row at temperature 1 took 81 ms per decode step when every sampled
-    row was sorted (the sort alone about 50 ms), and takes 7-11 ms now, against 2-5 ms for greedy
+    row was sorted (the sort alone about 50 ms), and takes 7-11 ms now, against 1.8-4.7 ms for greedy
     rows (``benchmarks/update_parts.py --sampling``)."""
     temps_R = torch.tensor([p.temperature for p in params], dtype=logits_RV.dtype)
     probs_RV = torch.softmax(logits_RV / temps_R[:, None], dim=-1)
