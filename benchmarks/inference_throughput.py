@@ -38,12 +38,19 @@ Targets from the issue: >= 1.5x static-batch generate and >= 4x llama-cpp-python
     python benchmarks/inference_throughput.py [--requests 32] [--max-tokens 64] [--dtype bfloat16] [--repeat 3]
     python benchmarks/inference_throughput.py --quick      # 1 round, 16 tokens, 1 baseline thread count
 
-``--engine-forwards auto,transformers`` also runs the engine server with transformers' forward
-pass instead of its own Llama forward (:mod:`agentbolt.engine.forward`), in the same rounds.
+``--engine-forwards default,engine`` also runs the engine server with its own Llama forward pass
+(:mod:`agentbolt.engine.forward`, ``--forward engine``) beside the command's default, in the same
+rounds.
 ``--forward-ab`` measures that difference in this process instead: one batch of the chats in the
 engine's batcher (no server, ``--baseline-threads``' first count, 1 by default), its decode steps
 alternating step by step between transformers' forward, the engine's own, and the engine's own
 with batched-product decode attention; it prints the median step time of each.
+
+``--thread-ab`` measures why ``agentbolt model serve`` runs the engine's loop in the main thread
+(``ModelEngine.run_here``): one batch of the chats in the engine's batcher in this process (no
+server, no thread tuning, all CPUs or ``--baseline-threads``' last count), stepped in the main
+thread and in a second thread, alternating for ``--repeat`` rounds; it prints the median decode
+step of each.
 
 ``--decode-attention-ab`` measures one engine detail instead: the engine's batcher in this process
 (no server), bfloat16 with packed weights, the same chats decoded with the float32 decode-step
@@ -180,44 +187,19 @@ async def fire(base_url: str, texts: list[str], max_tokens: int, extra: dict) ->
         return sum(counts), time.perf_counter() - started
 
 
-_SERVE_WITH_FORWARD = """
-import sys, uvicorn
-from agentbolt.engine.engine import ModelEngine
-from agentbolt.engine.server import create_engine_app
-model, port, dtype, max_batch, cpu_matmul, forward = sys.argv[1:]
-engine = ModelEngine.from_pretrained(
-    model, dtype=dtype, max_batch=int(max_batch), cpu_matmul=cpu_matmul, forward=forward
-)
-print("forward:", engine.stats()["forward"], flush=True)
-with engine:
-    uvicorn.run(create_engine_app(engine), host="127.0.0.1", port=int(port), log_level="warning")
-"""
-
-
 def bench_engine(
-    texts: list[str], args, cpu_matmul: str = "auto", forward: str = "auto"
+    texts: list[str], args, cpu_matmul: str = "auto", forward: str = "default"
 ) -> tuple[Result, int]:
     port = free_port()
-    if forward == "auto":
-        cmd = [
-            sys.executable,
-            "-m",
-            "agentbolt.engine.cli",
-            "serve",
-            "--model",
-            args.model,
-            "--port",
-            str(port),
-        ]
-        cmd += ["--dtype", args.dtype, "--max-batch", str(args.max_batch), "--cpu-matmul", cpu_matmul]
-    else:  # `agentbolt model serve` always takes the default; the same server with another forward
-        cmd = [sys.executable, "-c", _SERVE_WITH_FORWARD, args.model, str(port), args.dtype]
-        cmd += [str(args.max_batch), cpu_matmul, forward]
+    cmd = [sys.executable, "-m", "agentbolt.engine.cli", "serve", "--model", args.model, "--port", str(port)]
+    cmd += ["--dtype", args.dtype, "--max-batch", str(args.max_batch), "--cpu-matmul", cpu_matmul]
+    if forward != "default":
+        cmd += ["--forward", forward]
     with server_process(cmd, port) as proc, RssSampler(proc.pid) as rss:
         extra = {"logprobs": True, "return_token_ids": True}
         tokens, seconds = asyncio.run(fire(f"http://127.0.0.1:{port}/v1", texts, args.max_tokens, extra))
     tags = [f"{cpu_matmul} matmul"] if cpu_matmul != "auto" else []
-    tags += [f"{forward} forward"] if forward != "auto" else []
+    tags += [f"{forward} forward"] if forward != "default" else []
     name = "agentbolt engine" + (f" ({', '.join(tags)})" if tags else "")
     note = f"{args.dtype}, max batch {args.max_batch}, logprobs + token ids on, cpu_matmul={cpu_matmul}, forward={forward}"
     return Result(name, len(texts), tokens, seconds, note), rss.peak
@@ -395,6 +377,79 @@ def decode_attention_ab(texts: list[str], args) -> None:
     print(f"decode_attention / flash kernel per round: {min(ratios):.2f}-{max(ratios):.2f}x")
 
 
+def thread_ab(texts: list[str], args) -> None:
+    """The same in-process batch stepped in the main thread and in a second thread, alternating."""
+    import statistics
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from agentbolt.engine import ensure_model
+    from agentbolt.engine.batcher import Batcher
+    from agentbolt.engine.engine import cpu_matmul_mode, resolve_dtype
+    from agentbolt.engine.sampling import SamplingParams
+    from agentbolt.engine.sequence import Sequence
+
+    path = ensure_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(args.dtype)).eval()
+    rendered = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False
+        )
+        for t in texts
+    ]
+    prompt_ids = [tokenizer(r, add_special_tokens=False)["input_ids"] for r in rendered]
+    threads = int(args.baseline_threads.split(",")[-1] or os.cpu_count() or 1)
+    torch.set_num_threads(threads)
+    forward = args.engine_forwards.split(",")[0]
+    batcher = Batcher(
+        model,
+        {tokenizer.eos_token_id},
+        max_batch=args.max_batch,
+        max_context=2048,
+        matmul=cpu_matmul_mode(args.engine_variants.split(",")[0], model),
+        tune_threads=False,
+        forward=forward if forward != "default" else "transformers",  # the serve command's default
+    )
+    medians: dict[str, list[float]] = {"main thread": [], "second thread": []}
+
+    def one_batch(where: str) -> None:
+        torch.set_num_threads(threads)  # a new thread starts from the process default: same count
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+        seqs = [Sequence(p, params, tokenizer.decode) for p in prompt_ids]
+        for seq in seqs:
+            batcher.submit([seq])
+        batcher._step()  # the prefill (and a first decode step), not counted
+        steps = []
+        while batcher.num_running:
+            started = time.perf_counter()
+            batcher._step()
+            steps.append(time.perf_counter() - started)
+        medians[where].append(statistics.median(steps) * 1e3)
+
+    one_batch("main thread")  # warm-up
+    medians["main thread"].clear()
+    for round_ in range(args.repeat):
+        for where in ["main thread", "second thread"][:: 1 if round_ % 2 == 0 else -1]:
+            if where == "main thread":
+                one_batch(where)
+            else:
+                worker = threading.Thread(target=one_batch, args=(where,))
+                worker.start()
+                worker.join()
+        print(
+            f"round {round_ + 1}: median decode step, main thread {medians['main thread'][-1]:.1f} ms, "
+            f"second thread {medians['second thread'][-1]:.1f} ms",
+            flush=True,
+        )
+    ratios = [b / a for a, b in zip(medians["main thread"], medians["second thread"], strict=True)]
+    print(
+        f"{args.requests} rows, {args.dtype}, {threads} thread(s), load average {os.getloadavg()[0]:.1f}: "
+        f"second thread / main thread per round {min(ratios):.2f}-{max(ratios):.2f}x"
+    )
+
+
 def forward_ab(texts: list[str], args) -> None:
     """Decode steps of one in-process batch, alternating transformers' forward and the engine's own."""
     import statistics
@@ -520,9 +575,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--engine-forwards",
-        default="auto",
-        help="comma-separated forward passes of the engine to run each round: auto (the engine's own "
-        "for Llama models), transformers (transformers' forward, what the engine used before)",
+        default="default",
+        help="comma-separated --forward settings of `agentbolt model serve` to run each round: default "
+        "(the command's own default), transformers, engine (the engine's own forward, Llama models), auto",
     )
     parser.add_argument(
         "--baseline-threads",
@@ -543,7 +598,15 @@ def main() -> None:
         action="store_true",
         help="only compare decode steps of transformers' forward and the engine's own, alternated in process",
     )
+    parser.add_argument(
+        "--thread-ab",
+        action="store_true",
+        help="only compare decode steps run in the main thread and in a second thread, in process",
+    )
     args = parser.parse_args()
+    if args.thread_ab:
+        thread_ab(prompts(args.requests), args)
+        return
     if args.forward_ab:
         forward_ab(prompts(args.requests), args)
         return
@@ -558,7 +621,7 @@ def main() -> None:
     skipped: list[str] = []
     memory: dict[str, int] = {}
 
-    def run_engine(variant: str, forward: str = "auto") -> Result:
+    def run_engine(variant: str, forward: str = "default") -> Result:
         result, peak = bench_engine(texts, args, variant, forward)
         key = "engine server" + result.name.removeprefix("agentbolt engine")
         memory[key] = max(memory.get(key, 0), peak)

@@ -148,11 +148,18 @@ class Batcher:
         self._thread = threading.Thread(target=self._run, name="agentbolt-engine", daemon=True)
         self._thread.start()
 
+    def run_here(self) -> None:
+        """Run the loop in the calling thread until ``stop()`` (from another thread, or a signal
+        handler of this one); returns at once if ``stop()`` came first. See
+        :meth:`agentbolt.engine.engine.ModelEngine.run_here` for why the main thread."""
+        self._thread = threading.current_thread()
+        self._run()
+
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
     def submit(self, group: list[Sequence]) -> None:
@@ -172,6 +179,12 @@ class Batcher:
             self._update = _PendingUpdate(apply, time.monotonic() + timeout)
             self._cond.notify_all()
             return self._update.future
+
+    @property
+    def loop_thread(self) -> str | None:
+        """The name of the thread running the loop (every forward pass), None when none does."""
+        thread = self._thread
+        return thread.name if thread is not None and thread.is_alive() and not self._stop.is_set() else None
 
     @property
     def num_running(self) -> int:
@@ -256,6 +269,8 @@ class Batcher:
         groups = [g for g in groups if g]
         if not groups:
             return
+        if self.tuner:
+            self.tuner.prefill_threads()
         prompts = list(dict.fromkeys(tuple(g[0].prompt_ids) for g in groups))  # identical prompts once
         shared, common = self._shared_length(prompts)
         if shared >= MIN_SHARED_PREFIX:

@@ -66,11 +66,9 @@ def serve(
     ),
 ) -> None:
     """Serve the model OpenAI-compatibly at http://HOST:PORT/v1 with continuous batching."""
-    import uvicorn
-
     from agentbolt.engine.engine import ModelEngine
     from agentbolt.engine.model_files import ModelNotFoundError
-    from agentbolt.engine.server import create_engine_app
+    from agentbolt.engine.server import EngineServer
 
     _logging()
     try:
@@ -87,8 +85,11 @@ def serve(
         typer.echo(str(exc), err=True)
         raise typer.Exit(1) from None
     typer.echo(f"serving {engine.name} (version {engine.version}) at http://{host}:{port}/v1")
-    with engine:
-        uvicorn.run(create_engine_app(engine), host=host, port=port, log_level="info")
+    # the forward passes in this (the main) thread, HTTP in another: see ModelEngine.run_here
+    code = EngineServer(engine, host=host, port=port, log_level="info").serve_here()
+    if code:
+        typer.echo(f"the HTTP server did not start on {host}:{port} (see the log above)", err=True)
+    raise typer.Exit(code)
 
 
 if __name__ == "__main__":

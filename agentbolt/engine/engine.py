@@ -157,10 +157,34 @@ class ModelEngine:
                 self._started = True
         return self
 
-    def close(self) -> None:
-        if self._started:
-            self._batcher.stop()
+    def run_here(self) -> None:
+        """Run the engine's loop, and so every forward pass, in the calling thread until
+        :meth:`close` (from another thread, or a signal handler of this one); ``agentbolt model
+        serve`` runs it in the main thread with HTTP in a background thread. Returns at once if
+        ``close()`` came first.
+
+        Why the main thread: PyTorch's CPU build runs its parallel operators on GNU OpenMP
+        (libgomp), which gives every thread that starts parallel work its own team of worker
+        threads. When its threads outnumber the CPUs, which a second team makes happen on a
+        machine whose CPUs the first team already fills, libgomp lets idle workers spin only
+        briefly before sleeping (its throttled spin count), so every one of the ~1,500 operators
+        of a decode step waits for a worker to wake up. Stepping the same batch (SmolLM2,
+        bfloat16, 32 rows, 2 threads, quiet 2-core machine, alternated in one process), decode
+        steps took 48-56 ms in the main thread against 65-85 ms in a second one
+        (``benchmarks/inference_throughput.py --thread-ab``)."""
+        with self._start_lock:
+            if self._started:
+                raise RuntimeError("the engine is already running (start() or run_here())")
+            self._started = True
+        try:
+            self._batcher.run_here()
+        finally:
             self._started = False
+
+    def close(self) -> None:
+        """Stop the engine's loop; sequences still running fail with "engine stopped"."""
+        self._batcher.stop()  # also when run_here() has not begun yet: it then returns at once
+        self._started = False
 
     def __enter__(self) -> ModelEngine:
         return self.start()
@@ -183,6 +207,7 @@ class ModelEngine:
             "cpu_matmul": b.matmul_kind or "native",
             "forward": "engine" if b.own_forward is not None else "transformers",
             "forward_note": b.forward_note,
+            "loop_thread": b.loop_thread,
         }
 
     def models(self) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 import threading
 import time
 from typing import Any
@@ -175,6 +176,42 @@ class EngineServer:
             time.sleep(0.02)
         self.port = self._server.servers[0].sockets[0].getsockname()[1]
         return self
+
+    def serve_here(self) -> int:
+        """Serve until SIGINT/SIGTERM (or ``stop()``) with the engine's loop in the calling thread
+        and HTTP in a background thread: ``agentbolt model serve``. Call it from the main thread,
+        where the engine's forward passes run fastest (:meth:`ModelEngine.run_here` says why);
+        from the main thread it also takes over SIGINT and SIGTERM: the first lets requests in
+        flight finish (HTTP stops taking new ones, then the engine stops), a second stops at once.
+        Returns 0, or 1 when the HTTP server never started (the port taken, say: uvicorn logs why).
+        """
+        started = threading.Event()
+
+        def http() -> None:
+            try:
+                self._server.run()
+            finally:
+                if self._server.started:
+                    started.set()
+                self.engine.close()  # the engine's loop in the caller's thread ends with HTTP
+
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, self._on_signal)
+            signal.signal(signal.SIGTERM, self._on_signal)
+        self._thread = threading.Thread(target=http, name="agentbolt-engine-http", daemon=True)
+        self._thread.start()
+        try:
+            self.engine.run_here()
+        finally:
+            self._server.should_exit = True
+            self._thread.join(30)
+        return 0 if started.is_set() else 1
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self._server.should_exit:  # the second signal: do not wait for requests in flight
+            self._server.force_exit = True
+            self.engine.close()
+        self._server.should_exit = True
 
     def stop(self, timeout: float = 10.0) -> None:
         self._server.should_exit = True

@@ -140,3 +140,28 @@ def test_steps_of_one_range_are_compared_per_row() -> None:
         return tuner.next_threads(20)
 
     assert _in_thread(run) == 2
+
+
+def test_a_prefill_takes_the_count_of_the_largest_batches_probed() -> None:
+    """A server's first steps decode one row, whose probe keeps 1 thread; a prefill of 31 prompts
+    after them ran on that 1 thread. It takes all threads before any probe, then the count kept
+    for the largest range of batch sizes probed, and is never itself a probe step."""
+
+    def run() -> list[int]:
+        tuner = ThreadTuner(max_threads=2, period=100)
+        seen = [tuner.prefill_threads(), torch.get_num_threads()]
+        for _ in range(8):  # a lone row: 1 thread wins
+            n = tuner.next_threads(1)
+            tuner.record(n, {1: 0.010, 2: 0.020}[n], 1)
+        seen.append(tuner.prefill_threads())  # only small batches probed: their count
+        for _ in range(10):  # 32 rows: 2 threads win
+            n = tuner.next_threads(32)
+            tuner.record(n, {1: 0.100, 2: 0.060}[n], 32)
+        assert torch.get_num_threads() == 2
+        for _ in range(3):  # a 1-row step sets 1 thread on this thread ...
+            tuner.record(tuner.next_threads(1), 0.01, 1)
+        assert torch.get_num_threads() == 1
+        seen += [tuner.prefill_threads(), torch.get_num_threads()]  # ... a prefill goes back to 2
+        return seen
+
+    assert _in_thread(run) == [2, 2, 1, 2, 2]
