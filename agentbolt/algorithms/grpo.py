@@ -161,8 +161,8 @@ class GRPO(RewardOptions, Algorithm):
     GRPO's embedded engine (rollouts sampled at temperature 1, 32 at a time, SmolLM2, bfloat16)
     the engine's own made the rollout phase faster in four alternated pairs of 3-step runs on a
     quiet 2-core AVX512-BF16 machine: 3.3-4.1 s against 3.9-5.3 s per step (steps 2-3, median
-    about 3.8 against 4.6). ``agentbolt model serve`` keeps transformers' forward by default,
-    where the engine's own measured slower (see ``EngineConfig.forward``)."""
+    about 3.8 against 4.6). ``agentbolt model serve`` runs it by default too
+    (``EngineConfig.forward``)."""
     engine_dtype: str = "bfloat16"
     """The embedded engine's weights. On a CPU without native bfloat16 the engine computes
     bfloat16 products in float32 (``EngineConfig.cpu_matmul="auto"``): close to float32's speed

@@ -39,8 +39,8 @@ Decode steps of SmolLM2 (bfloat16, packed weights, 32 rows) were 1.07-1.11x fast
 transformers' forward on one thread (seven runs) and 1.14-1.15x on two (medians of 62-124 steps
 each, the two alternated step by step in one process, on a 2-core machine shared with other jobs,
 load average 1.0-3.4); the matrix products (~63% of a step) and the flash attention kernel (~21%)
-are unchanged. Served over HTTP it was not faster (see ``EngineConfig.forward``, whose default
-is transformers' forward for that reason).
+are unchanged. Served over HTTP with the loop in the main thread it was faster in every round
+(``EngineConfig.forward``, whose default it is).
 
 On CPU the thread count of the forward passes is re-chosen from measured step times
 (:mod:`agentbolt.engine.threads`): on a shared machine one thread can beat two by several times.

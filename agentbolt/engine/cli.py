@@ -56,9 +56,9 @@ def serve(
         help="bfloat16 on CPU: auto, native, packed (weights packed once for oneDNN) or float32 (faster without AVX512-BF16/AMX).",
     ),
     forward: str = typer.Option(
-        "transformers",
-        help="Whose forward pass serves: transformers, engine (the engine's own, Llama models), or auto "
-        "(the engine's where the model is supported).",
+        "auto",
+        help="Whose forward pass serves: auto (the engine's own where the model is supported, "
+        "transformers' otherwise), engine (the engine's own, Llama models) or transformers.",
     ),
     device: str | None = typer.Option(None, help="cpu or cuda (default: cuda when available)."),
     name: str | None = typer.Option(

@@ -62,17 +62,17 @@ class EngineConfig:
     :mod:`agentbolt.engine.matmul`) or "auto": packed when the CPU has bfloat16 instructions
     (AVX512-BF16/AMX), float32 when it lacks them, where PyTorch's bfloat16 kernels are 4-5x
     slower. Other dtypes and devices ignore it."""
-    forward: str = "transformers"
+    forward: str = "auto"
     """Whose forward pass serves prefills and decode steps: "engine" (the engine's own for Llama
     models, :mod:`agentbolt.engine.forward`: less per-step work outside the matrix products),
-    "transformers" (the model's own ``forward``) or "auto": the engine's where the model is
-    supported, transformers' otherwise (``stats()["forward"]`` says which, ``"forward_note"`` why).
-    transformers' is the default: the engine's own made SmolLM2's decode steps 1.07-1.15x faster
-    alternated step by step in one process, but served over HTTP (32 chats x 64 tokens, bfloat16,
-    quiet 2-core AVX512-BF16 machine, 6 rounds in two runs) it gave 288-335 tokens/s against
-    309-378 for transformers' forward, 0.84-0.96x (again 180-242 against 254-313 in a later
-    session); until that difference is understood it is opt-in here. GRPO's embedded engine,
-    where it measured faster, turns it on (``GRPO.engine_forward``)."""
+    "transformers" (the model's own ``forward``) or "auto" (the default): the engine's where the
+    model is supported, transformers' otherwise (``stats()["forward"]`` says which,
+    ``"forward_note"`` why). Served by ``agentbolt model serve`` (32 chats x 64 tokens, SmolLM2,
+    bfloat16, quiet 2-core AVX512-BF16 machine, two runs of 3 and 4 rounds), the engine's own gave
+    342-508 tokens/s against 301-353 for transformers', faster in every round. It used to measure
+    slower served (0.84-0.96x) while faster step by step in one process: the server then ran the
+    engine's loop in a second thread, where OpenMP's workers are throttled
+    (:meth:`ModelEngine.run_here`) and the cheaper forward lost its lead."""
 
 
 class ModelEngine:
