@@ -165,10 +165,12 @@ class ModelEngine:
 
         Why the main thread: PyTorch's CPU build runs its parallel operators on GNU OpenMP
         (libgomp), which gives every thread that starts parallel work its own team of worker
-        threads. When its threads outnumber the CPUs, which a second team makes happen on a
-        machine whose CPUs the first team already fills, libgomp lets idle workers spin only
-        briefly before sleeping (its throttled spin count), so every one of the ~1,500 operators
-        of a decode step waits for a worker to wake up. Stepping the same batch (SmolLM2,
+        threads. When it counts more of its threads than CPUs, which a second team makes happen
+        on a machine whose CPUs the first team already fills, libgomp lets idle workers spin only
+        briefly before sleeping (its throttled spin count), so, as far as we can tell, the ~1,500
+        operators of a decode step keep waiting for workers to wake up
+        (``OMP_WAIT_POLICY=ACTIVE`` brought a second thread's steps back to the main thread's
+        speed when no other team existed, and made them slower still when one did). Stepping the same batch (SmolLM2,
         bfloat16, 32 rows, 2 threads, quiet 2-core machine, alternated in one process), decode
         steps took 48-56 ms in the main thread against 65-85 ms in a second one
         (``benchmarks/inference_throughput.py --thread-ab``)."""
