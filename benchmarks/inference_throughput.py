@@ -322,12 +322,27 @@ def llama_cpp_run(texts: list[str], args, gguf: Path, threads: int) -> Result:
     return Result("llama-cpp-python server", len(texts), tokens, seconds, note)
 
 
-def decode_attention_ab(texts: list[str], args) -> None:
-    """In-process batcher with and without ``decode_attention`` (packed bfloat16 weights), interleaved."""
-    import torch
+def model_and_prompts(texts: list[str], args, dtype: str | None = None):
+    """The model (``dtype`` or ``--dtype``), its tokenizer and the chats' prompt token ids, in process."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from agentbolt.engine import ensure_model
+    from agentbolt.engine.engine import resolve_dtype
+
+    path = ensure_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype or args.dtype)).eval()
+    rendered = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False
+        )
+        for t in texts
+    ]
+    return model, tokenizer, [tokenizer(r, add_special_tokens=False)["input_ids"] for r in rendered]
+
+
+def decode_attention_ab(texts: list[str], args) -> None:
+    """In-process batcher with and without ``decode_attention`` (packed bfloat16 weights), interleaved."""
     from agentbolt.engine import matmul as mm
     from agentbolt.engine.batcher import Batcher
     from agentbolt.engine.sampling import SamplingParams
@@ -336,16 +351,7 @@ def decode_attention_ab(texts: list[str], args) -> None:
     if not mm.packed_matmul_available():
         print("no oneDNN packed linear in this PyTorch: nothing to compare")
         return
-    path = ensure_model(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    rendered = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False
-        )
-        for t in texts
-    ]
-    prompt_ids = [tokenizer(r, add_special_tokens=False)["input_ids"] for r in rendered]
+    model, tokenizer, prompt_ids = model_and_prompts(texts, args, "bfloat16")
 
     def run(variant: str) -> float:
         batcher = Batcher(
@@ -382,24 +388,13 @@ def thread_ab(texts: list[str], args) -> None:
     import statistics
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from agentbolt.engine import ensure_model
     from agentbolt.engine.batcher import Batcher
-    from agentbolt.engine.engine import cpu_matmul_mode, resolve_dtype
+    from agentbolt.engine.engine import cpu_matmul_mode
     from agentbolt.engine.sampling import SamplingParams
     from agentbolt.engine.sequence import Sequence
 
-    path = ensure_model(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(args.dtype)).eval()
-    rendered = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False
-        )
-        for t in texts
-    ]
-    prompt_ids = [tokenizer(r, add_special_tokens=False)["input_ids"] for r in rendered]
+    model, tokenizer, prompt_ids = model_and_prompts(texts, args)
     threads = int(args.baseline_threads.split(",")[-1] or os.cpu_count() or 1)
     torch.set_num_threads(threads)
     forward = args.engine_forwards.split(",")[0]
@@ -455,24 +450,13 @@ def forward_ab(texts: list[str], args) -> None:
     import statistics
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from agentbolt.engine import ensure_model
     from agentbolt.engine.batcher import Batcher
-    from agentbolt.engine.engine import cpu_matmul_mode, resolve_dtype
+    from agentbolt.engine.engine import cpu_matmul_mode
     from agentbolt.engine.sampling import SamplingParams
     from agentbolt.engine.sequence import Sequence
 
-    path = ensure_model(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(args.dtype)).eval()
-    rendered = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False
-        )
-        for t in texts
-    ]
-    prompt_ids = [tokenizer(r, add_special_tokens=False)["input_ids"] for r in rendered]
+    model, tokenizer, prompt_ids = model_and_prompts(texts, args)
     matmul = cpu_matmul_mode(args.engine_variants.split(",")[0], model)
     threads = int(args.baseline_threads.split(",")[0] or 1)
     torch.set_num_threads(threads)
@@ -506,6 +490,11 @@ def forward_ab(texts: list[str], args) -> None:
             times[which].append(time.perf_counter() - started)
             step += 1
         batcher.own_forward = own
+    if not all(times.values()):
+        print(
+            f"too few decode steps for {len(variants)} variants: raise --max-tokens (now {args.max_tokens})"
+        )
+        return
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     base = med["transformers"]
     print(
