@@ -170,10 +170,11 @@ class ModelEngine:
         briefly before sleeping (its throttled spin count), so, as far as we can tell, the ~1,500
         operators of a decode step keep waiting for workers to wake up
         (``OMP_WAIT_POLICY=ACTIVE`` brought a second thread's steps back to the main thread's
-        speed when no other team existed, and made them slower still when one did). Stepping the same batch (SmolLM2,
-        bfloat16, 32 rows, 2 threads, quiet 2-core machine, alternated in one process), decode
-        steps took 48-56 ms in the main thread against 65-85 ms in a second one
-        (``benchmarks/inference_throughput.py --thread-ab``)."""
+        speed when no other team existed, and made them slower still when one did). Stepping the
+        same batch (SmolLM2, bfloat16, 32 rows, 2 threads, quiet 2-core machine, alternated in one
+        process, 4 rounds), median decode steps took 52.9-68.4 ms in the main thread against
+        70.7-144.6 ms in a second one, 1.20-2.12x (``benchmarks/inference_throughput.py
+        --thread-ab``)."""
         with self._start_lock:
             if self._started:
                 raise RuntimeError("the engine is already running (start() or run_here())")
