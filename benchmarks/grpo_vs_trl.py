@@ -129,17 +129,9 @@ def run_agentbolt(
     dtype: str,
     checkpointing: str = "auto",
     asynchronous: bool = False,
-    engine_thread: bool = False,
-) -> list[dict]:
-    """The history rows of one run's iterations (``t_step``, ``t_rollouts``, ...). ``engine_thread``:
-    synchronous GRPO with the engine's steps left on the engine's own thread while rollouts run
-    (as before ``ModelEngine.drive_while``), for ``--engine-loop-ab``."""
-    import contextlib
-    from unittest import mock
-
+) -> list[float]:
     from agentbolt import Trainer
     from agentbolt.algorithms.grpo import GRPO
-    from agentbolt.algorithms.policy import EnginePolicy, PolicyServer
 
     algo = GRPO(
         **checkpointing_options(checkpointing)[0],
@@ -160,24 +152,17 @@ def run_agentbolt(
     )
     tasks = [{"id": f"p{i}", "prompt": p} for i, p in enumerate(PROMPTS)]
     run_dir = Path(tempfile.mkdtemp(prefix="bench-grpo-"))
-    own_thread = (
-        mock.patch.object(EnginePolicy, "while_waiting", PolicyServer.while_waiting)
-        if engine_thread
-        else contextlib.nullcontext()
+    result = Trainer(algo, n_runners=1, runner_concurrency=group * prompts, run_dir=run_dir).fit(
+        SingleTurn(max_tokens), tasks, []
     )
-    with own_thread:
-        result = Trainer(algo, n_runners=1, runner_concurrency=group * prompts, run_dir=run_dir).fit(
-            SingleTurn(max_tokens), tasks, []
-        )
     steps_ = [h for h in result.history if h.get("step", 0) > 0]
     mode = "asynchronous" if asynchronous else "synchronous"
-    mode += ", engine on its own thread" if engine_thread else ""
     for h in steps_:
         print(
             f"  agentbolt ({mode}) step {h['step']}: rollouts {h['t_rollouts']:.2f} s, update {h['t_update']:.2f} s, "
             f"weight sync {h['t_sync']:.2f} s, total {h['t_step']:.2f} s"
         )
-    return steps_
+    return [h["t_step"] for h in steps_]
 
 
 def run_trl(
@@ -300,12 +285,6 @@ def main() -> None:
         "(not like for like: it trains on groups generated while earlier updates ran, up to "
         "max_staleness policy versions behind, importance-corrected; TRL and the main figure are on-policy)",
     )
-    ap.add_argument(
-        "--engine-loop-ab",
-        action="store_true",
-        help="only compare agentbolt's synchronous GRPO with the engine's steps on the main thread while "
-        "rollouts run (ModelEngine.drive_while, the default) and on the engine's own thread, alternating",
-    )
     ap.add_argument("--quick", action="store_true", help="one round of 2 steps, 2 prompts x 4")
     args = ap.parse_args()
     if args.quick:
@@ -319,9 +298,6 @@ def main() -> None:
     dtype = args.dtype or ("bfloat16" if fast_bf16() else "float32")
     path = str(tiny_model_dir(tempfile.mkdtemp()) if args.model == "tiny" else ensure_model(args.model))
     shape = (args.steps, args.group, args.prompts, args.max_tokens, args.lr, dtype, args.checkpointing)
-    if args.engine_loop_ab:
-        engine_loop_ab(path, shape, args.rounds)
-        return
     try:
         import trl  # noqa: F401
     except ImportError:
@@ -332,11 +308,11 @@ def main() -> None:
     theirs: dict[int, list[float]] = {n: [] for n in args.trl_threads}
     for r in range(args.rounds):
         # the first iteration of each run warms up (allocations, kernels); compare the rest
-        run = [h["t_step"] for h in run_agentbolt(path, *shape)]
+        run = run_agentbolt(path, *shape)
         print(f"round {r + 1} agentbolt: {[round(t, 2) for t in run]} s/iteration", flush=True)
         ours += run[1:] or run
         if args.asynchronous:
-            run = [h["t_step"] for h in run_agentbolt(path, *shape, asynchronous=True)]
+            run = run_agentbolt(path, *shape, asynchronous=True)
             print(
                 f"round {r + 1} agentbolt asynchronous: {[round(t, 2) for t in run]} s/iteration", flush=True
             )
@@ -377,33 +353,6 @@ def main() -> None:
             f"ratio agentbolt asynchronous / TRL (not like for like, see --asynchronous): "
             f"{statistics.median(ours_async) / b:.2f}"
         )
-
-
-def engine_loop_ab(path: str, shape: tuple, rounds: int) -> None:
-    """Synchronous GRPO with the engine's decode steps on the main thread during rollouts (the
-    default) against the engine's own thread, alternating and rotating the order each round."""
-    phases: dict[str, dict[str, list[float]]] = {
-        k: {"t_step": [], "t_rollouts": []} for k in ("main thread", "own thread")
-    }
-    for r in range(rounds):
-        order = ["main thread", "own thread"][:: 1 if r % 2 == 0 else -1]
-        for which in order:
-            rows = run_agentbolt(path, *shape, engine_thread=which == "own thread")
-            rows = rows[1:] or rows  # the first iteration warms up
-            for key, values in phases[which].items():
-                values += [h[key] for h in rows]
-            print(
-                f"round {r + 1} engine steps on the {which}: {[round(h['t_step'], 2) for h in rows]} s/iteration"
-            )
-    for which, values in phases.items():
-        roll, step = values["t_rollouts"], values["t_step"]
-        print(
-            f"engine steps on the {which}: rollout phase median {statistics.median(roll):.2f} s "
-            f"(range {min(roll):.2f}-{max(roll):.2f}), iteration median {statistics.median(step):.2f} s "
-            f"(range {min(step):.2f}-{max(step):.2f})"
-        )
-    main_, own = (statistics.median(phases[k]["t_rollouts"]) for k in ("main thread", "own thread"))
-    print(f"rollout phase, own thread / main thread: {own / main_:.2f}x")
 
 
 if __name__ == "__main__":

@@ -407,11 +407,7 @@ class GRPO(RewardOptions, Algorithm):
             ):
                 if start == 0 and self.validate_before:
                     record(
-                        {
-                            "step": 0,
-                            **self._validate(ctx, policy, version, progress),
-                            "resources_version": version,
-                        }
+                        {"step": 0, **self._validate(ctx, version, progress), "resources_version": version}
                     )
                 for step in range(start + 1, self.steps + 1):
                     idle_before = clock.idle_seconds if clock else 0.0
@@ -426,7 +422,7 @@ class GRPO(RewardOptions, Algorithm):
                     train_seconds += row["t_step"]
                     row["steps_per_hour"] = 3600.0 * (step - start) / max(train_seconds, 1e-9)
                     if self._validate_now(step):
-                        row.update(self._validate(ctx, policy, version, progress))
+                        row.update(self._validate(ctx, version, progress))
                     record(row)
                     if self.checkpoint_every and (step % self.checkpoint_every == 0 or step == self.steps):
                         save_checkpoint(
@@ -466,21 +462,17 @@ class GRPO(RewardOptions, Algorithm):
     def _validate_now(self, step: int) -> bool:
         return step == self.steps or bool(self.val_every and step % self.val_every == 0)
 
-    def _validate(
-        self, ctx: TrainContext, policy: PolicyServer, version: int, progress: Progress
-    ) -> dict[str, float | None]:
+    def _validate(self, ctx: TrainContext, version: int, progress: Progress) -> dict[str, float | None]:
         """``val_success`` (sampled) and, with ``val_greedy``, ``val_greedy`` (temperature 0)."""
-        val = policy.while_waiting(  # the engine's forward passes on this thread meanwhile
-            lambda: validate(
-                ctx,
-                version,
-                timeout=self.step_timeout,
-                rollout_timeout=self.rollout_timeout,
-                greedy=self.val_greedy,
-                progress=progress,
-                max_attempts=self.max_attempts,
-                rewards=self.reward_plan(),
-            )
+        val = validate(
+            ctx,
+            version,
+            timeout=self.step_timeout,
+            rollout_timeout=self.rollout_timeout,
+            greedy=self.val_greedy,
+            progress=progress,
+            max_attempts=self.max_attempts,
+            rewards=self.reward_plan(),
         )
         out: dict[str, float | None] = {
             "val_success": success_rate(val.sampled, self.success_threshold) if val else None
@@ -499,8 +491,7 @@ class GRPO(RewardOptions, Algorithm):
         progress: Progress,
     ) -> tuple[dict[str, Any], int]:
         t0 = time.perf_counter()
-        # an embedded engine runs its forward passes on this thread while it would only wait
-        tasks, batch = policy.while_waiting(lambda: self._sample(ctx, step, version, progress))
+        tasks, batch = self._sample(ctx, step, version, progress)
         t_rollouts = time.perf_counter() - t0
         rows, gen_tokens, data = self._rows(ctx, batch, tasks)
         return self._train_and_publish(

@@ -26,7 +26,7 @@ import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from rich.console import Console
@@ -43,8 +43,6 @@ if TYPE_CHECKING:
 __all__ = ["EnginePolicy", "PolicyServer", "RemotePolicy", "publish", "serve_policy", "server_urls"]
 
 log = logging.getLogger("agentbolt.policy")
-
-T = TypeVar("T")
 
 PROBE_TIMEOUT = 5.0  # seconds an embedded engine's server has to answer GET /models after a sync
 
@@ -115,11 +113,6 @@ class PolicyServer(abc.ABC):
             )
         self.serving = [url for url in self.servers if url not in failed]
 
-    def while_waiting(self, wait: Callable[[], T]) -> T:
-        """Run ``wait`` (a call that blocks until rollouts are done) and return its result; an
-        embedded engine uses the calling thread for its forward passes meanwhile."""
-        return wait()
-
     @abc.abstractmethod
     def sync(self, model: nn.Module, version: int | str, saved: Path | None = None) -> str:
         """Serve ``model``'s current weights as ``version``; returns the model name to request
@@ -171,14 +164,6 @@ class EnginePolicy(PolicyServer):
     @property
     def weights_uri(self) -> str:
         return f"engine://{self.engine.name}@{self.engine.version}"
-
-    def while_waiting(self, wait: Callable[[], T]) -> T:
-        """``wait`` in a helper thread while this thread runs the engine's steps
-        (:meth:`ModelEngine.drive_while`: on the main thread they run fastest). With replicas,
-        each engine keeps its own thread."""
-        if len(self.engines) > 1:
-            return wait()
-        return self.engine.drive_while(wait)
 
 
 class RemotePolicy(PolicyServer):

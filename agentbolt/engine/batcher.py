@@ -64,7 +64,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -77,8 +77,6 @@ from agentbolt.engine.sequence import Sequence
 from agentbolt.engine.threads import ThreadTuner
 
 __all__ = ["Batcher"]
-
-T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -123,9 +121,6 @@ class Batcher:
         self._mask_BL = torch.zeros(0, 0, dtype=torch.long)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._step_lock = threading.Lock()  # held by whichever thread runs a step
-        self._lent = 0  # callers of drive_while (under _cond): the loop's thread waits meanwhile
-        self._driver: threading.Thread | None = None  # the thread drive_while lent, while it does
         self.steps = 0
         if tune_threads is None:
             tune_threads = next(model.parameters()).device.type == "cpu"
@@ -187,8 +182,8 @@ class Batcher:
 
     @property
     def loop_thread(self) -> str | None:
-        """The name of the thread running the steps (every forward pass), None when none does."""
-        thread = self._driver or self._thread
+        """The name of the thread running the loop (every forward pass), None when none does."""
+        thread = self._thread
         return thread.name if thread is not None and thread.is_alive() and not self._stop.is_set() else None
 
     @property
@@ -199,92 +194,32 @@ class Batcher:
     def num_waiting(self) -> int:
         return sum(len(g) for g in self._waiting)
 
-    def drive_while(self, fn: Callable[[], T]) -> T:
-        """Call ``fn`` in a helper thread and run the loop's steps in the calling thread until it
-        returns; the loop's own thread waits meanwhile. For a caller that would otherwise block
-        while the engine works, on the main thread (see
-        :meth:`agentbolt.engine.engine.ModelEngine.drive_while`). ``fn``'s exception is raised
-        here; the calling thread's torch thread count is put back afterwards."""
-        threads = torch.get_num_threads()
-        with self._cond:
-            self._lent += 1
-            self._cond.notify_all()  # an idle wait of the loop's thread ends at once
-        done = threading.Event()
-        box: dict[str, Any] = {}
-
-        def call() -> None:
-            try:
-                box["result"] = fn()
-            except BaseException as exc:  # raised again in the calling thread
-                box["error"] = exc
-            finally:
-                done.set()
-                with self._cond:
-                    self._cond.notify_all()
-
-        try:
-            with self._step_lock:  # after the step the loop's thread may be in
-                driver, self._driver = self._driver, threading.current_thread()
-                helper = threading.Thread(target=call, name="agentbolt-engine-lender", daemon=True)
-                helper.start()
-                try:
-                    while not done.is_set() and not self._stop.is_set():
-                        self._safe_step(idle=lambda: not done.is_set())
-                finally:
-                    self._driver = driver
-            helper.join()
-        finally:
-            with self._cond:
-                self._lent -= 1
-                self._cond.notify_all()
-            if torch.get_num_threads() != threads:
-                torch.set_num_threads(threads)
-        if "error" in box:
-            raise box["error"]
-        return box["result"]
-
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
         while not self._stop.is_set():
-            with self._cond:
-                while self._lent and not self._stop.is_set():  # another thread drives the steps
-                    self._cond.wait()
-            with self._step_lock:
-                if not self._lent:
-                    self._safe_step()
-        with self._step_lock:  # a thread that drives the steps (drive_while) ends its step first
-            stopped = RuntimeError("engine stopped")
-            self._fail_running(stopped)
-            with self._cond:
-                waiting, self._waiting = [s for g in self._waiting for s in g], deque()
-                update, self._update = self._update, None
-            for seq in waiting:
-                seq.finish(error=stopped)
-            if update is not None:
-                update.future.set_exception(stopped)
+            try:
+                self._step()
+            except Exception as exc:  # a failed forward must not kill the server
+                log.exception("engine step failed; failing the running sequences")
+                self._fail_running(exc)
+            finally:
+                self._admitting = []
+        stopped = RuntimeError("engine stopped")
+        self._fail_running(stopped)
+        with self._cond:
+            waiting, self._waiting = [s for g in self._waiting for s in g], deque()
+            update, self._update = self._update, None
+        for seq in waiting:
+            seq.finish(error=stopped)
+        if update is not None:
+            update.future.set_exception(stopped)
 
-    def _safe_step(self, idle: Callable[[], bool] | None = None) -> None:
-        try:
-            self._step(idle)
-        except Exception as exc:  # a failed forward must not kill the server
-            log.exception("engine step failed; failing the running sequences")
-            self._fail_running(exc)
-        finally:
-            self._admitting = []
-
-    def _step(self, idle: Callable[[], bool] | None = None) -> None:
-        """One step: admit and prefill, then decode. With nothing to do it waits up to 0.5 s for
-        work, while ``idle()`` (when given) holds and no other thread asks to drive the steps."""
+    def _step(self) -> None:
         self._maybe_apply_update()
         admitted = self._take_waiting()
         if not admitted and not self._running:
             with self._cond:
-                if (
-                    not self._waiting
-                    and self._update is None
-                    and not self._stop.is_set()
-                    and (idle() if idle is not None else not self._lent)
-                ):
+                if not self._waiting and self._update is None and not self._stop.is_set():
                     self._cond.wait(timeout=0.5)
             return
         self._admitting = [s for g in admitted for s in g]

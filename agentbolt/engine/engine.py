@@ -11,11 +11,11 @@ import asyncio
 import logging
 import os
 import threading
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -35,8 +35,6 @@ from agentbolt.engine.sequence import Sequence
 from agentbolt.engine.weights import WeightManager, load_tensors
 
 __all__ = ["EngineConfig", "ModelEngine"]
-
-T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -185,14 +183,6 @@ class ModelEngine:
             self._batcher.run_here()
         finally:
             self._started = False
-
-    def drive_while(self, fn: Callable[[], T]) -> T:
-        """Call ``fn`` in a helper thread while the calling thread runs the engine's steps, and
-        return what it returns (or raise what it raises). For a caller, such as synchronous GRPO
-        waiting for its rollouts, that would otherwise block on the main thread while the engine
-        works in its own: the forward passes move to the main thread for that time, which is
-        where they run fastest (:meth:`run_here` says why), and move back after."""
-        return self._batcher.drive_while(fn)
 
     def close(self) -> None:
         """Stop the engine's loop; sequences still running fail with "engine stopped"."""
