@@ -383,16 +383,14 @@ def decode_attention_ab(texts: list[str], args) -> None:
     print(f"decode_attention / flash kernel per round: {min(ratios):.2f}-{max(ratios):.2f}x")
 
 
-def thread_ab(texts: list[str], args) -> None:
-    """The same in-process batch stepped in the main thread and in a second thread, alternating."""
-    import statistics
-
+def in_process_batcher(texts: list[str], args):
+    """A batcher over the model in this process, set up as ``agentbolt model serve`` sets it up
+    (``--engine-variants``/``--engine-forwards``: the first of each) but with a fixed thread
+    count (the last of ``--baseline-threads``, default all CPUs); and the chats' prompt ids."""
     import torch
 
     from agentbolt.engine.batcher import Batcher
     from agentbolt.engine.engine import cpu_matmul_mode
-    from agentbolt.engine.sampling import SamplingParams
-    from agentbolt.engine.sequence import Sequence
 
     model, tokenizer, prompt_ids = model_and_prompts(texts, args)
     threads = int(args.baseline_threads.split(",")[-1] or os.cpu_count() or 1)
@@ -405,23 +403,43 @@ def thread_ab(texts: list[str], args) -> None:
         max_context=2048,
         matmul=cpu_matmul_mode(args.engine_variants.split(",")[0], model),
         tune_threads=False,
-        forward=forward if forward != "default" else "transformers",  # the serve command's default
+        forward=forward if forward != "default" else "auto",  # the serve command's default
     )
+    return batcher, tokenizer, prompt_ids, threads
+
+
+def decode_steps(batcher, tokenizer, prompt_ids: list[list[int]], args, each=None) -> list[float]:
+    """Seconds of each decode step of one batch of the chats (the prefill and the first decode
+    step, which share a step, not counted); ``each()`` after every timed step."""
+    from agentbolt.engine.sampling import SamplingParams
+    from agentbolt.engine.sequence import Sequence
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    for p in prompt_ids:
+        batcher.submit([Sequence(p, params, tokenizer.decode)])
+    batcher._step()
+    steps = []
+    while batcher.num_running:
+        started = time.perf_counter()
+        batcher._step()
+        steps.append(time.perf_counter() - started)
+        if each is not None:
+            each()
+    return steps
+
+
+def thread_ab(texts: list[str], args) -> None:
+    """The same in-process batch stepped in the main thread and in a second thread, alternating."""
+    import statistics
+
+    import torch
+
+    batcher, tokenizer, prompt_ids, threads = in_process_batcher(texts, args)
     medians: dict[str, list[float]] = {"main thread": [], "second thread": []}
 
     def one_batch(where: str) -> None:
         torch.set_num_threads(threads)  # a new thread starts from the process default: same count
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-        seqs = [Sequence(p, params, tokenizer.decode) for p in prompt_ids]
-        for seq in seqs:
-            batcher.submit([seq])
-        batcher._step()  # the prefill (and a first decode step), not counted
-        steps = []
-        while batcher.num_running:
-            started = time.perf_counter()
-            batcher._step()
-            steps.append(time.perf_counter() - started)
-        medians[where].append(statistics.median(steps) * 1e3)
+        medians[where].append(statistics.median(decode_steps(batcher, tokenizer, prompt_ids, args)) * 1e3)
 
     one_batch("main thread")  # warm-up
     medians["main thread"].clear()
@@ -443,6 +461,49 @@ def thread_ab(texts: list[str], args) -> None:
         f"{args.requests} rows, {args.dtype}, {threads} thread(s), load average {os.getloadavg()[0]:.1f}: "
         f"second thread / main thread per round {min(ratios):.2f}-{max(ratios):.2f}x"
     )
+
+
+def profile_steps(texts: list[str], args) -> None:
+    """Where a decode step's time goes: one in-process batch under ``torch.profiler``, in the main
+    thread, after a warm-up batch; the operators that took the most CPU, grouped."""
+    import statistics
+
+    from torch.profiler import ProfilerActivity, profile
+
+    batcher, tokenizer, prompt_ids, threads = in_process_batcher(texts, args)
+    decode_steps(batcher, tokenizer, prompt_ids, args)  # warm-up
+    plain = [
+        statistics.median(decode_steps(batcher, tokenizer, prompt_ids, args)) for _ in range(args.repeat)
+    ]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        steps = decode_steps(batcher, tokenizer, prompt_ids, args)
+    ops = [(e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages()]
+    total = sum(t for _, t, _ in ops) or 1.0
+    groups = {
+        "linear products": ("_linear_pointwise", "aten::addmm", "aten::mm", "aten::linear"),
+        "attention": ("scaled_dot_product", "aten::bmm", "aten::_softmax"),
+        "logprobs and sampling": ("log_softmax", "aten::sort", "aten::topk", "aten::argmax", "aten::cumsum"),
+    }
+    shares = dict.fromkeys([*groups, "everything else"], 0.0)
+    for key, t, _ in ops:
+        group = next((g for g, names in groups.items() if any(n in key for n in names)), "everything else")
+        shares[group] += t / total
+    print(
+        f"{args.requests} rows, {args.max_tokens} tokens, {args.dtype}, cpu_matmul={batcher.matmul_kind or 'native'}, "
+        f"forward={'engine' if batcher.own_forward is not None else 'transformers'}, {threads} thread(s), "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        "median decode step: "
+        + ", ".join(f"{m * 1e3:.1f}" for m in plain)
+        + f" ms ({args.repeat} batches unprofiled); {statistics.median(steps) * 1e3:.1f} ms profiled"
+    )
+    print("share of the profiled CPU time: " + ", ".join(f"{g} {v:.0%}" for g, v in shares.items()))
+    print(f"{'operator':<56} {'self CPU %':>10} {'calls/step':>10} {'us/call':>9}")
+    for key, t, count in sorted(ops, key=lambda o: -o[1])[:15]:
+        print(
+            f"{key[:56]:<56} {t / total:>10.1%} {count / max(len(steps), 1):>10.1f} {t / max(count, 1):>9.1f}"
+        )
 
 
 def forward_ab(texts: list[str], args) -> None:
@@ -592,7 +653,15 @@ def main() -> None:
         action="store_true",
         help="only compare decode steps run in the main thread and in a second thread, in process",
     )
+    parser.add_argument(
+        "--profile-steps",
+        action="store_true",
+        help="only profile the decode steps of one in-process batch (torch.profiler): where a step's time goes",
+    )
     args = parser.parse_args()
+    if args.profile_steps:
+        profile_steps(prompts(args.requests), args)
+        return
     if args.thread_ab:
         thread_ab(prompts(args.requests), args)
         return
