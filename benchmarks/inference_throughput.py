@@ -659,18 +659,16 @@ def main() -> None:
         help="only profile the decode steps of one in-process batch (torch.profiler): where a step's time goes",
     )
     args = parser.parse_args()
-    if args.profile_steps:
-        profile_steps(prompts(args.requests), args)
-        return
-    if args.thread_ab:
-        thread_ab(prompts(args.requests), args)
-        return
-    if args.forward_ab:
-        forward_ab(prompts(args.requests), args)
-        return
-    if args.decode_attention_ab:
-        decode_attention_ab(prompts(args.requests), args)
-        return
+    only = {  # the in-process studies, each instead of the throughput comparison
+        "profile_steps": profile_steps,
+        "thread_ab": thread_ab,
+        "forward_ab": forward_ab,
+        "decode_attention_ab": decode_attention_ab,
+    }
+    for flag, study in only.items():
+        if getattr(args, flag):
+            study(prompts(args.requests), args)
+            return
     if args.quick:
         args.repeat, args.max_tokens, args.sequential = 1, 16, 0
         args.baseline_threads = args.baseline_threads or "1"
