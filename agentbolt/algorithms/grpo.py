@@ -85,9 +85,9 @@ from agentbolt.algorithms.train_state import (
 )
 from agentbolt.console import print_line, task_bars
 from agentbolt.engine.forward import FORWARDS
-from agentbolt.errors import ConfigError
+from agentbolt.errors import ConfigError, InvalidTransition
 from agentbolt.memory import large_blocks_mapped, release_free_memory
-from agentbolt.schemas import Event, Mode, ModelWeights, Rollout, Task
+from agentbolt.schemas import Event, Mode, ModelWeights, Rollout, RolloutStatus, Task
 
 __all__ = ["GRPO", "GRPOResult", "success_rate"]
 
@@ -360,6 +360,11 @@ class GRPO(RewardOptions, Algorithm):
         distributed.share_state(state)  # a full state: any number of ranks resumes from it
         policy.sync(state.model, ckpt.step)
         ctx.console.print(f"resumed from {path} at step {ckpt.step}")
+        orphans = cancel_unfinished(ctx.client, f"{ctx.run_dir.name}:")
+        if orphans:
+            ctx.console.print(
+                f"cancelled {orphans} training rollout(s) the interrupted run had left queued or running"
+            )
         return ckpt.step, list(ckpt.extra.get("history", []))
 
     # ------------------------------------------------------------------ the loop
@@ -962,3 +967,23 @@ def _jsonable(value: Any) -> Any:
     if hasattr(value, "item"):
         return value.item()
     return asdict(value) if hasattr(value, "__dataclass_fields__") else str(value)
+
+
+def cancel_unfinished(client: Any, group_prefix: str) -> int:
+    """Cancel the queued and running rollouts whose group id starts with ``group_prefix``: those a
+    run enqueued before it was interrupted, which nothing would read once it resumes (it enqueues
+    its groups afresh) but which runners would still claim and run, ahead of the new ones. Rollouts
+    of other runs on a shared server, and rollouts without a group (validation), are left alone.
+    Returns how many were cancelled; one that ends meanwhile is skipped."""
+    live = [RolloutStatus.QUEUED, RolloutStatus.RUNNING]
+    mine = [
+        r.id
+        for r in client.pages(client.list_rollouts, status=live, mode=Mode.TRAIN, limit=1000)
+        if (r.group_id or "").startswith(group_prefix)
+    ]
+    cancelled = 0
+    for rollout_id in mine:
+        with contextlib.suppress(InvalidTransition):  # it succeeded or failed since the listing
+            client.cancel(rollout_id)
+            cancelled += 1
+    return cancelled

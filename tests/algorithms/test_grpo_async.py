@@ -18,7 +18,7 @@ from agentbolt.algorithms.grpo import GRPO
 from agentbolt.engine import tiny_model_dir
 from agentbolt.errors import ConfigError
 from agentbolt.runner.llm import async_openai
-from agentbolt.schemas import LLM, Mode, RolloutStatus
+from agentbolt.schemas import LLM, Mode, RolloutCreate, RolloutStatus
 from agentbolt.store import open_store
 from tests.conftest import tiny_grpo
 
@@ -177,17 +177,36 @@ def test_asynchronous_is_the_default() -> None:
 
 
 def test_an_async_run_resumes_from_its_checkpoint(tiny, tmp_path) -> None:
-    """Resume continues the steps and the count of groups enqueued (the task order follows it)."""
+    """Resume continues the steps and the count of groups enqueued (the task order follows it),
+    and cancels the training rollouts an interrupted run left queued, not another run's."""
+    out = io.StringIO()
 
     def fit(steps: int, resume: bool) -> Any:
         algo = tiny_grpo(tiny, steps=steps, asynchronous=True, checkpoint_every=1, resume=resume)
-        trainer = Trainer(algo, n_runners=1, runner_concurrency=16, run_dir=tmp_path / "run")
+        console = Console(file=out, width=200)
+        trainer = Trainer(algo, n_runners=1, runner_concurrency=16, run_dir=tmp_path / "run", console=console)
         return trainer.fit(SleepyAgent(), _tasks(slow=0.0), [])
 
     first = fit(2, resume=False)
     assert [h["groups_enqueued"] for h in first.history[1:]] == [4, 4]  # none enqueued past the run's needs
+    # what a run killed after its checkpoint leaves behind: a group of its own still queued
+    # (a long tool call, should a runner claim it), and one of another run on the same store
+    store = open_store(str(tmp_path / "run" / "agentbolt.db"))
+    try:
+        slow = Task(id="orphan", data={"q": "tell me", "sleep": 120.0})
+        orphans = store.enqueue([RolloutCreate(task=slow, group_id="run:g4:orphan") for _ in range(2)])
+        other = store.enqueue([RolloutCreate(task=Task(id="x", data={"q": "hi"}), group_id="run2:g0:x")])[0]
+    finally:
+        store.close()
     resumed = fit(3, resume=True)
     assert [h["step"] for h in resumed.history] == [0, 1, 2, 3]
     assert resumed.history[:3] == first.history[:3]
     assert resumed.history[3]["groups_enqueued"] == 6 and resumed.history[3]["rollouts"] == 8
-    assert _unfinished(tmp_path / "run") == []
+    assert "cancelled 2 training rollout(s) the interrupted run had left queued or running" in out.getvalue()
+    store = open_store(str(tmp_path / "run" / "agentbolt.db"))
+    try:
+        assert [store.get_rollout(r.id).status for r in orphans] == [RolloutStatus.CANCELLED] * 2
+        assert store.get_rollout(other.id).status != RolloutStatus.CANCELLED  # not this run's
+    finally:
+        store.close()
+    assert [r.id for r in _unfinished(tmp_path / "run")] in ([], [other.id])
