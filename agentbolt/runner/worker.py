@@ -163,8 +163,10 @@ class Runner:
         self._told_taken = False  # warned that they hold every thread (once, not every poll)
         self._running: dict[str, asyncio.Task[Any]] = {}
         self._release_now = False
-        # OpenTelemetry export of each rollout's spans (off unless asked: AGENTBOLT_TRACING=1)
-        self.tracer = Tracer(server_url, token) if tracing_enabled(tracing) else None
+        # OpenTelemetry export of each rollout's spans (off unless asked: AGENTBOLT_TRACING=1),
+        # set up once registered, so that it sends the worker token the server issues
+        self._tracing = tracing_enabled(tracing)
+        self.tracer: Tracer | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -182,6 +184,9 @@ class Runner:
         undo_watcher = _pidfd_watcher(self._loop) if owned else None
         try:
             await self._register()
+            if self._tracing and self.tracer is None:
+                # the worker token when the server issued one, else the runner's own
+                self.tracer = Tracer(self.client.url, self.client.token)
             log.info("runner %s: %d slot(s) on %s", self.worker_id, self.concurrency, self.client.url)
             slots = [asyncio.create_task(self._slot(i)) for i in range(self.concurrency)]
             await asyncio.gather(*slots)

@@ -7,10 +7,13 @@ import asyncio
 
 from opentelemetry import trace
 
+from agentbolt.client import Client
+from agentbolt.runner import worker
 from agentbolt.runner.agent import emit_message, emit_reward, rollout
 from agentbolt.runner.tracing import span
 from agentbolt.runner.worker import Runner
 from agentbolt.schemas import RolloutCreate, Task
+from agentbolt.server import Role, ServerConfig, ServerThread
 
 
 @rollout
@@ -118,3 +121,28 @@ def test_tracing_on_marks_a_failed_rollout(server, client):
         and exception["attributes"]["agentbolt.exception.type"] == "ValueError"
     )
     assert exception["parent_span_id"] == spans["agentbolt.rollout"]["span_id"]
+
+
+def test_spans_are_exported_with_the_worker_token_not_the_runners_own(tmp_path, monkeypatch):
+    """With configured tokens the runner registers and then holds a worker token; its span export
+    sends that token too (the runner's own token is the enrollment credential), and the server
+    takes the spans under it."""
+    admin, enrollment = "adm-token-71e2", "run-token-4a9c"
+    config = ServerConfig(
+        db=str(tmp_path / "t.db"), tokens={admin: Role.ADMIN, enrollment: Role.RUNNER}, sweep_interval=0.1
+    )
+    sent: list[str | None] = []
+
+    class SpyTracer(worker.Tracer):  # the real exporter; the spy only notes the token it gets
+        def __init__(self, server_url: str, token: str | None = None) -> None:
+            sent.append(token)
+            super().__init__(server_url, token)
+
+    monkeypatch.setattr(worker, "Tracer", SpyTracer)
+    with ServerThread(config) as srv, Client(srv.url, token=admin) as client:
+        [ro] = client.enqueue([RolloutCreate(task=Task(data={"q": 1}))])
+        runner = Runner(traced_agent, srv.url, token=enrollment, max_rollouts=1, tracing=True)
+        _run(runner)
+        spans, _ = _by_name(client, ro.id)
+    assert sent == [runner.client.token] and sent[0] not in (None, enrollment, admin)
+    assert {"agentbolt.rollout", "retrieve", "user.instrumented"} <= set(spans)
