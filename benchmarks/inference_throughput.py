@@ -408,9 +408,9 @@ def in_process_batcher(texts: list[str], args):
     return batcher, tokenizer, prompt_ids, threads
 
 
-def decode_steps(batcher, tokenizer, prompt_ids: list[list[int]], args, each=None) -> list[float]:
+def decode_steps(batcher, tokenizer, prompt_ids: list[list[int]], args) -> list[float]:
     """Seconds of each decode step of one batch of the chats (the prefill and the first decode
-    step, which share a step, not counted); ``each()`` after every timed step."""
+    step, which share a step, not counted)."""
     from agentbolt.engine.sampling import SamplingParams
     from agentbolt.engine.sequence import Sequence
 
@@ -423,8 +423,6 @@ def decode_steps(batcher, tokenizer, prompt_ids: list[list[int]], args, each=Non
         started = time.perf_counter()
         batcher._step()
         steps.append(time.perf_counter() - started)
-        if each is not None:
-            each()
     return steps
 
 

@@ -360,7 +360,7 @@ class GRPO(RewardOptions, Algorithm):
         distributed.share_state(state)  # a full state: any number of ranks resumes from it
         policy.sync(state.model, ckpt.step)
         ctx.console.print(f"resumed from {path} at step {ckpt.step}")
-        orphans = cancel_unfinished(ctx.client, f"{ctx.run_dir.name}:")
+        orphans = _cancel_unfinished(ctx.client, f"{ctx.run_dir.name}:")
         if orphans:
             ctx.console.print(
                 f"cancelled {orphans} training rollout(s) the interrupted run had left queued or running"
@@ -969,7 +969,7 @@ def _jsonable(value: Any) -> Any:
     return asdict(value) if hasattr(value, "__dataclass_fields__") else str(value)
 
 
-def cancel_unfinished(client: Any, group_prefix: str) -> int:
+def _cancel_unfinished(client: Any, group_prefix: str) -> int:
     """Cancel the queued and running rollouts whose group id starts with ``group_prefix``: those a
     run enqueued before it was interrupted, which nothing would read once it resumes (it enqueues
     its groups afresh) but which runners would still claim and run, ahead of the new ones. Rollouts
