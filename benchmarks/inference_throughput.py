@@ -27,6 +27,17 @@ With ``--repeat R`` the engine, static-batch generate and llama.cpp run R rounds
 round and the range. Ratios are taken within a round (engine / other system, same round), so a
 busy spell of a shared machine hits both sides; the range of those ratios is printed too.
 
+Warm-up: before anything is timed, each system answers one short request and then
+``--warm-batches`` (default 1) batches of as many other chats (poems instead of stories), untimed:
+the first batch of a shape pays one-time costs (oneDNN sets up its kernels for each new product
+shape, the engine's thread tuner makes its first probe). Before this only the short request was
+untimed: the generate baseline, which lives in this process, was still warm from its earlier
+runs (its one-thread run, earlier rounds), while each engine server, started afresh every round,
+was timed on its first batch. ``--warm-batches 0`` gives that setting: engine 427-449 tokens/s
+against 427-466 for static generate (0.96-1.02x per round), and then, with the default,
+465-566 against 450-464 (1.00-1.26x; both ``--skip-llama-cpp --sequential 0 --repeat 3``, quiet
+2-core Xeon with AMX, Dec 5).
+
 Thread settings: the engine chooses its thread count itself from measured step times; the
 ``generate`` baselines and llama.cpp run with 1 thread and with all CPUs (``--baseline-threads``)
 and keep the faster (on a machine shared with other jobs one thread is often several times
@@ -168,7 +179,17 @@ def server_process(cmd: list[str], port: int, timeout: float = 300.0) -> Iterato
         log.close()
 
 
-async def fire(base_url: str, texts: list[str], max_tokens: int, extra: dict) -> tuple[int, float]:
+def warm_up_texts(n: int) -> list[str]:
+    """``n`` chats unlike the measured ones (poems, not stories) for an untimed warm-up batch."""
+    combos = [f"Write a short poem about {s} {p}." for p in PLOTS for s in SUBJECTS]
+    return [combos[i % len(combos)] + ("" if i < len(combos) else f" Verse {i}.") for i in range(n)]
+
+
+async def fire(
+    base_url: str, texts: list[str], max_tokens: int, extra: dict, warm_batches: int = 1
+) -> tuple[int, float]:
+    """Completion tokens and seconds of ``texts`` sent at once, after an untimed warm-up: one
+    request, then ``warm_batches`` batches of as many other chats."""
     async with httpx.AsyncClient(base_url=base_url, timeout=1800) as client:
 
         async def one(text: str) -> int:
@@ -182,6 +203,8 @@ async def fire(base_url: str, texts: list[str], max_tokens: int, extra: dict) ->
             return reply.json()["usage"]["completion_tokens"]
 
         await one("Hi")  # warm-up: first-request costs are not throughput
+        for _ in range(warm_batches):  # nor are the first batch's (see the module docstring)
+            await asyncio.gather(*[one(t) for t in warm_up_texts(len(texts))])
         started = time.perf_counter()
         counts = await asyncio.gather(*[one(t) for t in texts])
         return sum(counts), time.perf_counter() - started
@@ -197,7 +220,9 @@ def bench_engine(
         cmd += ["--forward", forward]
     with server_process(cmd, port) as proc, RssSampler(proc.pid) as rss:
         extra = {"logprobs": True, "return_token_ids": True}
-        tokens, seconds = asyncio.run(fire(f"http://127.0.0.1:{port}/v1", texts, args.max_tokens, extra))
+        tokens, seconds = asyncio.run(
+            fire(f"http://127.0.0.1:{port}/v1", texts, args.max_tokens, extra, args.warm_batches)
+        )
     tags = [f"{cpu_matmul} matmul"] if cpu_matmul != "auto" else []
     tags += [f"{forward} forward"] if forward != "default" else []
     name = "agentbolt engine" + (f" ({', '.join(tags)})" if tags else "")
@@ -226,6 +251,9 @@ class HFBaseline:
         self.torch, self.args = torch, args
         with torch.inference_mode():  # warm-up: first-call costs are not throughput
             self.model.generate(**self.encode(["Hi"]), max_new_tokens=4, do_sample=False)
+            for _ in range(args.warm_batches):  # as the servers are warmed (fire)
+                texts = warm_up_texts(args.requests)
+                self.model.generate(**self.encode(texts), max_new_tokens=args.max_tokens, do_sample=False)
 
     def encode(self, texts: list[str]):
         rendered = [
@@ -317,7 +345,9 @@ def llama_cpp_run(texts: list[str], args, gguf: Path, threads: int) -> Result:
     cmd += ["--port", str(port), "--n_threads", str(threads), "--n_threads_batch", str(threads)]
     cmd += ["--n_ctx", "2048", "--verbose", "false"]
     with server_process(cmd, port):
-        tokens, seconds = asyncio.run(fire(f"http://127.0.0.1:{port}/v1", texts, args.max_tokens, {}))
+        tokens, seconds = asyncio.run(
+            fire(f"http://127.0.0.1:{port}/v1", texts, args.max_tokens, {}, args.warm_batches)
+        )
     note = f"{gguf.name}, {threads} thread(s) (best of {thread_counts(args)})"
     return Result("llama-cpp-python server", len(texts), tokens, seconds, note)
 
@@ -633,6 +663,12 @@ def main() -> None:
         help="thread counts for the baselines, e.g. 1 or 1,2 (default: 1 and all CPUs)",
     )
     parser.add_argument("--repeat", type=int, default=3, help="rounds; the order of the systems rotates")
+    parser.add_argument(
+        "--warm-batches",
+        type=int,
+        default=1,
+        help="untimed batches of other chats each system runs first (0: only one short request)",
+    )
     parser.add_argument(
         "--quick", action="store_true", help="1 round, 16 tokens, baselines with 1 thread, no sequential"
     )
