@@ -50,6 +50,8 @@ from agentbolt.errors import (
     LeaseLost,
     NotFound,
     ServerUnavailable,
+    WorkerRevoked,
+    WorkerTokenExpired,
 )
 from agentbolt.http1 import IDEMPOTENCY_KEY, Http1Transport, lean_mounts
 from agentbolt.schemas import (
@@ -157,10 +159,16 @@ class _Request(Generic[T]):
     timeout: float | None = None
     key: str | None = None
     """The ``Idempotency-Key`` of a write: made with the request, so every retry sends it again."""
+    token: str | None = None
+    """A bearer token for this request instead of the client's (a registration sends the token
+    the client enrolled with, not the worker token it acts with since)."""
 
     @property
     def headers(self) -> dict[str, str] | None:
-        return {IDEMPOTENCY_KEY: self.key} if self.key else None
+        headers = {IDEMPOTENCY_KEY: self.key} if self.key else {}
+        if self.token:
+            headers["authorization"] = f"Bearer {self.token}"
+        return headers or None
 
 
 def _write(
@@ -173,7 +181,17 @@ def _write(
 # The errors a server body may name (``{"error": {"type": ...}}``), rebuilt from its message.
 _ERRORS_BY_TYPE: dict[str, type[AgentboltError]] = {
     cls.__name__: cls
-    for cls in (NotFound, LeaseLost, AttemptEnded, InvalidTransition, Conflict, ConfigError, InvalidInput)
+    for cls in (
+        NotFound,
+        LeaseLost,
+        AttemptEnded,
+        InvalidTransition,
+        Conflict,
+        ConfigError,
+        InvalidInput,
+        WorkerRevoked,
+        WorkerTokenExpired,
+    )
 }
 
 
@@ -222,6 +240,7 @@ _page_rollouts = _adapter(Page[Rollout])
 _page_events = _adapter(Page[Event])
 _page_resources = _adapter(Page[Resources])
 _workers = _adapter(list[Worker])
+_worker = _adapter(Worker)
 _wait = _adapter(WaitResult)
 _reward_slot = _adapter(RewardSlot)
 _reward_scores = _adapter(list[RewardScore])
@@ -277,8 +296,14 @@ class _Api:
         return _write("/api/rollouts", _rollouts, json={"rollouts": rollouts})
 
     @staticmethod
-    def register_worker(name: str | None) -> _Request[Registration]:
-        return _write("/api/workers/register", _registration, json={"name": name})
+    def register_worker(name: str | None, token: str | None) -> _Request[Registration]:
+        call = _write("/api/workers/register", _registration, json={"name": name})
+        call.token = token
+        return call
+
+    @staticmethod
+    def revoke_worker(worker_id: str) -> _Request[Worker]:
+        return _write(f"/api/workers/{worker_id}/revoke", _worker)
 
     @staticmethod
     def dequeue(worker_id: str, lease_seconds: float | None, wait: float = 0.0) -> _Request[Claim | None]:
@@ -376,6 +401,9 @@ class _Base:
     ) -> None:
         self.url = url.rstrip("/")
         self.token = token
+        self.enrollment_token = token
+        """The token this client was made with: the one it registers with, also after a
+        registration made it act with the issued worker token (:attr:`token`)."""
         self.timeout = timeout
         self.retry = retry or RetryPolicy()
         self.headers = {"authorization": f"Bearer {token}"} if token else {}
@@ -442,9 +470,11 @@ class Client(_Base):
 
     def register_worker(self, name: str | None = None) -> Registration | None:
         """Ask the server for a worker identity (``name`` is a hint) and use its token for
-        every later call. None, and nothing changed, from a server that issues none (404)."""
+        every later call. None, and nothing changed, from a server that issues none (404).
+        Registering again (after :class:`WorkerTokenExpired`) sends the token the client was
+        made with, and replaces the identity."""
         try:
-            registration = self._send(_Api.register_worker(name))
+            registration = self._send(_Api.register_worker(name, self.enrollment_token))
         except NotFound:
             registration = None
         self._registered(registration, self.http)
@@ -597,6 +627,12 @@ class Client(_Base):
     def list_workers(self) -> list[Worker]:
         return self._send(_Request("GET", "/api/workers", _workers))
 
+    def revoke_worker(self, worker_id: str) -> Worker:
+        """Revoke a worker (admin): its token stops working, no token may claim or renew work
+        under its id, and its running attempts end now (their rollouts move on as after a
+        lapsed lease). Revoking again changes nothing."""
+        return self._send(_Api.revoke_worker(worker_id))
+
     def stats(self) -> dict[str, Any]:
         return self._send(_Request("GET", "/api/stats", _identity))
 
@@ -665,8 +701,9 @@ class AsyncClient(_Base):
         httpx path gives them."""
         transport, origin, base = lean
         headers = [(b"accept", b"application/json"), (b"user-agent", _USER_AGENT)]
-        if self.token:
-            headers.append((b"authorization", b"Bearer " + self.token.encode()))
+        token = call.token or self.token
+        if token:
+            headers.append((b"authorization", b"Bearer " + token.encode()))
         if call.key:
             headers.append((b"idempotency-key", call.key.encode()))
         content = b""
@@ -691,7 +728,7 @@ class AsyncClient(_Base):
     async def register_worker(self, name: str | None = None) -> Registration | None:
         """See :meth:`Client.register_worker`."""
         try:
-            registration = await self._send(_Api.register_worker(name))
+            registration = await self._send(_Api.register_worker(name, self.enrollment_token))
         except NotFound:
             registration = None
         self._registered(registration, self.http)

@@ -16,6 +16,8 @@ __all__ = [
     "NotFound",
     "ServerUnavailable",
     "StoreUnavailable",
+    "WorkerRevoked",
+    "WorkerTokenExpired",
 ]
 
 
@@ -71,6 +73,21 @@ class Forbidden(AgentboltError, PermissionError):
     another worker)."""
 
     status_code = 403
+
+
+class WorkerRevoked(AgentboltError, PermissionError):
+    """The worker was revoked by an admin: its token no longer works, and no token may claim or
+    renew work under its id. A runner that gets this stops (its running attempts were ended at
+    the revocation and their rollouts moved on)."""
+
+    status_code = 401
+
+
+class WorkerTokenExpired(AgentboltError, PermissionError):
+    """The worker token went unused for longer than the server's ``worker_token_ttl``; the runner
+    registers again with the token it enrolled with, and goes on as a new worker."""
+
+    status_code = 401
 
 
 class InvalidInput(AgentboltError, ValueError):

@@ -472,6 +472,8 @@ class Worker(BaseModel):
     last_seen: float
     claims: int
     running: int = 0
+    revoked_at: float | None = None
+    """When an admin revoked this worker (``POST /api/workers/{id}/revoke``); None: it was not."""
 
 
 # ---------------------------------------------------------------------------- events

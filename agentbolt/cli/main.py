@@ -6,6 +6,7 @@ import logging
 import os
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -27,6 +28,8 @@ from agentbolt.schemas import Mode, RolloutStatus
 app = typer.Typer(help="Train any AI agent from its real runs.", no_args_is_help=True, add_completion=False)
 rollouts_app = typer.Typer(help="Inspect rollouts stored on a server.", no_args_is_help=True)
 app.add_typer(rollouts_app, name="rollouts")
+workers_app = typer.Typer(help="List and revoke the runners registered with a server.", no_args_is_help=True)
+app.add_typer(workers_app, name="workers")
 app.add_typer(model_app, name="model")
 app.add_typer(export_app, name="export")
 app.command("demo")(demo_command)
@@ -72,6 +75,14 @@ def server(
         ),
     ] = None,
     lease_seconds: Annotated[float, typer.Option(help="Attempt lease without heartbeat.")] = 30.0,
+    worker_token_ttl: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="Seconds a worker token stays valid after its runner was last seen "
+            "(its runner then registers again); 0: never expires.",
+        ),
+    ] = 24 * 3600.0,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
 ) -> None:
     """Run the server: store API, gateway, OTLP ingest and dashboard."""
@@ -96,6 +107,7 @@ def server(
         token_names={t: name for name, t in named.items()},
         upstream_api_keys=_pairs(upstream_key, "--upstream-key", "BASE_URL=KEY", last=True),
         lease_seconds=lease_seconds,
+        worker_token_ttl=worker_token_ttl or None,
     )
     banner = f"agentbolt server on http://{host}:{port}  (store: {_without_password(db)})"
     serve(config, log_level, on_ready=lambda: console.print(banner))
@@ -342,6 +354,42 @@ def rollouts_show(
         attempts = client.list_attempts(rollout_id)
         events = client.all_events(rollout_id)
     console.print(render_rollout(rollout, attempts, events))
+
+
+@workers_app.command("list")
+def workers_list(server: ServerOpt = DEFAULT_SERVER, token: TokenOpt = None) -> None:
+    """List the registered runners (workers), most recently seen first."""
+    from agentbolt.client import Client
+
+    with Client(server, token) as client:
+        workers = client.list_workers()
+    table = Table(title=f"workers ({len(workers)} shown)")
+    for column in ("id", "last seen", "running", "claims", "revoked"):
+        table.add_column(column)
+    for w in workers:
+        revoked = _when(w.revoked_at) if w.revoked_at is not None else "-"
+        table.add_row(w.id, _when(w.last_seen), str(w.running), str(w.claims), revoked)
+    console.print(table)
+
+
+@workers_app.command("revoke")
+def workers_revoke(
+    worker_id: Annotated[str, typer.Argument(help="Worker id (see `agentbolt workers list`).")],
+    server: ServerOpt = DEFAULT_SERVER,
+    token: TokenOpt = None,
+) -> None:
+    """Revoke a worker (admin token): its token stops working, no token may claim or renew work
+    under its id, and its running attempts end now (their rollouts are requeued while attempts
+    remain). Its runner stops."""
+    from agentbolt.client import Client
+
+    with Client(server, token) as client:
+        worker = client.revoke_worker(worker_id)
+    console.print(f"worker {escape(worker.id)} revoked at {_when(worker.revoked_at or 0.0)}")
+
+
+def _when(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
 
 
 def main() -> None:

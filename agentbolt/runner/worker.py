@@ -42,7 +42,14 @@ from pathlib import Path
 from typing import Any
 
 from agentbolt.client import AsyncClient, RequestError, RetryPolicy
-from agentbolt.errors import AgentboltError, ConfigError, LeaseLost, NotFound
+from agentbolt.errors import (
+    AgentboltError,
+    ConfigError,
+    LeaseLost,
+    NotFound,
+    WorkerRevoked,
+    WorkerTokenExpired,
+)
 from agentbolt.runner.agent import LitAgent, RolloutContext, as_agent, emit_exception
 from agentbolt.runner.outcome import clip, content_at_fault, judge, record_failure
 from agentbolt.runner.program import AttemptAccess, Program, ProgramFailed
@@ -125,6 +132,7 @@ class Runner:
         self.agent = as_agent(agent)
         self.concurrency = max(1, concurrency)
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self._name = self.worker_id  # the hint every registration sends
         self.lease_seconds = lease_seconds
         """The lease this runner asks for; the server decides (``Claim.lease_seconds``)."""
         self._asked_interval = heartbeat_interval
@@ -167,6 +175,10 @@ class Runner:
         # set up once registered, so that it sends the worker token the server issues
         self._tracing = tracing_enabled(tracing)
         self.tracer: Tracer | None = None
+        self.failure: AgentboltError | None = None
+        """Why the runner stopped on the server's word (its worker revoked, or its expired token
+        could not be renewed); ``run`` raises it once the slots are done."""
+        self._reregister: asyncio.Future[None] | None = None  # registering again (token expired)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -190,6 +202,8 @@ class Runner:
             log.info("runner %s: %d slot(s) on %s", self.worker_id, self.concurrency, self.client.url)
             slots = [asyncio.create_task(self._slot(i)) for i in range(self.concurrency)]
             await asyncio.gather(*slots)
+            if self.failure is not None:
+                raise self.failure
         finally:
             if undo_watcher is not None:
                 undo_watcher()
@@ -203,7 +217,7 @@ class Runner:
         an older server issues none (404), and a token not allowed to register (403) goes on
         as it is. Any other refusal (an unknown token) stops the runner with the reason."""
         assert self._stopping is not None
-        asked = asyncio.ensure_future(self.client.register_worker(self.worker_id))
+        asked = asyncio.ensure_future(self.client.register_worker(self._name))
         stop = asyncio.ensure_future(self._stopping.wait())
         await asyncio.wait({asked, stop}, return_when=asyncio.FIRST_COMPLETED)
         stop.cancel()
@@ -222,6 +236,42 @@ class Runner:
         if registration is not None:
             self.worker_id = registration.worker_id
             self._secrets += (registration.worker_token,)
+
+    def _identity_lost(self, exc: WorkerRevoked | WorkerTokenExpired) -> None:
+        """The server no longer takes this runner's worker token. Revoked: stop (``run`` then
+        raises the error). Expired: register again, once for all slots (``_reregister``)."""
+        if isinstance(exc, WorkerRevoked):
+            self._fail(exc)
+        elif not self._done and (self._reregister is None or self._reregister.done()):
+            log.warning("runner %s: %s; registering again", self.worker_id, exc)
+            self._reregister = asyncio.ensure_future(self._register_again(exc))
+
+    def _fail(self, exc: AgentboltError) -> None:
+        """Stop on a reason of the server's (the first one is kept; ``run`` raises it)."""
+        assert self._stopping is not None
+        if self.failure is None:
+            log.error("runner %s: %s; stopping", self.worker_id, exc)
+            self.failure = exc
+        self._stopping.set()
+
+    async def _register_again(self, expired: WorkerTokenExpired) -> None:
+        """A new worker identity after the old token expired; span export moves to its token.
+        A runner that cannot get one (its own token refused, or not one that may register)
+        stops with the reason."""
+        old = self.worker_id
+        try:
+            await self._register()
+        except ConfigError as exc:
+            self._fail(exc)
+            return
+        if self.worker_id == old:
+            if not self._done:  # not stopped meanwhile: the server issued no new identity
+                self._fail(ConfigError(f"{expired}; and this runner could not register again (see above)"))
+            return
+        log.info("runner %s registered again as %s", old, self.worker_id)
+        if self.tracer is not None:
+            stale, self.tracer = self.tracer, Tracer(self.client.url, self.client.token)
+            await asyncio.to_thread(stale.shutdown)
 
     def stop(self) -> None:
         """Stop claiming; running rollouts get ``grace`` seconds, then are released."""
@@ -262,6 +312,10 @@ class Runner:
                 await self._execute(claim)
             except asyncio.CancelledError:
                 raise
+            except (WorkerRevoked, WorkerTokenExpired) as exc:
+                self._identity_lost(exc)
+                if self._reregister is not None:
+                    await self._reregister
             except Exception:
                 log.exception("runner slot %d: unexpected error; continuing", index)
                 await self._sleep(1.0)
@@ -426,6 +480,10 @@ class Runner:
             except (LeaseLost, NotFound) as exc:
                 watch.end(exc)
                 return
+            except (WorkerRevoked, WorkerTokenExpired) as exc:  # the attempt went with the identity
+                self._identity_lost(exc)
+                watch.end(exc)
+                return
             except AgentboltError:
                 log.exception("heartbeat for %s failed; trying again", ctx.attempt.id)
                 delay = min(interval, self.flush_interval)  # soon, not a whole interval later
@@ -440,6 +498,10 @@ class Runner:
             try:
                 await self._flush(ctx, watch)
             except (LeaseLost, NotFound) as exc:
+                watch.end(exc)
+                return
+            except (WorkerRevoked, WorkerTokenExpired) as exc:
+                self._identity_lost(exc)
                 watch.end(exc)
                 return
             except AgentboltError:
@@ -485,9 +547,11 @@ class Runner:
         try:
             status, reward, error = await self._last_upload(ctx, watch, status, reward, error)
             status = await self._finish(ctx, status, reward, error)
-        except (LeaseLost, NotFound) as exc:
+        except (LeaseLost, NotFound, WorkerRevoked, WorkerTokenExpired) as exc:
             log.warning("attempt %s could not be finished: %s", ctx.attempt.id, exc)
             self.lost += 1
+            if isinstance(exc, WorkerRevoked | WorkerTokenExpired):
+                self._identity_lost(exc)
             return
         except AgentboltError as exc:
             # Nothing more this runner can say (e.g. its token is refused): the lease runs out.
@@ -512,7 +576,7 @@ class Runner:
             await self._flush(ctx, watch)
             if watch.refused:
                 await self._flush(ctx, watch)  # the records of what was refused
-        except (LeaseLost, NotFound):
+        except (LeaseLost, NotFound, WorkerRevoked, WorkerTokenExpired):
             raise
         except AgentboltError as exc:
             return AttemptStatus.FAILED, None, f"events could not be uploaded: {exc}"

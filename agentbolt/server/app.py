@@ -21,7 +21,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from agentbolt.server.config import ServerConfig
 from agentbolt.server.errors import install_error_handlers
 from agentbolt.server.gateway import Gateway
-from agentbolt.server.middleware import AuthMiddleware, BodyLimitMiddleware
+from agentbolt.server.middleware import AuthMiddleware, BodyLimitMiddleware, IssuedCredentials
 from agentbolt.server.openapi import document
 from agentbolt.server.otlp import OtlpIngest
 from agentbolt.server.routes import (
@@ -54,7 +54,7 @@ def create_app(config: ServerConfig | None = None, store: SqlStore | None = None
     config = config or ServerConfig()
     owned = store is None
     store = store or open_store(config.db, lease_seconds=config.lease_seconds)
-    call, wake = StoreCaller(store), WakeUp()
+    call, wake, issued = StoreCaller(store), WakeUp(), IssuedCredentials()
     gateway = Gateway(call, config)
 
     @contextlib.asynccontextmanager
@@ -80,11 +80,11 @@ def create_app(config: ServerConfig | None = None, store: SqlStore | None = None
     )
     app.state.store, app.state.config, app.state.call, app.state.gateway = store, config, call, gateway
     install_error_handlers(app)
-    _include_routes(app, call, wake, gateway, config)
+    _include_routes(app, call, wake, gateway, config, issued)
     document(app, auth=bool(config.tokens))
-    _add_middleware(app, gateway, call, wake, config)
+    _add_middleware(app, gateway, call, wake, config, issued)
     if not config.cors_origins:  # with CORS, every request takes the whole stack
-        app.front = _front(app, gateway, call, wake, config)
+        app.front = _front(app, gateway, call, wake, config, issued)
     return app
 
 
@@ -117,7 +117,14 @@ class _App(FastAPI):
         await super().__call__(scope, receive, send)
 
 
-def _front(app: _App, gateway: Gateway, call: StoreCaller, wake: WakeUp, config: ServerConfig) -> Any:
+def _front(
+    app: _App,
+    gateway: Gateway,
+    call: StoreCaller,
+    wake: WakeUp,
+    config: ServerConfig,
+    issued: IssuedCredentials,
+) -> Any:
     """The middleware of ``_add_middleware``, in the same order, over the whole stack; past
     auth, a gateway call goes straight to the gateway's fast path and any other to the
     runner's (neither serves the other's paths, so neither need pass them on)."""
@@ -128,12 +135,28 @@ def _front(app: _App, gateway: Gateway, call: StoreCaller, wake: WakeUp, config:
         fast = gateway_path if scope["path"].startswith("/gateway/") else runner
         await fast(scope, receive, send)
 
-    auth = AuthMiddleware(either, tokens=config.tokens, call=gateway.call, names=config.token_names)
+    auth = AuthMiddleware(either, **_auth_settings(gateway, config, issued))
     return BodyLimitMiddleware(auth, max_bytes=config.max_body_bytes)
 
 
+def _auth_settings(gateway: Gateway, config: ServerConfig, issued: IssuedCredentials) -> dict[str, Any]:
+    """AuthMiddleware's settings: the same for the stack's instance and the fast paths'."""
+    return {
+        "tokens": config.tokens,
+        "call": gateway.call,
+        "names": config.token_names,
+        "issued": issued,
+        "worker_token_ttl": config.worker_token_ttl,
+    }
+
+
 def _include_routes(
-    app: FastAPI, call: StoreCaller, wake: WakeUp, gateway: Gateway, config: ServerConfig
+    app: FastAPI,
+    call: StoreCaller,
+    wake: WakeUp,
+    gateway: Gateway,
+    config: ServerConfig,
+    issued: IssuedCredentials,
 ) -> None:
     routers = [
         status.router(call, app.version),
@@ -141,7 +164,7 @@ def _include_routes(
         events.router(call),
         attempts.router(call, wake),
         agent.router(call),
-        workers.router(call),
+        workers.router(call, issued),
         resources.router(call),
         rewards.router(call),
         gateway_routes.router(gateway),
@@ -158,14 +181,19 @@ def _include_routes(
 
 
 def _add_middleware(
-    app: FastAPI, gateway: Gateway, call: StoreCaller, wake: WakeUp, config: ServerConfig
+    app: FastAPI,
+    gateway: Gateway,
+    call: StoreCaller,
+    wake: WakeUp,
+    config: ServerConfig,
+    issued: IssuedCredentials,
 ) -> None:
     """Innermost first: a request passes CORS, the body limit, auth, then the fast paths of
     the runner's calls and the gateway's, so those are limited and authenticated like every
     route."""
     app.add_middleware(runner_fast.RunnerFastPath, call=call, wake=wake)
     app.add_middleware(gateway_routes.GatewayFastPath, gateway=gateway)
-    app.add_middleware(AuthMiddleware, tokens=config.tokens, call=gateway.call, names=config.token_names)
+    app.add_middleware(AuthMiddleware, **_auth_settings(gateway, config, issued))
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     if config.cors_origins:
         app.add_middleware(

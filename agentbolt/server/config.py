@@ -44,6 +44,9 @@ class ServerConfig:
     """Gateway: API key per upstream base URL (or ``"*"``), kept out of events and responses."""
     upstream_timeout: float = 300.0
     """Gateway: seconds an upstream model call may take."""
+    worker_token_ttl: float | None = 24 * 3600.0
+    """Seconds a worker token stays valid after its worker was last seen (a dequeue, a
+    heartbeat); an expired one is refused (401) and its runner registers again. None: never."""
     dashboard: bool = True
 
     @staticmethod

@@ -7,38 +7,46 @@ attempt's agent key (``ak_...``, only that attempt's gateway routes and events U
 credentials are checked whether or not tokens are configured: with none configured, a request
 without a token may still do anything (loopback use), but a foreign or unknown issued
 credential is refused.
+
+A worker token is refused (401) once an admin revoked its worker (``WorkerRevoked``) or when its
+worker has not been seen for ``ServerConfig.worker_token_ttl`` seconds (``WorkerTokenExpired``:
+the runner registers again). Issued credentials are looked up in the store once and kept
+(:class:`IssuedCredentials`); a worker token is looked up again after :data:`RECHECK_S` seconds,
+so a revocation reaches every replica within that time, and the replica that revoked at once.
 """
 
 from __future__ import annotations
 
 import hmac
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from agentbolt.errors import NotFound
+from agentbolt.errors import NotFound, WorkerRevoked, WorkerTokenExpired
 from agentbolt.evaluators.model import JUDGE_PROXY_PATH
 from agentbolt.server.config import Role
 from agentbolt.server.store_caller import StoreCaller
 from agentbolt.store.sql import AGENT_KEY_PREFIX, WORKER_TOKEN_PREFIX, token_sha256
 from agentbolt.web import error_body
 
-__all__ = ["AuthMiddleware", "BodyLimitMiddleware", "Caller", "role_allows"]
+__all__ = ["RECHECK_S", "AuthMiddleware", "BodyLimitMiddleware", "Caller", "IssuedCredentials", "role_allows"]
 
 Scope = dict[str, Any]
 
 # Paths anyone may read without a token.
 OPEN_PATHS = ("/health", "/", "/favicon.ico", "/dashboard", "/static/")
-# Paths a runner may write to (besides reading). Everything else that writes needs admin.
+# Paths a runner may write to (besides reading): these prefixes, and registration (exactly: a
+# worker id may start with "register"). Everything else that writes needs admin.
 RUNNER_WRITES = (
     "/api/dequeue",
     "/api/attempts/",
-    "/api/workers/register",
     "/gateway/",
     "/agent/",
     "/v1/traces",
 )
+RUNNER_REGISTERS = "/api/workers/register"
 # POSTs that only read (their bodies are too big for a query string): any role may send them.
 READ_POSTS = ("/api/events/query", "/api/rollouts/wait")
 
@@ -122,7 +130,7 @@ def role_allows(role: Role, method: str, path: str) -> bool:
     if method in ("GET", "HEAD", "OPTIONS") or (method == "POST" and path in READ_POSTS):
         return True
     if role == Role.RUNNER:
-        return path.startswith(RUNNER_WRITES)
+        return path.startswith(RUNNER_WRITES) or path == RUNNER_REGISTERS
     scores = method == "POST" and _rewards_path(path)
     if role == Role.REVIEWER:
         return scores
@@ -153,8 +161,41 @@ def _bearer(scope: Scope) -> bytes:
 
 _ISSUED = (AGENT_KEY_PREFIX.encode(), WORKER_TOKEN_PREFIX.encode())  # an issued credential's prefixes
 
-# issued credentials looked up once per process: what they bind to never changes
 _CACHE_LIMIT = 100_000
+RECHECK_S = 10.0
+"""Seconds a worker token found valid is trusted before the store is asked again (revocation,
+expiry). An agent key's binding never changes: it is kept."""
+
+
+class IssuedCredentials:
+    """Issued credentials found in the store, kept per process (one object for the app's two
+    auth middleware instances and the routes that revoke): unknown ones are not kept, so
+    guesses do not fill memory."""
+
+    def __init__(self, limit: int = _CACHE_LIMIT, recheck_s: float | None = None) -> None:
+        self.limit = limit
+        self.recheck_s = RECHECK_S if recheck_s is None else recheck_s
+        self._found: dict[bytes, tuple[Caller, float]] = {}
+
+    def get(self, given: bytes) -> Caller | None:
+        entry = self._found.get(given)
+        if entry is None:
+            return None
+        caller, found_at = entry
+        if caller.worker_id is not None and time.monotonic() - found_at > self.recheck_s:
+            del self._found[given]
+            return None
+        return caller
+
+    def put(self, given: bytes, caller: Caller) -> None:
+        if len(self._found) >= self.limit:
+            self._found.clear()
+        self._found[given] = (caller, time.monotonic())
+
+    def forget_worker(self, worker_id: str) -> None:
+        """Drop a worker's token (just revoked): its next request is looked up again."""
+        for given in [g for g, (c, _) in self._found.items() if c.worker_id == worker_id]:
+            del self._found[given]
 
 
 class AuthMiddleware:
@@ -163,12 +204,19 @@ class AuthMiddleware:
     ``scope["agentbolt.caller"]``."""
 
     def __init__(
-        self, app: Any, tokens: dict[str, Role], call: StoreCaller, names: dict[str, str] | None = None
+        self,
+        app: Any,
+        tokens: dict[str, Role],
+        call: StoreCaller,
+        names: dict[str, str] | None = None,
+        issued: IssuedCredentials | None = None,
+        worker_token_ttl: float | None = None,
     ) -> None:
         self.app, self.call = app, call
         names = names or {}
         self.tokens = [(t.encode(), Caller(r, name=names.get(t))) for t, r in tokens.items()]
-        self._issued: dict[bytes, Caller] = {}
+        self.issued = issued or IssuedCredentials()
+        self.worker_token_ttl = worker_token_ttl
 
     def _configured(self, given: bytes) -> Caller | None:
         if not given:
@@ -179,29 +227,35 @@ class AuthMiddleware:
                 found = caller
         return found
 
-    async def _issued_caller(self, given: bytes) -> Caller | None:
-        """The caller an issued credential names; None when the store issued no such one."""
-        if given in self._issued:
-            return self._issued[given]
+    async def _issued_caller(self, given: bytes) -> Caller | str | None:
+        """The caller an issued credential names; None when the store issued no such one; the
+        error type (``WorkerRevoked``, ``WorkerTokenExpired``) of a worker token no longer valid."""
+        caller = self.issued.get(given)
+        if caller is not None:
+            return caller
         text = given.decode("ascii", "replace")
-        caller = None
         if text.startswith(AGENT_KEY_PREFIX):
             found = await self.call(self.call.store.attempt_of_agent_key, text)
             if found is not None:
                 caller = Caller(Role.AGENT, rollout_id=found[0], attempt_id=found[1])
         else:
             worker = await self.call(self.call.store.worker_of_token_sha256, token_sha256(text))
-            caller = Caller(Role.RUNNER, worker_id=worker) if worker is not None else None
-        if caller is not None:  # unknown ones are not kept: guesses must not fill memory
-            if len(self._issued) >= _CACHE_LIMIT:
-                self._issued.clear()
-            self._issued[given] = caller
+            if worker is None:
+                return None
+            if worker.revoked_at is not None:
+                return WorkerRevoked.__name__
+            ttl = self.worker_token_ttl
+            if ttl is not None and time.time() - worker.last_seen > ttl:
+                return WorkerTokenExpired.__name__
+            caller = Caller(Role.RUNNER, worker_id=worker.worker_id)
+        if caller is not None:
+            self.issued.put(given, caller)
         return caller
 
-    async def _caller(self, given: bytes) -> Caller | None:
+    async def _caller(self, given: bytes) -> Caller | str | None:
         caller = self._configured(given)
         if caller is None and given.startswith(_ISSUED):
-            caller = await self._issued_caller(given)
+            return await self._issued_caller(given)
         return caller
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
@@ -212,6 +266,10 @@ class AuthMiddleware:
         if not self.tokens and not issued:  # no auth configured: see the module docstring
             return await self.app(scope, receive, send)
         caller = await self._caller(given)
+        if isinstance(caller, str):
+            return await _send_json(
+                send, 401, error_body(_INVALID[caller], caller), ((b"www-authenticate", b"Bearer"),)
+            )
         if caller is None and (issued or not (method == "GET" and _open(path))):
             what = "unknown agent key or worker token" if issued else "missing or invalid bearer token"
             return await _send_json(
@@ -239,6 +297,15 @@ class AuthMiddleware:
         except NotFound:
             return False
         return attempt.worker_id != caller.worker_id
+
+
+_INVALID = {
+    WorkerRevoked.__name__: "this worker token's worker was revoked by an admin: the token no longer works",
+    WorkerTokenExpired.__name__: (
+        "this worker token expired (its worker was not seen for longer than the server's "
+        "worker_token_ttl): register again with the runner token"
+    ),
+}
 
 
 def _refusal(caller: Caller, method: str, path: str) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from agentbolt.errors import NotFound
 from agentbolt.schemas import (
@@ -43,7 +43,7 @@ from agentbolt.store.rows import (
 )
 from agentbolt.store.statements import LATEST_VERSION, RUNNING, attempt_row, rollouts_by_id, sql_literal
 
-__all__ = ["Queries"]
+__all__ = ["Queries", "WorkerToken"]
 
 
 class Queries:
@@ -272,21 +272,27 @@ class Queries:
             row = tx.one("SELECT rollout_id, id FROM attempts WHERE agent_key = ?", (agent_key,))
         return (row[0], row[1]) if row is not None else None
 
-    def worker_of_token_sha256(self, digest: str) -> str | None:
-        """The id of the registered worker whose token has this sha256, if any."""
+    def worker_of_token_sha256(self, digest: str) -> WorkerToken | None:
+        """The registered worker whose token has this sha256 (its id, when it was last seen and
+        when it was revoked), if any."""
         with self._read() as tx:
-            row = tx.one("SELECT id FROM workers WHERE token_sha256 = ?", (digest,))
-        return row[0] if row is not None else None
+            row = tx.one("SELECT id, last_seen, revoked_at FROM workers WHERE token_sha256 = ?", (digest,))
+        return WorkerToken(row[0], row[1], row[2]) if row is not None else None
 
     def list_workers(self, limit: int = 100) -> list[Worker]:
         with self._read() as tx:
             rows = tx.all(
-                "SELECT w.id, w.last_seen, w.claims, "
-                f"(SELECT COUNT(*) FROM attempts a WHERE a.worker_id = w.id AND a.status = {RUNNING}) "
-                "FROM workers w ORDER BY w.last_seen DESC LIMIT ?",
+                f"SELECT {_WORKER_COLS} FROM workers w ORDER BY w.last_seen DESC LIMIT ?",
                 (page_limit(limit),),
             )
-        return [Worker(id=r[0], last_seen=r[1], claims=r[2], running=r[3]) for r in rows]
+        return [_worker(r) for r in rows]
+
+    def get_worker(self, worker_id: str) -> Worker:
+        with self._read() as tx:
+            row = tx.one(f"SELECT {_WORKER_COLS} FROM workers w WHERE w.id = ?", (worker_id,))
+        if row is None:
+            raise NotFound("worker", worker_id)
+        return _worker(row)
 
     def stats(self) -> dict[str, Any]:
         """Counts by status and mode, plus reward means per resources version and mode."""
@@ -326,3 +332,21 @@ class Queries:
         with self._read() as tx:
             rows = tx.all("SELECT ended_at, status FROM rollouts WHERE ended_at >= ?", (since,))
         return [(float(ended), str(status)) for ended, status in rows]
+
+
+class WorkerToken(NamedTuple):
+    """What a worker token names: its worker, when that worker was last seen, when it was revoked."""
+
+    worker_id: str
+    last_seen: float
+    revoked_at: float | None
+
+
+_WORKER_COLS = (
+    "w.id, w.last_seen, w.claims, "
+    f"(SELECT COUNT(*) FROM attempts a WHERE a.worker_id = w.id AND a.status = {RUNNING}), w.revoked_at"
+)
+
+
+def _worker(row: Sequence[Any]) -> Worker:
+    return Worker(id=row[0], last_seen=row[1], claims=row[2], running=row[3], revoked_at=row[4])

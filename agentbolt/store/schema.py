@@ -100,6 +100,12 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             "CREATE INDEX reward_scores_slot ON reward_scores (rollout_id, name, revision)",
         ],
     ),
+    (
+        # Revocable workers: when an admin revoked the worker (NULL: never). A revoked worker's
+        # token is refused, and no dequeue or heartbeat may name its id.
+        5,
+        ["ALTER TABLE workers ADD COLUMN revoked_at {real}"],
+    ),
 ]
 
 _APPLIED = (

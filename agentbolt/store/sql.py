@@ -44,6 +44,7 @@ from agentbolt.schemas import (
     RolloutCreate,
     RolloutStatus,
     Task,
+    Worker,
     check_transition,
     new_id,
     now,
@@ -66,6 +67,7 @@ from agentbolt.store.statements import (
     EVENTS_PER_INSERT,
     LATEST_VERSION,
     NEXT_QUEUED,
+    RUNNING,
     attempt_row,
     cancel_running,
     claim_made,
@@ -430,6 +432,27 @@ class SqlStore(Queries):
                 (worker_id, now(), token_sha256(token)),
             )
         return worker_id, token
+
+    def revoke_worker(self, worker_id: str) -> Worker:
+        """Revoke a worker: its token is refused from now on (by every server replica within
+        :data:`~agentbolt.server.middleware.RECHECK_S` seconds), no token may claim or renew work
+        under its id, and its running attempts end now, as if their leases had lapsed (their
+        rollouts are requeued while attempts remain). Revoking again changes nothing."""
+        ts = now()
+        with self._tx() as tx:
+            changed = tx.run(
+                "UPDATE workers SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (ts, worker_id)
+            )
+            if not changed and tx.one("SELECT 1 FROM workers WHERE id = ?", (worker_id,)) is None:
+                raise NotFound("worker", worker_id)
+            running = tx.all(
+                f"SELECT id FROM attempts WHERE worker_id = ? AND status = {RUNNING} ORDER BY id",
+                (worker_id,),
+            )
+            finish = AttemptFinish(status=AttemptStatus.FAILED, error=f"worker {worker_id!r} was revoked")
+            for (attempt_id,) in running:
+                end_attempt(tx, attempt_id, finish, AttemptStatus.LEASE_EXPIRED, ts, worker_id)
+        return self.get_worker(worker_id)
 
     # ------------------------------------------------------------------ resources
 

@@ -12,7 +12,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from agentbolt.errors import AttemptEnded, Conflict, LeaseLost, NotFound
+from agentbolt.errors import AttemptEnded, Conflict, LeaseLost, NotFound, WorkerRevoked
 from agentbolt.schemas import (
     Attempt,
     AttemptFinish,
@@ -177,12 +177,17 @@ def claim_made(tx: Tx, worker_id: str, key: str) -> tuple[Rollout, Attempt, str 
 
 
 def touch_worker(tx: Tx, worker_id: str, ts: float, claimed: int) -> None:
-    """Record that ``worker_id`` was seen at ``ts`` (and claimed ``claimed`` more attempts)."""
-    tx.run(
+    """Record that ``worker_id`` was seen at ``ts`` (and claimed ``claimed`` more attempts).
+    :class:`WorkerRevoked` when an admin revoked that worker: the caller's transaction (the
+    claim or the lease renewal it made) is rolled back, whichever token named the worker."""
+    row = tx.one(
         "INSERT INTO workers (id, last_seen, claims) VALUES (?, ?, ?) "
-        "ON CONFLICT (id) DO UPDATE SET last_seen = excluded.last_seen, claims = workers.claims + excluded.claims",
+        "ON CONFLICT (id) DO UPDATE SET last_seen = excluded.last_seen, claims = workers.claims + excluded.claims "
+        "RETURNING revoked_at",
         (worker_id, ts, claimed),
     )
+    if row is not None and row[0] is not None:
+        raise WorkerRevoked(f"worker {worker_id!r} was revoked: it may not claim or renew work")
 
 
 def attempt_row(tx: Tx, attempt_id: str) -> tuple[Any, ...]:

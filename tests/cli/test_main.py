@@ -22,7 +22,18 @@ def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 def test_help_lists_every_command():
     out = cli("--help").stdout
-    for command in ("server", "runner", "eval", "rollouts", "demo", "model", "export", "judge", "review"):
+    for command in (
+        "server",
+        "runner",
+        "eval",
+        "rollouts",
+        "workers",
+        "demo",
+        "model",
+        "export",
+        "judge",
+        "review",
+    ):
         assert command in out, command
 
 
@@ -57,6 +68,23 @@ def test_rollouts_list_and_show(server, client):
     shown = cli("rollouts", "show", ro.id, "--server", server.url)
     assert shown.returncode == 0, shown.stderr
     assert "four" in shown.stdout and "12" in shown.stdout and "0.5" in shown.stdout
+
+
+def test_workers_list_and_revoke(server, client):
+    from agentbolt.client import Client
+
+    with Client(server.url) as runner:
+        registration = runner.register_worker("cli-host")
+    assert registration is not None
+    worker_id = registration.worker_id
+    listed = cli("workers", "list", "--server", server.url)
+    assert listed.returncode == 0 and worker_id in listed.stdout
+    revoked = cli("workers", "revoke", worker_id, "--server", server.url)
+    assert revoked.returncode == 0 and f"worker {worker_id} revoked at" in revoked.stdout
+    assert client.list_workers()[0].revoked_at is not None
+    missing = cli("workers", "revoke", "nobody-0", "--server", server.url)
+    assert missing.returncode == 1 and "'nobody-0' not found" in missing.stderr
+    assert "Traceback" not in missing.stderr
 
 
 def test_eval_runs_an_agent_file_on_a_task_file(tmp_path):

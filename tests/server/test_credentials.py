@@ -428,3 +428,70 @@ def test_gateway_url_follows_the_balancers_scheme_and_host(secure):
     headers = {**_h(secure.runner), "x-forwarded-proto": "https", "host": "agents.example.com"}
     claim = httpx.post(f"{secure.url}/api/dequeue", json={"worker_id": "w1"}, headers=headers).json()
     assert _gateway(claim).startswith("https://agents.example.com/gateway/")
+
+
+# ---------------------------------------------------------------------------- revocation, expiry
+
+
+def test_a_revoked_workers_token_is_refused_at_once_and_its_attempts_move_on(secure):
+    issued = _register(secure.url, RUNNER).json()
+    wid, token = issued["worker_id"], issued["worker_token"]
+    claim = secure.claim(wid)  # the runner token names it; then its own token, so that it is cached
+    attempt = f"{secure.url}/api/attempts/{claim['attempt']['id']}"
+    assert httpx.post(f"{attempt}/heartbeat", json={}, headers=_h(token)).status_code == 200
+    revoke = f"{secure.url}/api/workers/{wid}/revoke"
+    for who in (RUNNER, READER, token):
+        assert httpx.post(revoke, headers=_h(who)).status_code == 403
+    r = httpx.post(revoke, headers=_h(ADMIN))
+    assert r.status_code == 200 and r.json()["id"] == wid and r.json()["revoked_at"] > 0
+    revoked_at = r.json()["revoked_at"]
+    # the very next call with its token (cached as valid a moment ago) is refused, and says why
+    r = httpx.post(f"{attempt}/heartbeat", json={}, headers=_h(token))
+    assert r.status_code == 401 and _error(r)[0] == "WorkerRevoked" and "revoked" in _error(r)[1]
+    # its running attempt ended as after a lapsed lease, with the reason; the rollout is queued again
+    with Client(secure.url, ADMIN) as admin:
+        [ended] = admin.list_attempts(claim["rollout"]["id"])
+        assert ended.status.value == "lease_expired" and f"worker {wid!r} was revoked" in (ended.error or "")
+        assert admin.get_rollout(claim["rollout"]["id"]).status.value == "queued"
+        # no token may claim under its id: the plain runner token naming it is refused too,
+        # and the claim it tried is rolled back
+        r = httpx.post(f"{secure.url}/api/dequeue", json={"worker_id": wid}, headers=_h(RUNNER))
+        assert r.status_code == 401 and _error(r)[0] == "WorkerRevoked"
+        assert admin.get_rollout(claim["rollout"]["id"]).status.value == "queued"
+        [listed] = [w for w in admin.list_workers() if w.id == wid]
+        assert listed.revoked_at == revoked_at and listed.running == 0
+        again = admin.revoke_worker(wid)  # revoking again changes nothing
+        assert again.revoked_at == revoked_at
+    r = httpx.post(f"{secure.url}/api/workers/nobody-1/revoke", headers=_h(ADMIN))
+    assert r.status_code == 404 and "nobody-1" in _error(r)[1]
+
+
+def test_a_runner_token_cannot_revoke_a_worker_whose_id_starts_with_register(secure):
+    wid = _register(secure.url, RUNNER, name="register").json()["worker_id"]
+    assert wid.startswith("register-")
+    r = httpx.post(f"{secure.url}/api/workers/{wid}/revoke", headers=_h(RUNNER))
+    assert r.status_code == 403
+
+
+def test_a_worker_token_expires_when_its_worker_goes_unseen(tmp_path, upstream, monkeypatch):
+    from agentbolt.server import middleware
+
+    monkeypatch.setattr(middleware, "RECHECK_S", 0.2)  # look tokens up again soon
+    config = ServerConfig(db=str(tmp_path / "ttl.db"), tokens=TOKENS, worker_token_ttl=1.5)
+    with ServerThread(config) as srv:
+        busy, idle = (_register(srv.url, RUNNER).json() for _ in range(2))
+        dequeue = f"{srv.url}/api/dequeue"
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:  # one keeps being seen (an empty dequeue counts)
+            r = httpx.post(dequeue, json={"worker_id": busy["worker_id"]}, headers=_h(busy["worker_token"]))
+            assert r.status_code == 200, r.text
+            time.sleep(0.3)
+        r = httpx.post(dequeue, json={"worker_id": idle["worker_id"]}, headers=_h(idle["worker_token"]))
+        assert r.status_code == 401 and _error(r)[0] == "WorkerTokenExpired"
+        assert "register again" in _error(r)[1]
+        # the runner token it enrolled with registers again: a new identity that works
+        with Client(srv.url, RUNNER) as runner:
+            runner.register_worker("host-1")
+            again = runner.register_worker("host-1")  # after a registration: still the runner token
+            assert again is not None and runner.token == again.worker_token
+            assert runner.dequeue(again.worker_id) is None

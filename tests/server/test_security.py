@@ -230,6 +230,7 @@ SQL_FRAGMENTS = {
     "SCORE_COLS",
     "SLOT_COLS",
     "SLOT_FROM",
+    "_WORKER_COLS",
     # placeholders only
     "marks",
     "', '.join('?' * len(types))",

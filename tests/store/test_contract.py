@@ -656,15 +656,38 @@ def test_a_registered_workers_token_is_kept_as_its_hash(store: SqlStore) -> None
     worker_id, token = store.register_worker("host-a")
     other_id, other_token = store.register_worker("host-a")
     assert worker_id.startswith("host-a-") and other_id != worker_id and token.startswith("wt_")
-    assert store.worker_of_token_sha256(token_sha256(token)) == worker_id
-    assert store.worker_of_token_sha256(token_sha256(other_token)) == other_id
+    found = store.worker_of_token_sha256(token_sha256(token))
+    assert found is not None and found.worker_id == worker_id and found.revoked_at is None
+    assert store.worker_of_token_sha256(token_sha256(other_token)).worker_id == other_id  # type: ignore[union-attr]
     assert store.worker_of_token_sha256(token_sha256("wt_unknown")) is None
     with store.db.transaction() as tx:
         assert tx.one("SELECT COUNT(*) FROM workers WHERE token_sha256 = ?", (token,)) == (0,)
     store.enqueue(make(1))
-    claim(store, worker_id)  # the worker row is touched, its token kept
-    assert store.worker_of_token_sha256(token_sha256(token)) == worker_id
+    claim(store, worker_id)  # the worker row is touched (last seen now), its token kept
+    seen = store.worker_of_token_sha256(token_sha256(token))
+    assert seen is not None and seen.worker_id == worker_id and seen.last_seen >= found.last_seen
     assert worker_id in [w.id for w in store.list_workers()]
+
+
+def test_a_revoked_worker_can_neither_claim_nor_renew_and_its_attempts_move_on(store: SqlStore) -> None:
+    from agentbolt.errors import WorkerRevoked
+    from agentbolt.store.sql import token_sha256
+
+    worker_id, token = store.register_worker("host-r")
+    store.enqueue(make(2))
+    held = claim(store, worker_id)
+    revoked = store.revoke_worker(worker_id)
+    assert revoked.id == worker_id and revoked.revoked_at is not None and revoked.running == 0
+    assert store.worker_of_token_sha256(token_sha256(token)).revoked_at == revoked.revoked_at  # type: ignore[union-attr]
+    [attempt] = store.list_attempts(held.rollout.id)
+    assert attempt.status == AttemptStatus.LEASE_EXPIRED and "revoked" in (attempt.error or "")
+    assert store.get_rollout(held.rollout.id).status == RolloutStatus.QUEUED
+    with pytest.raises(WorkerRevoked):
+        store.dequeue(worker_id)
+    assert store.stats()["rollouts"]["queued"] == 2  # the refused claim was rolled back
+    assert store.revoke_worker(worker_id).revoked_at == revoked.revoked_at  # again: unchanged
+    with pytest.raises(NotFound):
+        store.revoke_worker("nobody")
 
 
 def test_agent_events_honour_their_key_and_stop_when_the_attempt_ends(store: SqlStore) -> None:

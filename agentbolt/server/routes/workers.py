@@ -5,6 +5,12 @@ alike, each with the runner token it was given) registers once and then acts wit
 token: dequeue, heartbeat, events and finish naming another worker are refused (403), so one
 runner cannot act for another. A plain runner token may still name any worker id (older
 runners); the binding needs the registration.
+
+``POST /api/workers/{worker_id}/revoke`` (admin) revokes a worker: its token is refused from then
+on, no token may claim or renew work under its id, and its running attempts end at once (their
+rollouts are requeued while attempts remain). A worker token also expires when its worker was
+not seen (a dequeue, a heartbeat) for ``ServerConfig.worker_token_ttl`` seconds; its runner then
+registers again.
 """
 
 from __future__ import annotations
@@ -13,14 +19,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from agentbolt.errors import Forbidden
-from agentbolt.schemas import WorkerRegister, WorkerRegistration
+from agentbolt.schemas import Worker, WorkerRegister, WorkerRegistration
+from agentbolt.server.middleware import IssuedCredentials
 from agentbolt.server.routes.common import caller_of, json_response
 from agentbolt.server.store_caller import StoreCaller
 
 __all__ = ["router"]
 
 
-def router(call: StoreCaller) -> APIRouter:
+def router(call: StoreCaller, issued: IssuedCredentials) -> APIRouter:
     api = APIRouter(prefix="/api/workers", tags=["runner"])
     store = call.store
 
@@ -34,5 +41,14 @@ def router(call: StoreCaller) -> APIRouter:
             raise Forbidden("a worker token cannot register another worker: use the runner token")
         worker_id, token = await call(store.register_worker, body.name)
         return json_response(WorkerRegistration(worker_id=worker_id, worker_token=token), 201)
+
+    @api.post("/{worker_id}/revoke", response_model=Worker, tags=["admin"])
+    async def revoke(worker_id: str) -> Response:
+        """Revoke a worker (admin): its token stops working, no token may claim or renew work
+        under its id, and its running attempts end now, as if their leases had lapsed. Revoking
+        again changes nothing; the answer is the worker, with ``revoked_at``. 404: no such worker."""
+        worker = await call(store.revoke_worker, worker_id)
+        issued.forget_worker(worker_id)
+        return json_response(worker)
 
     return api

@@ -294,6 +294,10 @@ def _bend_clock(store: SqlStore, out: Populated) -> None:
         tx.run(
             "INSERT INTO workers (id, last_seen, claims) VALUES (?, ?, ?)", ("runner-old", now - 3 * 3600, 12)
         )
+        tx.run(  # seen a moment ago, then revoked by an admin
+            "INSERT INTO workers (id, last_seen, claims, revoked_at) VALUES (?, ?, ?, ?)",
+            ("runner-cut", now - 5, 3, now - 2),
+        )
 
 
 HUMAN_SCALE = RewardScale(low=1, high=5, step=1)

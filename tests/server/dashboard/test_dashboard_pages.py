@@ -37,8 +37,9 @@ def test_overview_shows_counts_runners_and_throughput(
     for name in ("queued", "running", "succeeded", "failed"):
         assert page.get_by_test_id(f"stat-{name}").locator(".stat-value").inner_text() == str(counts[name])
     runners = page.locator("#runners tbody tr")
-    assert runners.count() == 3
+    assert runners.count() == 4
     assert "Gone" in runners.filter(has_text="runner-old").inner_text()
+    assert "Revoked" in runners.filter(has_text="runner-cut").inner_text()  # seen recently, but cut off
     assert "Busy" in runners.filter(has_text="runner-a").inner_text()  # holds the running rollout
     assert page.locator("#throughput-card rect.bar").count() > 5
     assert page.locator("#recent tbody tr").count() == 8

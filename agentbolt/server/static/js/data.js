@@ -16,8 +16,10 @@ export async function allResources(state, signal) {
   return state.resources;
 }
 
-/** busy / idle / gone: a runner unseen for two lease lengths (at least 30 s) is gone. */
+/** busy / idle / gone / revoked: a runner unseen for two lease lengths (at least 30 s) is gone;
+ * one an admin revoked is revoked, whatever it last did. */
 export function runnerState(worker, now, leaseSeconds) {
+  if (worker.revoked_at != null) return "revoked";
   const horizon = Math.max(30, 2 * (leaseSeconds || 30));
   if (now - worker.last_seen > horizon) return "gone"; // heartbeats and dequeues both count
   return worker.running > 0 ? "busy" : "idle";

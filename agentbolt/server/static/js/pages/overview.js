@@ -48,7 +48,7 @@ function statCards(d, ctx) {
   const finished = r.succeeded + r.failed;
   const lease = ctx.info()?.lease_seconds;
   const states = d.workers.map((w) => runnerState(w, d.now, lease));
-  const alive = states.filter((s) => s !== "gone").length;
+  const alive = states.filter((s) => s === "busy" || s === "idle").length;
   const busy = states.filter((s) => s === "busy").length;
   const rate = perMinute(d.tp, 10);
   return h("div", { class: "stats-grid" },
@@ -85,7 +85,7 @@ function runnersCard(d, ctx) {
   if (!d.workers.length) {
     return card("Runners", empty("No runners yet", h("span", {}, "Start one with ", h("code", {}, "agentbolt runner"), "; it appears here on its first dequeue.")), { id: "runners" });
   }
-  const label = { busy: "Busy", idle: "Idle", gone: "Gone" };
+  const label = { busy: "Busy", idle: "Idle", gone: "Gone", revoked: "Revoked" };
   const rows = d.workers.map((w) => {
     const s = runnerState(w, d.now, lease);
     return [mono(truncate(w.id, 28)), h("span", { class: `runner-state rs-${s}` }, h("span", { class: "dot", "aria-hidden": "true" }), label[s]),

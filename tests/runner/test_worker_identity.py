@@ -1,0 +1,108 @@
+"""The runner when the server stops taking its worker token: revoked by an admin (it stops, and
+says why), or expired after its worker went unseen (it registers again and goes on). Real
+server on 127.0.0.1 with configured tokens, real runner."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from agentbolt.client import Client
+from agentbolt.errors import WorkerRevoked
+from agentbolt.runner.agent import rollout
+from agentbolt.runner.worker import Runner
+from agentbolt.schemas import RolloutCreate, RolloutStatus, Task
+from agentbolt.server import Role, ServerConfig, ServerThread
+
+ADMIN, RUNNER = "adm-identity-1f", "run-identity-2e"
+
+
+@rollout
+async def waits(task: Task) -> float:
+    await asyncio.sleep(task.data["seconds"])
+    return 1.0
+
+
+def _in_thread(runner: Runner) -> tuple[threading.Thread, list[BaseException]]:
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(asyncio.wait_for(runner.run(), 60))
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, errors
+
+
+def _until(what, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def secure(tmp_path):
+    config = ServerConfig(
+        db=str(tmp_path / "ids.db"), tokens={ADMIN: Role.ADMIN, RUNNER: Role.RUNNER}, sweep_interval=0.1
+    )
+    with ServerThread(config) as srv, Client(srv.url, ADMIN) as admin:
+        yield srv, admin
+
+
+def test_a_revoked_runner_stops_and_says_why_and_its_rollout_is_queued_again(secure):
+    srv, admin = secure
+    [ro] = admin.enqueue([RolloutCreate(task=Task(data={"seconds": 30}))])
+    runner = Runner(waits, srv.url, token=RUNNER, lease_seconds=1.5, poll_wait=0.2)
+    thread, errors = _in_thread(runner)
+    _until(lambda: admin.get_rollout(ro.id).status == RolloutStatus.RUNNING)
+    [attempt] = admin.list_attempts(ro.id)
+    assert attempt.worker_id == runner.worker_id  # the issued identity
+    admin.revoke_worker(runner.worker_id)
+    thread.join(15)
+    assert not thread.is_alive(), "the runner did not stop"
+    [error] = errors
+    assert isinstance(error, WorkerRevoked) and "revoked" in str(error)
+    assert runner.failure is error and runner.completed == 0
+    # the attempt ended at the revocation, with the reason; the rollout waits for another runner
+    assert admin.get_rollout(ro.id).status == RolloutStatus.QUEUED
+    [ended] = admin.list_attempts(ro.id)
+    assert ended.status.value == "lease_expired" and "was revoked" in (ended.error or "")
+
+
+def test_a_runner_whose_token_expired_registers_again_and_goes_on(tmp_path, monkeypatch):
+    from agentbolt.server import middleware
+
+    monkeypatch.setattr(middleware, "RECHECK_S", 0.1)
+    config = ServerConfig(
+        db=str(tmp_path / "ttl.db"),
+        tokens={ADMIN: Role.ADMIN, RUNNER: Role.RUNNER},
+        worker_token_ttl=1.0,
+        sweep_interval=0.1,
+    )
+    with ServerThread(config) as srv, Client(srv.url, ADMIN) as admin:
+        # the first rollout keeps the runner's only slot busy for longer than the token's TTL,
+        # with no heartbeat in between (a 9-second lease: one every 3 s): unseen, it expires
+        slow, quick = admin.enqueue(
+            [RolloutCreate(task=Task(data={"seconds": 2.0})), RolloutCreate(task=Task(data={"seconds": 0}))]
+        )
+        runner = Runner(waits, srv.url, token=RUNNER, lease_seconds=9, poll_wait=0.2, max_rollouts=1)
+        thread, errors = _in_thread(runner)
+        _until(lambda: admin.get_rollout(slow.id).status == RolloutStatus.RUNNING)
+        first = runner.worker_id
+        thread.join(30)
+        assert not thread.is_alive() and not errors, errors
+        # the slow one's finish was refused (expired); registered again, it ran the next one
+        assert runner.worker_id != first and runner.lost == 1 and runner.completed == 1
+        [done] = admin.list_attempts(quick.id)
+        assert (
+            done.worker_id == runner.worker_id
+            and admin.get_rollout(quick.id).status == RolloutStatus.SUCCEEDED
+        )
+        assert {first, runner.worker_id} <= {w.id for w in admin.list_workers()}
