@@ -4,7 +4,9 @@ A span lands in the rollout named by its attributes (or its resource's):
 ``agentbolt.attempt_id`` (and ``agentbolt.rollout_id``, checked when both are given; a rollout id
 alone means its latest attempt). Spans without them, or for unknown attempts, are rejected and
 counted in the OTLP ``partial_success`` answer, as the protocol asks. Spans may arrive after
-their attempt ended (exporters batch), so ended attempts still take them. A span the attempt
+their attempt ended (exporters batch), so ended attempts still take them. A request with a
+worker token lands spans only in attempts its worker holds or held (the others are rejected,
+counted as such): one runner cannot write into another's rollouts. A span the attempt
 holds already (same trace and span id: an exporter that retried, a collector that delivered
 twice) is skipped.
 """
@@ -22,7 +24,7 @@ from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from agentbolt.errors import NotFound
-from agentbolt.schemas import EventCreate, EventType
+from agentbolt.schemas import Attempt, EventCreate, EventType
 from agentbolt.server.config import ServerConfig
 from agentbolt.server.store_caller import StoreCaller
 
@@ -199,39 +201,46 @@ class OtlpIngest:
         self.call, self.store, self.config = call, call.store, config
 
     async def attempt_for(
-        self, route: dict[str, Any], cache: dict[tuple[Any, Any], str | None]
-    ) -> str | None:
+        self, route: dict[str, Any], cache: dict[tuple[Any, Any], Attempt | None]
+    ) -> Attempt | None:
         key = (route.get(ROLLOUT_ATTR), route.get(ATTEMPT_ATTR))
         if key not in cache:
             cache[key] = await self._resolve(*key)
         return cache[key]
 
-    async def _resolve(self, rollout_id: Any, attempt_id: Any) -> str | None:
+    async def _resolve(self, rollout_id: Any, attempt_id: Any) -> Attempt | None:
         try:
             if attempt_id:
                 attempt = await self.call(self.store.get_attempt, str(attempt_id))
-                return attempt.id if not rollout_id or attempt.rollout_id == str(rollout_id) else None
+                return attempt if not rollout_id or attempt.rollout_id == str(rollout_id) else None
             if rollout_id:
                 attempts = await self.call(self.store.list_attempts, str(rollout_id))
-                return attempts[-1].id if attempts else None
+                return attempts[-1] if attempts else None
         except NotFound:
             return None
         return None
 
-    async def ingest(self, body: dict[str, Any], from_protobuf: bool) -> tuple[int, str]:
-        """Record the spans; return (rejected count, why)."""
+    async def ingest(
+        self, body: dict[str, Any], from_protobuf: bool, worker_id: str | None = None
+    ) -> tuple[int, str]:
+        """Record the spans; return (rejected count, why). ``worker_id``: the worker a worker
+        token binds the caller to (its spans land only in that worker's attempts)."""
         by_attempt: dict[str, list[EventCreate]] = defaultdict(list)
         keys: dict[str, list[str | None]] = defaultdict(list)
-        cache: dict[tuple[Any, Any], str | None] = {}
-        rejected, unrouted = 0, 0
+        cache: dict[tuple[Any, Any], Attempt | None] = {}
+        rejected, unrouted, foreign = 0, 0, 0
         for route, data in spans_from_otlp(body, from_protobuf):
             if not route:
                 unrouted += 1
                 continue
-            attempt_id = await self.attempt_for(route, cache)
-            if attempt_id is None:
+            attempt = await self.attempt_for(route, cache)
+            if attempt is None:
                 rejected += 1
                 continue
+            if worker_id is not None and attempt.worker_id != worker_id:
+                foreign += 1
+                continue
+            attempt_id = attempt.id
             by_attempt[attempt_id].append(
                 EventCreate(type=EventType.SPAN, timestamp=data["start_time"] or 0.0, data=data)
             )
@@ -243,4 +252,6 @@ class OtlpIngest:
             why.append(f"{unrouted} span(s) carry no {ATTEMPT_ATTR} / {ROLLOUT_ATTR} attribute")
         if rejected:
             why.append(f"{rejected} span(s) name an unknown attempt or rollout")
-        return unrouted + rejected, "; ".join(why)
+        if foreign:
+            why.append(f"{foreign} span(s) name an attempt worker {worker_id!r} does not hold")
+        return unrouted + rejected + foreign, "; ".join(why)

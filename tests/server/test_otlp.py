@@ -120,6 +120,34 @@ def test_rollout_id_alone_means_its_latest_attempt_and_gzip_works(server, client
     assert [e.attempt_id for e in _spans(client, first.rollout.id)] == [first.attempt.id]
 
 
+def test_a_worker_token_lands_spans_only_in_its_own_workers_attempts(server, client):
+    from agentbolt.client import Client
+
+    with Client(server.url) as runner:
+        registration = runner.register_worker("tracer")
+        assert registration is not None
+        client.enqueue([RolloutCreate(task=Task(data={"i": i})) for i in range(2)])
+        mine = runner.dequeue(registration.worker_id)
+    theirs = client.dequeue("w-other")
+    assert mine is not None and theirs is not None
+    token = {"authorization": f"Bearer {registration.worker_token}"}
+    r = httpx.post(f"{server.url}/v1/traces", json=_json_export(theirs.attempt.id), headers=token)
+    assert r.status_code == 200
+    assert r.json()["partialSuccess"] == {
+        "rejectedSpans": 1,
+        "errorMessage": f"1 span(s) name an attempt worker {registration.worker_id!r} does not hold",
+    }
+    assert _spans(client, theirs.rollout.id) == []
+    r = httpx.post(f"{server.url}/v1/traces", json=_json_export(None, theirs.rollout.id), headers=token)
+    assert r.json()["partialSuccess"]["rejectedSpans"] == 1 and _spans(client, theirs.rollout.id) == []
+    r = httpx.post(f"{server.url}/v1/traces", json=_json_export(mine.attempt.id), headers=token)
+    assert r.status_code == 200 and r.json() == {}
+    assert [e.attempt_id for e in _spans(client, mine.rollout.id)] == [mine.attempt.id]
+    # without a worker token (no tokens configured here), any attempt still takes spans
+    r = httpx.post(f"{server.url}/v1/traces", json=_json_export(theirs.attempt.id))
+    assert r.json() == {} and len(_spans(client, theirs.rollout.id)) == 1
+
+
 def test_unrouted_and_unknown_spans_are_rejected_as_partial_success(server, client):
     r = httpx.post(f"{server.url}/v1/traces", json=_json_export(None))
     assert r.json()["partialSuccess"]["rejectedSpans"] == 1
