@@ -83,6 +83,13 @@ def server(
             "(its runner then registers again); 0: never expires.",
         ),
     ] = 24 * 3600.0,
+    registered_runners_only: Annotated[
+        bool,
+        typer.Option(
+            help="The runner token may only read and register: every runner write carries the "
+            "worker token the runner was issued (agentbolt runners register by themselves).",
+        ),
+    ] = False,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
 ) -> None:
     """Run the server: store API, gateway, OTLP ingest and dashboard."""
@@ -108,6 +115,7 @@ def server(
         upstream_api_keys=_pairs(upstream_key, "--upstream-key", "BASE_URL=KEY", last=True),
         lease_seconds=lease_seconds,
         worker_token_ttl=worker_token_ttl or None,
+        registered_runners_only=registered_runners_only,
     )
     banner = f"agentbolt server on http://{host}:{port}  (store: {_without_password(db)})"
     serve(config, log_level, on_ready=lambda: console.print(banner))

@@ -147,6 +147,7 @@ def _auth_settings(gateway: Gateway, config: ServerConfig, issued: IssuedCredent
         "names": config.token_names,
         "issued": issued,
         "worker_token_ttl": config.worker_token_ttl,
+        "registered_runners_only": config.registered_runners_only,
     }
 
 

@@ -44,6 +44,11 @@ class ServerConfig:
     """Gateway: API key per upstream base URL (or ``"*"``), kept out of events and responses."""
     upstream_timeout: float = 300.0
     """Gateway: seconds an upstream model call may take."""
+    registered_runners_only: bool = False
+    """A configured runner token may only read and register (``POST /api/workers/register``);
+    every runner write then carries a worker token, bound to its worker. Every agentbolt runner
+    registers, so it works unchanged; off by default for clients that act with the runner
+    token itself."""
     worker_token_ttl: float | None = 24 * 3600.0
     """Seconds a worker token stays valid after its worker was last seen (a dequeue, a
     heartbeat); an expired one is refused (401) and its runner registers again. None: never."""

@@ -8,7 +8,9 @@ credentials are checked whether or not tokens are configured: with none configur
 without a token may still do anything (loopback use), but a foreign or unknown issued
 credential is refused.
 
-A worker token is refused (401) once an admin revoked its worker (``WorkerRevoked``) or when its
+With ``registered_runners_only`` a configured runner token may only read and register: every
+write then comes with a worker token, bound to its worker (no runner can name another's worker
+id). A worker token is refused (401) once an admin revoked its worker (``WorkerRevoked``) or when its
 worker has not been seen for ``ServerConfig.worker_token_ttl`` seconds (``WorkerTokenExpired``:
 the runner registers again). Issued credentials are looked up in the store once and kept
 (:class:`IssuedCredentials`); a worker token is looked up again after :data:`RECHECK_S` seconds,
@@ -211,12 +213,14 @@ class AuthMiddleware:
         names: dict[str, str] | None = None,
         issued: IssuedCredentials | None = None,
         worker_token_ttl: float | None = None,
+        registered_runners_only: bool = False,
     ) -> None:
         self.app, self.call = app, call
         names = names or {}
         self.tokens = [(t.encode(), Caller(r, name=names.get(t))) for t, r in tokens.items()]
         self.issued = issued or IssuedCredentials()
         self.worker_token_ttl = worker_token_ttl
+        self.registered_runners_only = registered_runners_only
 
     def _configured(self, given: bytes) -> Caller | None:
         if not given:
@@ -277,6 +281,8 @@ class AuthMiddleware:
             )
         if caller is not None and not caller.allows(method, path):
             return await _send_json(send, 403, error_body(_refusal(caller, method, path), "forbidden"))
+        if self.registered_runners_only and _unregistered_runner_write(caller, method, path):
+            return await _send_json(send, 403, error_body(_REGISTER_FIRST, "forbidden"))
         if caller is not None and caller.worker_id is not None and await self._held_elsewhere(caller, path):
             message = (
                 f"this worker token belongs to worker {caller.worker_id!r}, which does not hold this attempt"
@@ -306,6 +312,21 @@ _INVALID = {
         "worker_token_ttl): register again with the runner token"
     ),
 }
+
+
+_REGISTER_FIRST = (
+    "this server takes work only from registered runners (registered_runners_only): a runner "
+    "token may read and register (POST /api/workers/register), then acts with the worker token "
+    "it is issued"
+)
+
+
+def _unregistered_runner_write(caller: Caller | None, method: str, path: str) -> bool:
+    """A configured runner token (not a worker token) writing anything but a registration."""
+    if caller is None or caller.role != Role.RUNNER or caller.worker_id is not None:
+        return False
+    reads = method in ("GET", "HEAD", "OPTIONS") or (method == "POST" and path in READ_POSTS)
+    return not reads and path != RUNNER_REGISTERS
 
 
 def _refusal(caller: Caller, method: str, path: str) -> str:

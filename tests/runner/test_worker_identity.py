@@ -106,3 +106,19 @@ def test_a_runner_whose_token_expired_registers_again_and_goes_on(tmp_path, monk
             and admin.get_rollout(quick.id).status == RolloutStatus.SUCCEEDED
         )
         assert {first, runner.worker_id} <= {w.id for w in admin.list_workers()}
+
+
+def test_a_runner_works_unchanged_on_a_server_for_registered_runners_only(tmp_path):
+    config = ServerConfig(
+        db=str(tmp_path / "strict.db"),
+        tokens={ADMIN: Role.ADMIN, RUNNER: Role.RUNNER},
+        registered_runners_only=True,
+    )
+    with ServerThread(config) as srv, Client(srv.url, ADMIN) as admin:
+        ros = admin.enqueue([RolloutCreate(task=Task(data={"seconds": 0})) for _ in range(3)])
+        runner = Runner(waits, srv.url, token=RUNNER, max_rollouts=3, poll_wait=0.2, tracing=True)
+        asyncio.run(asyncio.wait_for(runner.run(), 60))
+        assert runner.completed == 3
+        for ro in ros:
+            assert admin.get_rollout(ro.id).status == RolloutStatus.SUCCEEDED
+            assert any(e.type == "span" for e in admin.all_events(ro.id))  # spans under the worker token

@@ -495,3 +495,30 @@ def test_a_worker_token_expires_when_its_worker_goes_unseen(tmp_path, upstream, 
             again = runner.register_worker("host-1")  # after a registration: still the runner token
             assert again is not None and runner.token == again.worker_token
             assert runner.dequeue(again.worker_id) is None
+
+
+def test_registered_runners_only_leaves_the_runner_token_reads_and_registration(tmp_path, upstream):
+    config = ServerConfig(db=str(tmp_path / "strict.db"), tokens=TOKENS, registered_runners_only=True)
+    with ServerThread(config) as srv:
+        with Client(srv.url, ADMIN) as admin:
+            [ro] = admin.enqueue([RolloutCreate(task=Task())])
+        refused = [
+            httpx.post(f"{srv.url}/api/dequeue", json={"worker_id": "w1"}, headers=_h(RUNNER)),
+            httpx.post(
+                f"{srv.url}/api/attempts/at-x/heartbeat", json={"worker_id": "w1"}, headers=_h(RUNNER)
+            ),
+            httpx.post(f"{srv.url}/v1/traces", json={}, headers=_h(RUNNER)),
+        ]
+        for r in refused:
+            assert r.status_code == 403 and "registered runners" in _error(r)[1], r.text
+        assert httpx.get(f"{srv.url}/api/rollouts", headers=_h(RUNNER)).status_code == 200
+        r = httpx.post(
+            f"{srv.url}/api/rollouts/wait", json={"rollout_ids": [ro.id], "timeout": 0}, headers=_h(RUNNER)
+        )
+        assert r.status_code == 200  # a POST that only reads
+        issued = _register(srv.url, RUNNER).json()
+        body = {"worker_id": issued["worker_id"]}
+        claim = httpx.post(f"{srv.url}/api/dequeue", json=body, headers=_h(issued["worker_token"])).json()
+        assert claim["attempt"]["worker_id"] == issued["worker_id"]
+        with Client(srv.url, ADMIN) as admin:  # the admin token is not affected
+            assert admin.dequeue("w-admin") is None
