@@ -174,21 +174,25 @@ def test_a_thread_waiting_for_the_store_gets_its_turn_while_the_server_is_busy(t
         thread = threading.Thread(target=other_thread)
         deadline = time.monotonic() + 20
         calls = 0
+        warm = 64  # the thread starts once the runners have this many answers: the server is busy
 
         async def runner() -> None:  # a runner that calls again as soon as it is answered
             nonlocal calls
-            while thread.is_alive() and time.monotonic() < deadline:
+            while time.monotonic() < deadline:
                 await call(store.enqueue, [RolloutCreate(task=Task(data={}))])
                 calls += 1
+                if calls == warm:
+                    thread.start()
+                elif calls > warm and not thread.is_alive():
+                    return
 
-        thread.start()
         await asyncio.gather(*(runner() for _ in range(32)))
         await asyncio.to_thread(thread.join, 30)
-        return calls
+        return calls - warm
 
     rounds = asyncio.run(busy())
     assert took and took[0] < 10, took  # not starved until the loop stopped
-    assert rounds > 0  # the server was busy meanwhile
+    assert rounds > 0  # the runners kept calling after the thread started: the server was busy
     assert (
         _committed(
             path,
