@@ -22,12 +22,12 @@ from agentbolt.errors import Forbidden
 from agentbolt.schemas import Worker, WorkerRegister, WorkerRegistration
 from agentbolt.server.middleware import IssuedCredentials
 from agentbolt.server.routes.common import caller_of, json_response
-from agentbolt.server.store_caller import StoreCaller
+from agentbolt.server.store_caller import StoreCaller, WakeUp
 
 __all__ = ["router"]
 
 
-def router(call: StoreCaller, issued: IssuedCredentials) -> APIRouter:
+def router(call: StoreCaller, wake: WakeUp, issued: IssuedCredentials) -> APIRouter:
     api = APIRouter(prefix="/api/workers", tags=["runner"])
     store = call.store
 
@@ -49,6 +49,7 @@ def router(call: StoreCaller, issued: IssuedCredentials) -> APIRouter:
         again changes nothing; the answer is the worker, with ``revoked_at``. 404: no such worker."""
         worker = await call(store.revoke_worker, worker_id)
         issued.forget_worker(worker_id)
+        wake.notify()  # its attempts' rollouts may be queued again (or final): long polls look now
         return json_response(worker)
 
     return api
