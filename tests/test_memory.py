@@ -180,3 +180,53 @@ def test_map_large_blocks_holds_for_the_whole_process():
     assert ok is True
     assert held > 190
     assert kept < 10
+
+
+CACHE_PROBE = """
+import os, sys, torch
+from agentbolt.memory import bound_kernel_cache
+os.environ.pop("ONEDNN_PRIMITIVE_CACHE_CAPACITY", None)
+os.environ.pop("DNNL_PRIMITIVE_CACHE_CAPACITY", None)
+if sys.argv[1] == "bound":
+    assert bound_kernel_cache(2) is True
+os.environ["ONEDNN_VERBOSE"] = "profile_create"  # one line per primitive built: cache_hit/miss
+x = torch.randn(1, 3, 16, 16)
+for k in (5, 7, 9, 5):  # three shapes, then the first again
+    torch.nn.functional.conv2d(x, torch.randn(4, 3, k, k))
+"""
+
+
+@pytest.mark.parametrize("bound", [True, False])
+def test_bound_kernel_cache_drops_the_oldest_primitives(bound: bool) -> None:
+    """With two primitives kept, the convolution of the first shape, run again after two others,
+    is built afresh (oneDNN's cache_miss); with oneDNN's default it comes from the cache. Set
+    inside the process, before the first product, as ``agentbolt demo`` sets it."""
+    import torch
+
+    assert torch.backends.mkldnn.is_available(), "this PyTorch build has no oneDNN"
+    out = subprocess.run(
+        [sys.executable, "-c", CACHE_PROBE, "bound" if bound else "default"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    builds = [line for line in out.stdout.splitlines() if ",create:" in line and ",convolution," in line]
+    assert len(builds) == 4, out.stdout[-2000:]
+    assert all("create:cache_miss" in line for line in builds[:3])
+    assert ("create:cache_miss" if bound else "create:cache_hit") in builds[3]
+
+
+def test_bound_kernel_cache_leaves_a_setting_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    from agentbolt.memory import KERNEL_CACHE_CAPACITY, bound_kernel_cache
+
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    monkeypatch.setenv("DNNL_PRIMITIVE_CACHE_CAPACITY", "8")
+    assert bound_kernel_cache() is False
+    assert "ONEDNN_PRIMITIVE_CACHE_CAPACITY" not in os.environ
+    monkeypatch.delenv("DNNL_PRIMITIVE_CACHE_CAPACITY")
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
+    assert bound_kernel_cache() is False
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+    assert bound_kernel_cache() is True
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(KERNEL_CACHE_CAPACITY)

@@ -347,6 +347,9 @@ def _metavar(setting: Setting) -> str | None:
 
 
 def _train(name: str, cls: type, sections: list[_Section], params: dict[str, Any]) -> None:
+    from agentbolt.memory import bound_kernel_cache
+
+    bound_kernel_cache()  # before any product: oneDNN reads it once (memory.bound_kernel_cache)
     try:
         values = _settings(sections, params)
         if params.get("judge_via_server") and not values.get("trainer", {}).get("server_url"):

@@ -534,3 +534,19 @@ def test_grpo_trains_on_a_group_judge_from_the_command_line(tmp_path: Path) -> N
     assert step["train_tokens"] > 0
     assert _GroupJudgeDouble.requests == [3, 3]  # one call per group, its 3 runs together
     assert (step["judge_calls"], step["judge_tokens"], step["judge_cached"]) == (2, 30, 0)
+
+
+def test_train_bounds_the_kernel_cache_before_anything_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``agentbolt train`` keeps oneDNN's compiled primitives bounded (memory.bound_kernel_cache),
+    set first, before any product; a user's own setting is kept."""
+    from agentbolt.memory import KERNEL_CACHE_CAPACITY
+
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    monkeypatch.delenv("DNNL_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    _bad(tmp_path, "grpo", config="stepz = 3\n")  # refused after the setting, before any work
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(KERNEL_CACHE_CAPACITY)
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "32")
+    _bad(tmp_path, "grpo", config="stepz = 3\n")
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "32"
