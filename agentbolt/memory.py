@@ -156,8 +156,7 @@ def bound_kernel_cache(capacity: int = KERNEL_CACHE_CAPACITY) -> bool:
     demos alternated there peaked at 2.16 and 2.18 GB (whole process tree) with 256 kept, 2.45
     and 2.50 GB with 1024, in about the same time (222 s against 208-227 s; README). oneDNN
     reads the variable when it builds its first primitive: call this before any bfloat16 product
-    (``agentbolt demo`` and
-    ``agentbolt train`` do, at start)."""
+    (``agentbolt demo`` and ``agentbolt train`` do, at start)."""
     if any(f"{prefix}_PRIMITIVE_CACHE_CAPACITY" in os.environ for prefix in ("ONEDNN", "DNNL")):
         return False
     os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = str(int(capacity))

@@ -184,7 +184,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
             label=f"run {i + 1}: kernel cache {result['capacity']}",
         )
         busy = [p["tree"] / 1000 if p["update"] else None for p in trace]
-        ax.plot(t, busy, lw=3, alpha=0.35, color=line[0].get_color())
+        ax.plot(t, busy, lw=4, alpha=0.5, color=line[0].get_color())
     ax.axhline(2.5, color="grey", ls="--", lw=1, label="2.5 GB target")
     ax.set_xlabel("seconds into the demo")
     ax.set_ylabel("PSS, whole process tree (GB)")
