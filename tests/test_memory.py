@@ -230,3 +230,35 @@ def test_bound_kernel_cache_leaves_a_setting_alone(monkeypatch: pytest.MonkeyPat
     monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
     assert bound_kernel_cache() is True
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(KERNEL_CACHE_CAPACITY)
+
+
+def test_samples_below_the_peak_skip_the_page_walk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a peak is held, a sample whose resident sizes sum to no more than it reads no PSS (no
+    page walk); one above it does, and raises the peak."""
+    import agentbolt.memory as memory
+
+    peak = PeakMemory()
+    child = _holder(200)
+    try:
+        first = peak.sample()
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait(10)
+    assert first is not None and peak.peak_bytes == first and peak.skipped == 0
+    walks: list[int | None] = []
+    real = memory.tree_pss_bytes
+
+    def counted(pid: int | None = None) -> int | None:
+        walks.append(pid)
+        return real(pid)
+
+    monkeypatch.setattr(memory, "tree_pss_bytes", counted)
+    assert peak.sample() is None  # the 200 MB child is gone: the tree's RSS is under the peak
+    assert peak.skipped == 1 and walks == [] and peak.peak_bytes == first
+    data = bytearray(400 * 2**20)
+    data[::4096] = b"x" * len(data[::4096])
+    now = peak.sample()
+    assert walks == [None] and now is not None and now > first + 100 * 2**20
+    assert peak.peak_bytes == now and peak.skipped == 1
+    del data
