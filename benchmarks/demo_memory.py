@@ -68,11 +68,11 @@ def mappings(pid: int) -> dict[str, float]:
 
 
 def child(out: Path, demo_args: list[str]) -> None:
-    """One traced demo in this process; the trace goes to ``out`` (JSON) as it grows."""
+    """One traced demo in this process; the trace goes to ``out`` (JSON) when it ends."""
     from agentbolt.algorithms import grpo
     from agentbolt.cli.main import app
     from agentbolt.engine import batcher
-    from agentbolt.memory import pss_bytes, tree_pss_bytes
+    from agentbolt.memory import descendants, pss_bytes
 
     state = {"update": False, "rows": 0}
     step, update = batcher.Batcher._step, grpo.GRPO._update
@@ -99,9 +99,10 @@ def child(out: Path, demo_args: list[str]) -> None:
     def sample() -> None:
         me, started = os.getpid(), time.monotonic()
         while not stop.wait(SAMPLE_S):
-            own, tree = pss_bytes(me), tree_pss_bytes(me)
-            if own is None or tree is None:
+            own = pss_bytes(me)  # walked once: the tree adds the runners' to it
+            if own is None:
                 continue
+            tree = own + sum(pss_bytes(c) or 0 for c in descendants(me))
             point: dict[str, Any] = {
                 "t": round(time.monotonic() - started, 2),
                 "own": round(own / 1e6, 1),
@@ -115,7 +116,6 @@ def child(out: Path, demo_args: list[str]) -> None:
             if point["tree"] > peak["tree"]:
                 peak.clear()
                 peak.update(point, mappings=point.get("mappings") or mappings(me))
-                out.write_text(json.dumps({"peak": peak, "trace": trace}))
 
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()

@@ -96,8 +96,7 @@ def _run(
 ) -> None:
     from agentbolt.memory import PeakMemory, bound_kernel_cache, map_large_blocks
 
-    # before any product: oneDNN reads it once. 2-core Xeon with AMX, quiet, alternated: peaks of
-    # 2.16 and 2.18 GB with 256 primitives kept, 2.45 and 2.50 GB with oneDNN's default 1024
+    # before any product: oneDNN reads it once (memory.bound_kernel_cache: the demo's figures there)
     bound_kernel_cache()
     import torch
 
