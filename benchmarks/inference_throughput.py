@@ -52,6 +52,9 @@ Targets from the issue: >= 1.5x static-batch generate and >= 4x llama-cpp-python
 ``--engine-forwards default,engine`` also runs the engine server with its own Llama forward pass
 (:mod:`agentbolt.engine.forward`, ``--forward engine``) beside the command's default, in the same
 rounds.
+``--engine-idle-memory release,keep`` also runs the engine server with
+``--no-release-idle-memory`` (the heap's free pages kept when the batch empties), in the same
+rounds: what that hand-back costs the next batch.
 ``--forward-ab`` measures that difference in this process instead: one batch of the chats in the
 engine's batcher (no server, ``--baseline-threads``' first count, 1 by default), its decode steps
 alternating step by step between transformers' forward, the engine's own, and the engine's own
@@ -211,13 +214,15 @@ async def fire(
 
 
 def bench_engine(
-    texts: list[str], args, cpu_matmul: str = "auto", forward: str = "default"
+    texts: list[str], args, cpu_matmul: str = "auto", forward: str = "default", idle: str = "release"
 ) -> tuple[Result, int]:
     port = free_port()
     cmd = [sys.executable, "-m", "agentbolt.engine.cli", "serve", "--model", args.model, "--port", str(port)]
     cmd += ["--dtype", args.dtype, "--max-batch", str(args.max_batch), "--cpu-matmul", cpu_matmul]
     if forward != "default":
         cmd += ["--forward", forward]
+    if idle == "keep":
+        cmd += ["--no-release-idle-memory"]
     with server_process(cmd, port) as proc, RssSampler(proc.pid) as rss:
         extra = {"logprobs": True, "return_token_ids": True}
         tokens, seconds = asyncio.run(
@@ -225,6 +230,7 @@ def bench_engine(
         )
     tags = [f"{cpu_matmul} matmul"] if cpu_matmul != "auto" else []
     tags += [f"{forward} forward"] if forward != "default" else []
+    tags += ["idle memory kept"] if idle == "keep" else []
     name = "agentbolt engine" + (f" ({', '.join(tags)})" if tags else "")
     note = f"{args.dtype}, max batch {args.max_batch}, logprobs + token ids on, cpu_matmul={cpu_matmul}, forward={forward}"
     return Result(name, len(texts), tokens, seconds, note), rss.peak
@@ -658,6 +664,12 @@ def main() -> None:
         "(the command's own default), transformers, engine (the engine's own forward, Llama models), auto",
     )
     parser.add_argument(
+        "--engine-idle-memory",
+        default="release",
+        help="comma-separated: release (the serve command's default: the heap's free pages handed "
+        "back each time the batch empties) and/or keep (--no-release-idle-memory)",
+    )
+    parser.add_argument(
         "--baseline-threads",
         default="",
         help="thread counts for the baselines, e.g. 1 or 1,2 (default: 1 and all CPUs)",
@@ -693,6 +705,8 @@ def main() -> None:
         help="only profile the decode steps of one in-process batch (torch.profiler): where a step's time goes",
     )
     args = parser.parse_args()
+    if not set(args.engine_idle_memory.split(",")) <= {"release", "keep"}:
+        parser.error(f"--engine-idle-memory takes release and/or keep, not {args.engine_idle_memory!r}")
     only = {  # the in-process studies, each instead of the throughput comparison
         "profile_steps": profile_steps,
         "thread_ab": thread_ab,
@@ -711,8 +725,8 @@ def main() -> None:
     skipped: list[str] = []
     memory: dict[str, int] = {}
 
-    def run_engine(variant: str, forward: str = "default") -> Result:
-        result, peak = bench_engine(texts, args, variant, forward)
+    def run_engine(variant: str, forward: str = "default", idle: str = "release") -> Result:
+        result, peak = bench_engine(texts, args, variant, forward, idle)
         key = "engine server" + result.name.removeprefix("agentbolt engine")
         memory[key] = max(memory.get(key, 0), peak)
         return result
@@ -731,9 +745,10 @@ def main() -> None:
         return llama
 
     systems: list[tuple[str, Callable[[], Result | None]]] = [
-        (f"engine {v} {f}", partial(run_engine, v, f))
+        (f"engine {v} {f} {i}", partial(run_engine, v, f, i))
         for v in args.engine_variants.split(",")
         for f in args.engine_forwards.split(",")
+        for i in args.engine_idle_memory.split(",")
     ]
     if not args.skip_static:
         assert baseline is not None

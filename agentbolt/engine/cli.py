@@ -60,6 +60,11 @@ def serve(
         help="Whose forward pass serves: auto (the engine's own where the model is supported, "
         "transformers' otherwise), engine (the engine's own, Llama models) or transformers.",
     ),
+    release_idle_memory: bool = typer.Option(
+        True,
+        help="Hand the heap's free pages back to the system each time the batch empties "
+        "(otherwise the server keeps the memory of the largest batches it served).",
+    ),
     device: str | None = typer.Option(None, help="cpu or cuda (default: cuda when available)."),
     name: str | None = typer.Option(
         None, help="Model name to serve under (default: the model's folder name)."
@@ -80,6 +85,7 @@ def serve(
             max_batch=max_batch,
             cpu_matmul=cpu_matmul,
             forward=forward,
+            release_idle_memory=release_idle_memory,
         )
     except (ModelNotFoundError, ValueError) as exc:
         typer.echo(str(exc), err=True)

@@ -73,6 +73,10 @@ class EngineConfig:
     slower served (0.84-0.96x) while faster step by step in one process: the server then ran the
     engine's loop in a second thread, where OpenMP's workers are throttled
     (:meth:`ModelEngine.run_here`) and the cheaper forward lost its lead."""
+    release_idle_memory: bool = True
+    """Hand the heap's free pages back to the system (glibc's ``malloc_trim``) each time the batch
+    empties: the freed key-value caches and activations otherwise stay mapped, and a long-running
+    server's memory follows the largest batches it ever served (figures at ``Batcher._idle``)."""
 
 
 class ModelEngine:
@@ -108,6 +112,7 @@ class ModelEngine:
             drain_timeout_s=self.config.drain_timeout_s,
             matmul=cpu_matmul_mode(self.config.cpu_matmul, model),
             forward=self.config.forward,
+            release_idle_memory=self.config.release_idle_memory,
         )
         self._started = False
         self._start_lock = threading.Lock()
@@ -211,6 +216,8 @@ class ModelEngine:
             "forward": "engine" if b.own_forward is not None else "transformers",
             "forward_note": b.forward_note,
             "loop_thread": b.loop_thread,
+            "idle_releases": b.idle_releases,
+            "idle_release_s": round(b.idle_release_s, 4),
         }
 
     def models(self) -> dict[str, Any]:

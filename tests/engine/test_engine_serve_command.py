@@ -23,9 +23,9 @@ def _free_port() -> int:
 
 
 @contextmanager
-def _serve(tiny_dir: Path, port: int) -> Iterator[subprocess.Popen[str]]:
+def _serve(tiny_dir: Path, port: int, *extra: str) -> Iterator[subprocess.Popen[str]]:
     cmd = [sys.executable, "-m", "agentbolt.engine.cli", "serve", "--model", str(tiny_dir)]
-    cmd += ["--port", str(port), "--dtype", "float32", "--device", "cpu"]
+    cmd += ["--port", str(port), "--dtype", "float32", "--device", "cpu", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         yield proc
@@ -93,3 +93,22 @@ def test_serve_exits_with_a_message_when_the_port_is_taken(tiny_dir: Path) -> No
     assert code == 1
     assert f"did not start on 127.0.0.1:{port}" in out
     assert "Traceback" not in out
+
+
+def test_serve_hands_idle_memory_back_unless_told_to_keep_it(tiny_dir: Path) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    releases = {}
+    for extra in ((), ("--no-release-idle-memory",)):
+        port = _free_port()
+        with _serve(tiny_dir, port, *extra) as proc:
+            _wait_up(proc, port)
+            reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60)
+            assert reply.status_code == 200
+            deadline = time.monotonic() + (1.5 if extra else 10)  # kept: three idle waits of the loop
+            while True:
+                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()
+                if health["idle_releases"] or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            releases[extra] = health["idle_releases"]
+    assert releases == {(): 1, ("--no-release-idle-memory",): 0}
