@@ -232,11 +232,13 @@ def run_sampled_and_greedy(
     label: str = "rollouts",
     progress: Progress | None = None,
     rewards: RewardPlan | None = None,
+    metadata: dict[str, Any] | None = None,
 ) -> tuple[BatchResult, BatchResult | None]:
     """Every task once with ``resources_version`` as published (sampled) and, with ``greedy``,
     once more at temperature 0 (:func:`greedy_version`), both enqueued together. The greedy
     result is None when not asked for or when there is no LLM resource to make greedy.
-    ``rewards`` as for :func:`run_rollouts`."""
+    ``rewards`` as for :func:`run_rollouts`; ``metadata`` goes on every rollout, beside
+    ``decoding`` (sampled or greedy)."""
     plan = rewards or RewardPlan()
     awaited = plan.awaited()
     greedy_at = greedy_version(client, resources_version) if greedy and tasks else None
@@ -249,7 +251,7 @@ def run_sampled_and_greedy(
                 resources_version=version,
                 timeout_seconds=rollout_timeout,
                 max_attempts=max_attempts,
-                metadata={"decoding": kind},
+                metadata={**(metadata or {}), "decoding": kind},
                 await_rewards=awaited,
             )
             for task in tasks
@@ -286,7 +288,8 @@ def validate(
 ) -> Validation | None:
     """Run every validation task once with resources ``version`` and, with ``greedy``, once more at
     temperature 0 (both at once); None without validation tasks. ``rewards``: the reward the
-    runs are judged by, as in training."""
+    runs are judged by, as in training. Each rollout's metadata names the run
+    (``{"run": <run folder name>}``), so a resumed run can cancel those it left unfinished."""
     if not ctx.val_tasks:
         return None
     sampled, greedy_batch = run_sampled_and_greedy(
@@ -302,6 +305,7 @@ def validate(
         label=label,
         progress=progress,
         rewards=rewards,
+        metadata={"run": ctx.run_dir.name},
     )
     return Validation(sampled, greedy_batch)
 

@@ -360,10 +360,11 @@ class GRPO(RewardOptions, Algorithm):
         distributed.share_state(state)  # a full state: any number of ranks resumes from it
         policy.sync(state.model, ckpt.step)
         ctx.console.print(f"resumed from {path} at step {ckpt.step}")
-        orphans = _cancel_unfinished(ctx.client, f"{ctx.run_dir.name}:")
-        if orphans:
+        training, validation = _cancel_unfinished(ctx.client, ctx.run_dir.name)
+        if training or validation:
             ctx.console.print(
-                f"cancelled {orphans} training rollout(s) the interrupted run had left queued or running"
+                f"cancelled {training} training and {validation} validation rollout(s) the "
+                "interrupted run had left queued or running"
             )
         return ckpt.step, list(ckpt.extra.get("history", []))
 
@@ -969,21 +970,33 @@ def _jsonable(value: Any) -> Any:
     return asdict(value) if hasattr(value, "__dataclass_fields__") else str(value)
 
 
-def _cancel_unfinished(client: Any, group_prefix: str) -> int:
-    """Cancel the queued and running rollouts whose group id starts with ``group_prefix``: those a
-    run enqueued before it was interrupted, which nothing would read once it resumes (it enqueues
-    its groups afresh) but which runners would still claim and run, ahead of the new ones. Rollouts
-    of other runs on a shared server, and rollouts without a group (validation), are left alone.
-    Returns how many were cancelled; one that ends meanwhile is skipped."""
+def _cancel_unfinished(client: Any, run: str) -> tuple[int, int]:
+    """Cancel the queued and running rollouts the run named ``run`` (its folder's name) enqueued
+    before it was interrupted: training rollouts whose group id starts with ``run:`` and
+    validation rollouts whose metadata names the run (:func:`~agentbolt.algorithms.base.validate`).
+    Nothing would read them once it resumes (it enqueues its groups and validation afresh), but
+    runners would still claim and run them, ahead of the new ones. Rollouts of other runs on a
+    shared server, and validation rollouts that name no run (enqueued by a release before it
+    named them), are left alone. Returns how many of each were cancelled; one that ends
+    meanwhile is skipped."""
     live = [RolloutStatus.QUEUED, RolloutStatus.RUNNING]
-    mine = [
+    training = [
         r.id
         for r in client.pages(client.list_rollouts, status=live, mode=Mode.TRAIN, limit=1000)
-        if (r.group_id or "").startswith(group_prefix)
+        if (r.group_id or "").startswith(f"{run}:")
     ]
-    cancelled = 0
-    for rollout_id in mine:
-        with contextlib.suppress(InvalidTransition):  # it succeeded or failed since the listing
-            client.cancel(rollout_id)
-            cancelled += 1
-    return cancelled
+    validation = [
+        r.id
+        for r in client.pages(client.list_rollouts, status=live, mode=Mode.VAL, limit=1000)
+        if r.metadata.get("run") == run
+    ]
+
+    def cancel(ids: list[str]) -> int:
+        cancelled = 0
+        for rollout_id in ids:
+            with contextlib.suppress(InvalidTransition):  # it succeeded or failed since the listing
+                client.cancel(rollout_id)
+                cancelled += 1
+        return cancelled
+
+    return cancel(training), cancel(validation)

@@ -19,7 +19,8 @@ from agentbolt.algorithms.grpo import GRPO
 from agentbolt.engine import tiny_model_dir
 from agentbolt.memory import descendants
 from agentbolt.runner.llm import async_openai
-from agentbolt.schemas import LLM
+from agentbolt.schemas import LLM, Mode
+from agentbolt.store import open_store
 from tests.conftest import tiny_grpo
 
 
@@ -81,6 +82,12 @@ def test_grpo_smoke_run_and_resume(tiny, tmp_path):
     assert [x["step"] for x in lines] == [0, 1, 2]
     assert result.plot is not None and result.plot.stat().st_size > 10_000
     assert (run_dir / "checkpoint" / "state.json").exists()
+    store = open_store(str(run_dir / "agentbolt.db"))
+    try:  # each validation rollout names its run, for a resume to cancel it (test_grpo_async)
+        validation = store.list_rollouts(mode=Mode.VAL, limit=1000).items
+    finally:
+        store.close()
+    assert len(validation) >= 3 and {r.metadata.get("run") for r in validation} == {"run"}
 
     resumed = Trainer(_grpo(tiny, 3, resume=True), n_runners=1, runner_concurrency=8, run_dir=run_dir).fit(
         VowelAgent(), train, val

@@ -195,18 +195,31 @@ def test_an_async_run_resumes_from_its_checkpoint(tiny, tmp_path) -> None:
     try:
         slow = Task(id="orphan", data={"q": "tell me", "sleep": 120.0})
         orphans = store.enqueue([RolloutCreate(task=slow, group_id="run:g4:orphan") for _ in range(2)])
-        other = store.enqueue([RolloutCreate(task=Task(id="x", data={"q": "hi"}), group_id="run2:g0:x")])[0]
+        quick = Task(id="x", data={"q": "hi"})
+        other = store.enqueue([RolloutCreate(task=quick, group_id="run2:g0:x")])[0]
+        # and validation: one of its own, one of another run, one that names no run
+        val = [
+            RolloutCreate(task=task, mode=Mode.VAL, metadata={"decoding": "greedy", **meta})
+            for task, meta in ((slow, {"run": "run"}), (quick, {"run": "run2"}), (quick, {}))
+        ]
+        own_val, other_val, unnamed_val = store.enqueue(val)
     finally:
         store.close()
     resumed = fit(3, resume=True)
     assert [h["step"] for h in resumed.history] == [0, 1, 2, 3]
     assert resumed.history[:3] == first.history[:3]
     assert resumed.history[3]["groups_enqueued"] == 6 and resumed.history[3]["rollouts"] == 8
-    assert "cancelled 2 training rollout(s) the interrupted run had left queued or running" in out.getvalue()
+    assert (
+        "cancelled 2 training and 1 validation rollout(s) the interrupted run had left queued or running"
+        in out.getvalue()
+    )
     store = open_store(str(tmp_path / "run" / "agentbolt.db"))
     try:
         assert [store.get_rollout(r.id).status for r in orphans] == [RolloutStatus.CANCELLED] * 2
-        assert store.get_rollout(other.id).status != RolloutStatus.CANCELLED  # not this run's
+        assert store.get_rollout(own_val.id).status == RolloutStatus.CANCELLED
+        for kept in (other, other_val, unnamed_val):  # not this run's, or not known to be
+            assert store.get_rollout(kept.id).status != RolloutStatus.CANCELLED
     finally:
         store.close()
-    assert [r.id for r in _unfinished(tmp_path / "run")] in ([], [other.id])
+    left = {r.id for r in _unfinished(tmp_path / "run")}
+    assert left <= {other.id, other_val.id, unnamed_val.id}
