@@ -248,13 +248,14 @@ class Batcher:
         this, 1.37 GB with it (0.98 GB at start; the rest is mostly oneDNN's compiled kernels),
         in the same time (237-243 s against 240-251 s; 41 hand-backs, 1.4-1.5 s together). The
         peak inside the largest batch is about the same (2.12-2.14 GB against 2.18-2.24). One
-        ``malloc_trim`` per idle moment costs no page faults inside a batch, as mapping every
-        large block would."""
+        ``malloc_trim`` per idle moment costs the next batch the page faults of the memory it
+        touches again, once, where mapping every large block would cost them at every large
+        allocation of every step. Without glibc nothing is handed back, and nothing counted."""
         if self._worked and self.release_idle_memory:
             started = time.perf_counter()
-            release_free_memory()
-            self.idle_release_s += time.perf_counter() - started
-            self.idle_releases += 1
+            if release_free_memory():
+                self.idle_release_s += time.perf_counter() - started
+                self.idle_releases += 1
         self._worked = False
         with self._cond:
             if not self._waiting and self._update is None and not self._stop.is_set():
