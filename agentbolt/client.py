@@ -277,10 +277,18 @@ class Registration:
 
     worker_id: str
     worker_token: str
+    token_ttl_seconds: float | None = None
+    """How long the token stays valid once the worker goes unseen; None: never expires (or a
+    server that does not say)."""
 
 
 def _registration(body: Any) -> Registration:
-    return Registration(worker_id=str(body["worker_id"]), worker_token=str(body["worker_token"]))
+    ttl = body.get("token_ttl_seconds")
+    return Registration(
+        worker_id=str(body["worker_id"]),
+        worker_token=str(body["worker_token"]),
+        token_ttl_seconds=None if ttl is None else float(ttl),
+    )
 
 
 class _Api:

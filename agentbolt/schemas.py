@@ -675,6 +675,9 @@ class WorkerRegistration(BaseModel):
 
     worker_id: str
     worker_token: str
+    token_ttl_seconds: float | None = None
+    """Seconds the token stays valid after its worker was last seen (a dequeue, a heartbeat);
+    None: it never expires. A runner holding an attempt heartbeats within a third of it."""
 
 
 class AgentTypedEvent(_Strict):

@@ -136,6 +136,7 @@ class Runner:
         self.lease_seconds = lease_seconds
         """The lease this runner asks for; the server decides (``Claim.lease_seconds``)."""
         self._asked_interval = heartbeat_interval
+        self._token_ttl: float | None = None  # the worker token's time to live, from registration
         self.heartbeat_interval = heartbeat_interval or (lease_seconds or 30.0) / 3
         """Used only with a server that does not say which lease it granted."""
         self.poll_wait, self.flush_interval, self.flush_size = poll_wait, flush_interval, flush_size
@@ -236,6 +237,7 @@ class Runner:
         if registration is not None:
             self.worker_id = registration.worker_id
             self._secrets += (registration.worker_token,)
+            self._token_ttl = registration.token_ttl_seconds
 
     def _identity_lost(self, exc: WorkerRevoked | WorkerTokenExpired) -> None:
         """The server no longer takes this runner's worker token. Revoked: stop (``run`` then
@@ -354,11 +356,15 @@ class Runner:
     def _beat_interval(self, claim: Claim) -> float:
         """A third of the lease the server granted, whatever this runner asked for (a shorter
         ``heartbeat_interval`` given explicitly is kept); the runner's own setting only when
-        the server did not say."""
+        the server did not say. Never more than a third of the worker token's time to live
+        (``token_ttl_seconds`` at registration): the heartbeats keep the worker seen, so its
+        token cannot expire while it holds an attempt, and the attempt's finish is taken."""
         if not claim.lease_seconds:
-            return self.heartbeat_interval
-        granted = claim.lease_seconds / 3
-        return min(granted, self._asked_interval) if self._asked_interval else granted
+            interval = self.heartbeat_interval
+        else:
+            granted = claim.lease_seconds / 3
+            interval = min(granted, self._asked_interval) if self._asked_interval else granted
+        return min(interval, self._token_ttl / 3) if self._token_ttl else interval
 
     async def _execute(self, claim: Claim) -> None:
         ctx = RolloutContext(claim.rollout, claim.attempt, claim.resources)

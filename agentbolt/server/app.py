@@ -165,7 +165,7 @@ def _include_routes(
         events.router(call),
         attempts.router(call, wake),
         agent.router(call),
-        workers.router(call, wake, issued),
+        workers.router(call, wake, issued, config.worker_token_ttl),
         resources.router(call),
         rewards.router(call),
         gateway_routes.router(gateway),

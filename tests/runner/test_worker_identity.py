@@ -76,7 +76,14 @@ def test_a_revoked_runner_stops_and_says_why_and_its_rollout_is_queued_again(sec
     assert ended.status.value == "lease_expired" and "was revoked" in (ended.error or "")
 
 
-def test_a_runner_whose_token_expired_registers_again_and_goes_on(tmp_path, monkeypatch):
+@rollout
+async def blocks(task: Task) -> float:
+    """Holds the runner's event loop (a synchronous call in an async agent): no heartbeat meanwhile."""
+    time.sleep(task.data["seconds"])
+    return 1.0
+
+
+def _expiring_server(tmp_path, monkeypatch) -> ServerThread:
     from agentbolt.server import middleware
 
     monkeypatch.setattr(middleware, "RECHECK_S", 0.1)
@@ -86,13 +93,36 @@ def test_a_runner_whose_token_expired_registers_again_and_goes_on(tmp_path, monk
         worker_token_ttl=1.0,
         sweep_interval=0.1,
     )
-    with ServerThread(config) as srv, Client(srv.url, ADMIN) as admin:
-        # the first rollout keeps the runner's only slot busy for longer than the token's TTL,
-        # with no heartbeat in between (a 9-second lease: one every 3 s): unseen, it expires
+    return ServerThread(config)
+
+
+def test_a_runner_heartbeats_within_its_token_ttl_so_a_long_attempt_keeps_its_finish(tmp_path, monkeypatch):
+    with _expiring_server(tmp_path, monkeypatch) as srv, Client(srv.url, ADMIN) as admin:
+        # 2.5 s of work against a token that expires 1 s after its worker was last seen, and a
+        # 9-second lease whose heartbeats (every 3 s) alone would not keep it seen
+        slow, quick = admin.enqueue(
+            [RolloutCreate(task=Task(data={"seconds": 2.5})), RolloutCreate(task=Task(data={"seconds": 0}))]
+        )
+        runner = Runner(waits, srv.url, token=RUNNER, lease_seconds=9, poll_wait=0.2, max_rollouts=2)
+        thread, errors = _in_thread(runner)
+        _until(lambda: admin.get_rollout(slow.id).status == RolloutStatus.RUNNING)
+        first = runner.worker_id
+        thread.join(30)
+        assert not thread.is_alive() and not errors, errors
+        assert runner.worker_id == first and runner.lost == 0 and runner.completed == 2
+        for ro in (slow, quick):
+            [attempt] = admin.list_attempts(ro.id)
+            assert attempt.worker_id == first and admin.get_rollout(ro.id).status == RolloutStatus.SUCCEEDED
+
+
+def test_a_runner_whose_token_expired_registers_again_and_goes_on(tmp_path, monkeypatch):
+    with _expiring_server(tmp_path, monkeypatch) as srv, Client(srv.url, ADMIN) as admin:
+        # the first rollout holds the runner's event loop for longer than the token's TTL: no
+        # heartbeat goes out, the worker is unseen, and its token expires
         slow, quick = admin.enqueue(
             [RolloutCreate(task=Task(data={"seconds": 2.0})), RolloutCreate(task=Task(data={"seconds": 0}))]
         )
-        runner = Runner(waits, srv.url, token=RUNNER, lease_seconds=9, poll_wait=0.2, max_rollouts=1)
+        runner = Runner(blocks, srv.url, token=RUNNER, lease_seconds=9, poll_wait=0.2, max_rollouts=1)
         thread, errors = _in_thread(runner)
         _until(lambda: admin.get_rollout(slow.id).status == RolloutStatus.RUNNING)
         first = runner.worker_id

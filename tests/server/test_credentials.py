@@ -480,6 +480,7 @@ def test_a_worker_token_expires_when_its_worker_goes_unseen(tmp_path, upstream, 
     config = ServerConfig(db=str(tmp_path / "ttl.db"), tokens=TOKENS, worker_token_ttl=1.5)
     with ServerThread(config) as srv:
         busy, idle = (_register(srv.url, RUNNER).json() for _ in range(2))
+        assert busy["token_ttl_seconds"] == idle["token_ttl_seconds"] == 1.5  # the runner beats within it
         dequeue = f"{srv.url}/api/dequeue"
         deadline = time.monotonic() + 3.0
         while time.monotonic() < deadline:  # one keeps being seen (an empty dequeue counts)

@@ -27,20 +27,26 @@ from agentbolt.server.store_caller import StoreCaller, WakeUp
 __all__ = ["router"]
 
 
-def router(call: StoreCaller, wake: WakeUp, issued: IssuedCredentials) -> APIRouter:
+def router(
+    call: StoreCaller, wake: WakeUp, issued: IssuedCredentials, token_ttl: float | None = None
+) -> APIRouter:
     api = APIRouter(prefix="/api/workers", tags=["runner"])
     store = call.store
 
     @api.post("/register", response_model=WorkerRegistration, status_code=201)
     async def register(body: WorkerRegister, request: Request) -> Response:
         """Issue a new worker id (the ``name`` hint with a random suffix) and its token, shown
-        only in this answer. Needs a runner or admin token (not a worker token: that already is
-        an identity)."""
+        only in this answer, with how long the token stays valid once its worker goes unseen
+        (``token_ttl_seconds``: a runner heartbeats well within it). Needs a runner or admin
+        token (not a worker token: that already is an identity)."""
         caller = caller_of(request)
         if caller is not None and caller.worker_id is not None:
             raise Forbidden("a worker token cannot register another worker: use the runner token")
         worker_id, token = await call(store.register_worker, body.name)
-        return json_response(WorkerRegistration(worker_id=worker_id, worker_token=token), 201)
+        registration = WorkerRegistration(
+            worker_id=worker_id, worker_token=token, token_ttl_seconds=token_ttl
+        )
+        return json_response(registration, 201)
 
     @api.post("/{worker_id}/revoke", response_model=Worker, tags=["admin"])
     async def revoke(worker_id: str) -> Response:
