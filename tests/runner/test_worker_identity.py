@@ -83,7 +83,10 @@ async def blocks(task: Task) -> float:
     return 1.0
 
 
-def _expiring_server(tmp_path, monkeypatch) -> ServerThread:
+def _slow_then_quick(tmp_path, monkeypatch, agent, seconds: float, max_rollouts: int):
+    """A slow rollout, then a quick one, for one runner with a 9-second lease (a heartbeat every
+    3 s) on a server whose worker tokens expire 1 s after their worker was last seen. Returns
+    the admin client's view of both rollouts' attempts, the runner, and its first worker id."""
     from agentbolt.server import middleware
 
     monkeypatch.setattr(middleware, "RECHECK_S", 0.1)
@@ -93,49 +96,47 @@ def _expiring_server(tmp_path, monkeypatch) -> ServerThread:
         worker_token_ttl=1.0,
         sweep_interval=0.1,
     )
-    return ServerThread(config)
+    with ServerThread(config) as srv, Client(srv.url, ADMIN) as admin:
+        slow, quick = admin.enqueue(
+            [
+                RolloutCreate(task=Task(data={"seconds": seconds})),
+                RolloutCreate(task=Task(data={"seconds": 0})),
+            ]
+        )
+        runner = Runner(
+            agent, srv.url, token=RUNNER, lease_seconds=9, poll_wait=0.2, max_rollouts=max_rollouts
+        )
+        thread, errors = _in_thread(runner)
+        _until(lambda: admin.get_rollout(slow.id).status == RolloutStatus.RUNNING)
+        first = runner.worker_id
+        thread.join(30)
+        assert not thread.is_alive() and not errors, errors
+        attempts = {
+            name: (admin.get_rollout(ro.id).status, [a.worker_id for a in admin.list_attempts(ro.id)])
+            for name, ro in (("slow", slow), ("quick", quick))
+        }
+        workers = {w.id for w in admin.list_workers()}
+    return attempts, runner, first, workers
 
 
 def test_a_runner_heartbeats_within_its_token_ttl_so_a_long_attempt_keeps_its_finish(tmp_path, monkeypatch):
-    with _expiring_server(tmp_path, monkeypatch) as srv, Client(srv.url, ADMIN) as admin:
-        # 2.5 s of work against a token that expires 1 s after its worker was last seen, and a
-        # 9-second lease whose heartbeats (every 3 s) alone would not keep it seen
-        slow, quick = admin.enqueue(
-            [RolloutCreate(task=Task(data={"seconds": 2.5})), RolloutCreate(task=Task(data={"seconds": 0}))]
-        )
-        runner = Runner(waits, srv.url, token=RUNNER, lease_seconds=9, poll_wait=0.2, max_rollouts=2)
-        thread, errors = _in_thread(runner)
-        _until(lambda: admin.get_rollout(slow.id).status == RolloutStatus.RUNNING)
-        first = runner.worker_id
-        thread.join(30)
-        assert not thread.is_alive() and not errors, errors
-        assert runner.worker_id == first and runner.lost == 0 and runner.completed == 2
-        for ro in (slow, quick):
-            [attempt] = admin.list_attempts(ro.id)
-            assert attempt.worker_id == first and admin.get_rollout(ro.id).status == RolloutStatus.SUCCEEDED
+    # 2.5 s of async work: the 3-second heartbeats alone would not keep the worker seen
+    attempts, runner, first, _ = _slow_then_quick(tmp_path, monkeypatch, waits, 2.5, max_rollouts=2)
+    assert runner.worker_id == first and runner.lost == 0 and runner.completed == 2
+    assert attempts == {
+        "slow": (RolloutStatus.SUCCEEDED, [first]),
+        "quick": (RolloutStatus.SUCCEEDED, [first]),
+    }
 
 
 def test_a_runner_whose_token_expired_registers_again_and_goes_on(tmp_path, monkeypatch):
-    with _expiring_server(tmp_path, monkeypatch) as srv, Client(srv.url, ADMIN) as admin:
-        # the first rollout holds the runner's event loop for longer than the token's TTL: no
-        # heartbeat goes out, the worker is unseen, and its token expires
-        slow, quick = admin.enqueue(
-            [RolloutCreate(task=Task(data={"seconds": 2.0})), RolloutCreate(task=Task(data={"seconds": 0}))]
-        )
-        runner = Runner(blocks, srv.url, token=RUNNER, lease_seconds=9, poll_wait=0.2, max_rollouts=1)
-        thread, errors = _in_thread(runner)
-        _until(lambda: admin.get_rollout(slow.id).status == RolloutStatus.RUNNING)
-        first = runner.worker_id
-        thread.join(30)
-        assert not thread.is_alive() and not errors, errors
-        # the slow one's finish was refused (expired); registered again, it ran the next one
-        assert runner.worker_id != first and runner.lost == 1 and runner.completed == 1
-        [done] = admin.list_attempts(quick.id)
-        assert (
-            done.worker_id == runner.worker_id
-            and admin.get_rollout(quick.id).status == RolloutStatus.SUCCEEDED
-        )
-        assert {first, runner.worker_id} <= {w.id for w in admin.list_workers()}
+    # the slow rollout holds the runner's event loop for longer than the token's TTL: no
+    # heartbeat goes out, the worker is unseen, and its token expires
+    attempts, runner, first, workers = _slow_then_quick(tmp_path, monkeypatch, blocks, 2.0, max_rollouts=1)
+    # the slow one's finish was refused (expired); registered again, it ran the next one
+    assert runner.worker_id != first and runner.lost == 1 and runner.completed == 1
+    assert attempts["quick"] == (RolloutStatus.SUCCEEDED, [runner.worker_id])
+    assert {first, runner.worker_id} <= workers
 
 
 def test_a_runner_works_unchanged_on_a_server_for_registered_runners_only(tmp_path):
