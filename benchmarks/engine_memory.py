@@ -24,13 +24,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import random
 import re
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -98,29 +96,14 @@ async def serve_batch(client: httpx.AsyncClient, batch: list[Chat]) -> int:
     return sum(await asyncio.gather(*[one(c) for c in batch]))
 
 
-@contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    """``values`` in this process's environment (so in the server's) inside the block."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def run_once(setting: str, plan: list[list[Chat]], args: argparse.Namespace) -> Run:
     port = free_port()
     cmd = [sys.executable, "-m", "agentbolt.engine.cli", "serve", "--model", args.model, "--port", str(port)]
     idle, _, kernels = setting.partition("+kernels=")
     cmd += ["--dtype", args.dtype, SETTINGS[idle]]
     run = Run(setting)
-    env = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": kernels} if kernels else {}
-    with _environment(env), server_process(cmd, port) as proc:
+    env = {**os.environ, "ONEDNN_PRIMITIVE_CACHE_CAPACITY": kernels} if kernels else None
+    with server_process(cmd, port, env=env) as proc:
 
         async def drive() -> None:
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=1800) as client:

@@ -157,9 +157,12 @@ class RssSampler:
 
 
 @contextlib.contextmanager
-def server_process(cmd: list[str], port: int, timeout: float = 300.0) -> Iterator[subprocess.Popen]:
+def server_process(
+    cmd: list[str], port: int, timeout: float = 300.0, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen]:
+    """``cmd`` started (with ``env`` as its environment; None: this process's), once it answers."""
     log = tempfile.TemporaryFile(mode="w+")  # a pipe nobody reads could fill up and stall the server
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         deadline = time.monotonic() + timeout
         while True:
