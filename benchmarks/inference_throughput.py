@@ -217,7 +217,12 @@ async def fire(
 
 
 def bench_engine(
-    texts: list[str], args, cpu_matmul: str = "auto", forward: str = "default", idle: str = "release"
+    texts: list[str],
+    args,
+    cpu_matmul: str = "auto",
+    forward: str = "default",
+    idle: str = "release",
+    kernels: str = "on",
 ) -> tuple[Result, int]:
     port = free_port()
     cmd = [sys.executable, "-m", "agentbolt.engine.cli", "serve", "--model", args.model, "--port", str(port)]
@@ -226,6 +231,8 @@ def bench_engine(
         cmd += ["--forward", forward]
     if idle == "keep":
         cmd += ["--no-release-idle-memory"]
+    if kernels == "off":
+        cmd += ["--no-kernels"]
     with server_process(cmd, port) as proc, RssSampler(proc.pid) as rss:
         extra = {"logprobs": True, "return_token_ids": True}
         tokens, seconds = asyncio.run(
@@ -234,6 +241,7 @@ def bench_engine(
     tags = [f"{cpu_matmul} matmul"] if cpu_matmul != "auto" else []
     tags += [f"{forward} forward"] if forward != "default" else []
     tags += ["idle memory kept"] if idle == "keep" else []
+    tags += ["no C kernel"] if kernels == "off" else []
     name = "agentbolt engine" + (f" ({', '.join(tags)})" if tags else "")
     note = f"{args.dtype}, max batch {args.max_batch}, logprobs + token ids on, cpu_matmul={cpu_matmul}, forward={forward}"
     return Result(name, len(texts), tokens, seconds, note), rss.peak
@@ -673,6 +681,12 @@ def main() -> None:
         "back each time the batch empties) and/or keep (--no-release-idle-memory)",
     )
     parser.add_argument(
+        "--engine-kernels",
+        default="on",
+        help="comma-separated: on (the serve command's default: a decode step's attention in the "
+        "engine's C kernel) and/or off (--no-kernels: PyTorch's attention)",
+    )
+    parser.add_argument(
         "--baseline-threads",
         default="",
         help="thread counts for the baselines, e.g. 1 or 1,2 (default: 1 and all CPUs)",
@@ -708,6 +722,8 @@ def main() -> None:
         help="only profile the decode steps of one in-process batch (torch.profiler): where a step's time goes",
     )
     args = parser.parse_args()
+    if not set(args.engine_kernels.split(",")) <= {"on", "off"}:
+        parser.error(f"--engine-kernels takes on and/or off, not {args.engine_kernels!r}")
     if not set(args.engine_idle_memory.split(",")) <= {"release", "keep"}:
         parser.error(f"--engine-idle-memory takes release and/or keep, not {args.engine_idle_memory!r}")
     only = {  # the in-process studies, each instead of the throughput comparison
@@ -728,8 +744,10 @@ def main() -> None:
     skipped: list[str] = []
     memory: dict[str, int] = {}
 
-    def run_engine(variant: str, forward: str = "default", idle: str = "release") -> Result:
-        result, peak = bench_engine(texts, args, variant, forward, idle)
+    def run_engine(
+        variant: str, forward: str = "default", idle: str = "release", kernels: str = "on"
+    ) -> Result:
+        result, peak = bench_engine(texts, args, variant, forward, idle, kernels)
         key = "engine server" + result.name.removeprefix("agentbolt engine")
         memory[key] = max(memory.get(key, 0), peak)
         return result
@@ -748,10 +766,11 @@ def main() -> None:
         return llama
 
     systems: list[tuple[str, Callable[[], Result | None]]] = [
-        (f"engine {v} {f} {i}", partial(run_engine, v, f, i))
+        (f"engine {v} {f} {i} {k}", partial(run_engine, v, f, i, k))
         for v in args.engine_variants.split(",")
         for f in args.engine_forwards.split(",")
         for i in args.engine_idle_memory.split(",")
+        for k in args.engine_kernels.split(",")
     ]
     if not args.skip_static:
         assert baseline is not None

@@ -105,6 +105,7 @@ class Batcher:
         matmul: str | None = None,
         forward: str = "auto",
         release_idle_memory: bool = True,
+        kernels: bool = True,
     ) -> None:
         self.model, self.eos_ids, self.version = model, eos_ids, version
         self.max_batch, self.max_context, self.prefill_tokens = max_batch, max_context, prefill_tokens
@@ -144,11 +145,23 @@ class Batcher:
             raise ValueError(f"forward must be one of {', '.join(FORWARDS)}, not {forward!r}")
         reason = "asked for" if forward == "transformers" else unsupported_reason(model)
         if reason is None:
-            self.own_forward = LlamaForward(model, max_context + 1)
+            self.own_forward = LlamaForward(model, max_context + 1, use_kernels=kernels)
         elif forward == "engine":
             raise ValueError(f"forward='engine' is not available for this model: {reason}")
         else:
             self.forward_note = reason
+
+    @property
+    def attention(self) -> str:
+        """What runs a decode step's attention: "kernel" (:mod:`agentbolt.engine.kernels`) or "torch"."""
+        return "kernel" if self.own_forward is not None and self.own_forward.kernel else "torch"
+
+    @property
+    def attention_note(self) -> str:
+        """Why a decode step's attention is not the kernel (empty when it is)."""
+        if self.own_forward is None:
+            return "transformers' forward serves"
+        return self.own_forward.kernel_note
 
     # ------------------------------------------------------------------ public, any thread
     def start(self) -> None:

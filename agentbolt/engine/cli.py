@@ -65,6 +65,11 @@ def serve(
         help="Hand the heap's free pages back to the system each time the batch empties "
         "(otherwise the server keeps the memory of the largest batches it served).",
     ),
+    kernels: bool = typer.Option(
+        True,
+        help="Run a decode step's attention in the engine's C kernel, built on first use with the "
+        "system's C compiler (otherwise PyTorch's attention).",
+    ),
     device: str | None = typer.Option(None, help="cpu or cuda (default: cuda when available)."),
     name: str | None = typer.Option(
         None, help="Model name to serve under (default: the model's folder name)."
@@ -86,6 +91,7 @@ def serve(
             cpu_matmul=cpu_matmul,
             forward=forward,
             release_idle_memory=release_idle_memory,
+            kernels=kernels,
         )
     except (ModelNotFoundError, ValueError) as exc:
         typer.echo(str(exc), err=True)

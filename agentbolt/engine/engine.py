@@ -77,6 +77,11 @@ class EngineConfig:
     """Hand the heap's free pages back to the system (glibc's ``malloc_trim``) each time the batch
     empties: the freed key-value caches and activations otherwise stay mapped, and a long-running
     server's memory follows the largest batches it ever served (figures at ``Batcher._idle``)."""
+    kernels: bool = True
+    """Run a decode step's attention in the engine's C kernel (:mod:`agentbolt.engine.kernels`,
+    built on first use with the system's C compiler) where the engine's own forward serves a
+    bfloat16 or float32 model on the CPU; PyTorch's attention otherwise, or where the kernel cannot
+    be built (``stats()["attention"]`` says which serves, ``"attention_note"`` why)."""
 
 
 class ModelEngine:
@@ -113,6 +118,7 @@ class ModelEngine:
             matmul=cpu_matmul_mode(self.config.cpu_matmul, model),
             forward=self.config.forward,
             release_idle_memory=self.config.release_idle_memory,
+            kernels=self.config.kernels,
         )
         self._started = False
         self._start_lock = threading.Lock()
@@ -215,6 +221,8 @@ class ModelEngine:
             "cpu_matmul": b.matmul_kind or "native",
             "forward": "engine" if b.own_forward is not None else "transformers",
             "forward_note": b.forward_note,
+            "attention": b.attention,
+            "attention_note": b.attention_note,
             "loop_thread": b.loop_thread,
             "idle_releases": b.idle_releases,
             "idle_release_s": round(b.idle_release_s, 4),

@@ -46,6 +46,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from agentbolt.engine import kernels
+
 __all__ = ["FORWARDS", "LlamaForward", "unsupported_reason"]
 
 FORWARDS = ("auto", "engine", "transformers")
@@ -82,7 +84,7 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 class LlamaForward:
     """A Llama forward pass over the batcher's mask, position ids and KV cache (module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, max_positions: int) -> None:
+    def __init__(self, model: torch.nn.Module, max_positions: int, use_kernels: bool = True) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the engine's Llama forward does not support this model: {reason}")
@@ -102,6 +104,21 @@ class LlamaForward:
         the flash kernel (see ``_bmm_attention``). On by default for float32 on CPU only: in
         bfloat16 the scores are rounded to bfloat16 before the softmax, and with large scores the
         logprobs drift twice as far from a teacher-forced pass as the flash kernel's."""
+        self.kernel_note = ""
+        """Why a decode step's attention is not the engine's C kernel (empty when it is)."""
+        if not use_kernels:
+            self.kernel_note = "switched off (kernels=False)"
+        elif inner.embed_tokens.weight.device.type != "cpu" or self.dtype not in (
+            torch.bfloat16,
+            torch.float32,
+        ):
+            self.kernel_note = (
+                f"{self.dtype} on {inner.embed_tokens.weight.device.type}: CPU bfloat16/float32 only"
+            )
+        elif not kernels.available():
+            self.kernel_note = kernels.status()
+        self.kernel = not self.kernel_note
+        """A decode step's attention runs in :mod:`agentbolt.engine.kernels` (one C call per layer)."""
         self._tables_for(max(max_positions, int(getattr(config, "max_position_embeddings", 0))))
 
     def _tables_for(self, positions: int) -> None:
@@ -163,12 +180,19 @@ class LlamaForward:
                 k = k * cos + k.roll(half, -1) * sin
                 v = v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
                 keys, values = cache.update(k.transpose(1, 2), v, i)
+                fast = None
                 if T == 1:
                     q = q.view(B, self.kv_heads, self.groups, self.head_dim)
+                    if self.kernel:
+                        fast = kernels.decode_attention(q, keys, values, mask_BL, self.scale)
                 else:
                     q = q.transpose(1, 2)
-            whole = self._whole_buffers(cache, i, B) if T == 1 and self.bmm_attention else None
-            if whole is not None:
+            whole = (
+                self._whole_buffers(cache, i, B) if fast is None and T == 1 and self.bmm_attention else None
+            )
+            if fast is not None:
+                out = fast
+            elif whole is not None:
                 with plain():
                     if bias is None or bias.shape[-1] != whole[0].shape[2]:
                         bias = self._bias(keys_ok, whole[0].shape[2])

@@ -11,7 +11,7 @@ import torch
 from engine_helpers import chat_body, make_engine, teacher_forced_logprobs
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from agentbolt.engine import ModelEngine, kv_cache
+from agentbolt.engine import ModelEngine, kernels, kv_cache
 from agentbolt.engine.batcher import Batcher
 from agentbolt.engine.forward import LlamaForward, unsupported_reason
 
@@ -54,23 +54,26 @@ def hf_logits(tiny_dir: Path) -> torch.Tensor:
     return _run(model, lambda *a: _hf_step(model, *a))
 
 
-@pytest.mark.parametrize("bmm", [True, False], ids=["bmm-attention", "flash-attention"])
+@pytest.mark.parametrize("attention", ["kernel", "bmm", "flash"])
 def test_own_forward_matches_transformers_with_a_shared_prefix_and_padding(
-    tiny_dir: Path, hf_logits: torch.Tensor, bmm: bool
+    tiny_dir: Path, hf_logits: torch.Tensor, attention: str
 ) -> None:
+    """Decode steps' attention in the engine's C kernel (the default where it builds), in two
+    batched products over the cache buffers, or in PyTorch's flash kernel."""
     model = _tiny(tiny_dir, torch.float32)
-    own = LlamaForward(model, 256)
-    own.bmm_attention = bmm
+    own = LlamaForward(model, 256, use_kernels=attention == "kernel")
+    assert own.kernel == (attention == "kernel") or not kernels.available()
+    own.bmm_attention = attention == "bmm"
     hf = hf_logits
     got = _run(model, own)
     assert torch.allclose(got, hf, atol=1e-4, rtol=0), (got - hf).abs().max()
-    if not bmm:
+    if attention == "flash":
         return  # in bfloat16 the flash kernel gives transformers' numbers
     # bfloat16: no further from the float32 logits than transformers' own bfloat16 forward
     # (measured here with batched-product attention: mean 0.061 against 0.057, max 1.61 against 1.58)
     model = model.bfloat16()
-    own = LlamaForward(model, 256)
-    own.bmm_attention = bmm
+    own = LlamaForward(model, 256, use_kernels=attention == "kernel")
+    own.bmm_attention = attention == "bmm"
     hf16 = (_run(model, lambda *a: _hf_step(model, *a)) - hf).abs()
     got16 = (_run(model, own) - hf).abs()
     assert got16.mean() <= 1.2 * hf16.mean() and got16.max() <= 1.2 * hf16.max(), (got16.max(), hf16.max())

@@ -95,10 +95,10 @@ def test_serve_exits_with_a_message_when_the_port_is_taken(tiny_dir: Path) -> No
     assert "Traceback" not in out
 
 
-def test_serve_hands_idle_memory_back_unless_told_to_keep_it(tiny_dir: Path) -> None:
+def test_serve_hands_idle_memory_back_and_runs_the_kernel_unless_told_not_to(tiny_dir: Path) -> None:
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
-    releases = {}
-    for extra in ((), ("--no-release-idle-memory",)):
+    releases, attention = {}, {}
+    for extra in ((), ("--no-release-idle-memory", "--no-kernels")):
         port = _free_port()
         with _serve(tiny_dir, port, *extra) as proc:
             _wait_up(proc, port)
@@ -111,4 +111,6 @@ def test_serve_hands_idle_memory_back_unless_told_to_keep_it(tiny_dir: Path) -> 
                     break
                 time.sleep(0.1)
             releases[extra] = health["idle_releases"]
-    assert releases == {(): 1, ("--no-release-idle-memory",): 0}
+            attention[extra] = (health["attention"], health["attention_note"])
+    assert list(releases.values()) == [1, 0]
+    assert list(attention.values()) == [("kernel", ""), ("torch", "switched off (kernels=False)")]
