@@ -71,7 +71,8 @@ import torch.nn.functional as F
 
 from agentbolt.engine import kv_cache
 from agentbolt.engine.forward import FORWARDS, LlamaForward, unsupported_reason
-from agentbolt.engine.matmul import make_matmul_mode
+from agentbolt.engine.kernels import available as kernels_available
+from agentbolt.engine.matmul import PackedMatmul, make_matmul_mode
 from agentbolt.engine.sampling import sample_step
 from agentbolt.engine.sequence import Sequence
 from agentbolt.engine.threads import ThreadTuner
@@ -137,6 +138,9 @@ class Batcher:
         self.matmul_kind = matmul or ("float32" if float32_matmul else None)
         """None (PyTorch's kernels), "float32" or "packed": see :mod:`agentbolt.engine.matmul`."""
         self.matmul_mode = make_matmul_mode(self.matmul_kind, max_batch, model)
+        self.kernels = kernels and next(model.parameters()).device.type == "cpu" and kernels_available()
+        """The engine's C kernels serve where they apply: the log-softmax and argmax of every step
+        (``sample_step(fast=True)``) and, with the engine's own forward, its decode steps."""
         self.own_forward: LlamaForward | None = None
         """The engine's own forward pass (:mod:`agentbolt.engine.forward`), or None: transformers'."""
         self.forward_note = ""
@@ -146,6 +150,8 @@ class Batcher:
         reason = "asked for" if forward == "transformers" else unsupported_reason(model)
         if reason is None:
             self.own_forward = LlamaForward(model, max_context + 1, use_kernels=kernels)
+            if isinstance(self.matmul_mode, PackedMatmul):
+                self.own_forward.packed = self.matmul_mode
         elif forward == "engine":
             raise ValueError(f"forward='engine' is not available for this model: {reason}")
         else:
@@ -380,7 +386,9 @@ class Batcher:
 
     def _record(self, seqs: list[Sequence], logits_BV: torch.Tensor) -> None:
         k = max(s.params.top_logprobs for s in seqs)
-        out = sample_step(logits_BV, [s.params for s in seqs], [s.generator for s in seqs], k)
+        out = sample_step(
+            logits_BV, [s.params for s in seqs], [s.generator for s in seqs], k, fast=self.kernels
+        )
         for i, seq in enumerate(seqs):
             top = None
             if seq.params.top_logprobs and out.top_ids is not None and out.top_logprobs is not None:

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from agentbolt.engine import kernels
+from agentbolt.engine import kernels, kv_cache
 
 __all__ = ["FORWARDS", "LlamaForward", "unsupported_reason"]
 
@@ -118,6 +118,10 @@ class LlamaForward:
         elif not kernels.available():
             self.kernel_note = kernels.status()
         self.kernel = not self.kernel_note
+        self.packed: Any = None
+        """The :class:`~agentbolt.engine.matmul.PackedMatmul` mode the caller enters around this
+        forward pass, if any: its products are then called directly (``PackedMatmul.project``)."""
+        self.silu = getattr(config, "hidden_act", None) == "silu"
         """A decode step's attention runs in :mod:`agentbolt.engine.kernels` (one C call per layer)."""
         self._tables_for(max(max_positions, int(getattr(config, "max_position_embeddings", 0))))
 
@@ -166,27 +170,38 @@ class LlamaForward:
         # linear products and the attention call stay inside whatever mode the caller entered.
         plain = torch._C.DisableTorchFunction
         layers = self.inner.layers
+        if self.kernel and T == 1:
+            cos_BD, sin_BD = cos.view(B, self.head_dim), sin.view(B, self.head_dim)
         with plain():
-            h = self._norm(x, layers[0].input_layernorm.weight)
+            h = self._norm_of(x, layers[0].input_layernorm.weight)
         for i, layer in enumerate(layers):
             attn = layer.self_attn
-            q = attn.q_proj(h)
-            k = attn.k_proj(h)
-            v = attn.v_proj(h)
+            q, k, v = self._project(h, attn.q_proj, attn.k_proj, attn.v_proj)
+            fast = None
             with plain():
-                q = q.view(B, T, self.heads, self.head_dim)
-                k = k.view(B, T, self.kv_heads, self.head_dim)
-                q = q * cos + q.roll(half, -1) * sin
-                k = k * cos + k.roll(half, -1) * sin
-                v = v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-                keys, values = cache.update(k.transpose(1, 2), v, i)
-                fast = None
-                if T == 1:
-                    q = q.view(B, self.kv_heads, self.groups, self.head_dim)
-                    if self.kernel:
-                        fast = kernels.decode_attention(q, keys, values, mask_BL, self.scale)
+                room = kv_cache.append_column(cache, i) if self.kernel and T == 1 else None
+                if room is not None:  # the decode step's rotary embedding, cache write and attention in C
+                    buf_k, buf_v, column = room
+                    q_rot = kernels.rope_append(q, k, v, cos_BD, sin_BD, buf_k, buf_v, column, self.head_dim)
+                    if q_rot is None:  # shapes the kernel does not take: the same, in PyTorch
+                        q_rot = self._rope(q.view(B, T, self.heads, self.head_dim), cos, sin, half)
+                        k_rot = self._rope(k.view(B, T, self.kv_heads, self.head_dim), cos, sin, half)
+                        buf_k[:, :, column].copy_(k_rot[:, 0])
+                        buf_v[:, :, column].copy_(v.view(B, self.kv_heads, self.head_dim))
+                    keys, values = cache.layers[i].keys, cache.layers[i].values
+                    q = q_rot.view(B, self.kv_heads, self.groups, self.head_dim)
+                    fast = kernels.decode_attention(q, keys, values, mask_BL, self.scale)
                 else:
-                    q = q.transpose(1, 2)
+                    q = self._rope(q.view(B, T, self.heads, self.head_dim), cos, sin, half)
+                    k = self._rope(k.view(B, T, self.kv_heads, self.head_dim), cos, sin, half)
+                    v = v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+                    keys, values = cache.update(k.transpose(1, 2), v, i)
+                    if T == 1:
+                        q = q.view(B, self.kv_heads, self.groups, self.head_dim)
+                        if self.kernel:
+                            fast = kernels.decode_attention(q, keys, values, mask_BL, self.scale)
+                    else:
+                        q = q.transpose(1, 2)
             whole = (
                 self._whole_buffers(cache, i, B) if fast is None and T == 1 and self.bmm_attention else None
             )
@@ -205,23 +220,54 @@ class LlamaForward:
                 ).transpose(1, 2)
             with plain():
                 out = out.reshape(B, T, self.heads * self.head_dim)
-            out = attn.o_proj(out)
+            (out,) = self._project(out, attn.o_proj)
             mlp = layer.mlp
             with plain():
-                x = x + out
-                h = self._norm(x, layer.post_attention_layernorm.weight)
-            gate = mlp.gate_proj(h)
-            up = mlp.up_proj(h)
+                x, h = self._residual_norm(x, out, layer.post_attention_layernorm.weight)
+            gate, up = self._project(h, mlp.gate_proj, mlp.up_proj)
             with plain():
-                h = mlp.act_fn(gate) * up
-            out = mlp.down_proj(h)
+                fused = kernels.silu_mul(gate, up) if self.kernel and self.silu else None
+                h = mlp.act_fn(gate) * up if fused is None else fused
+            (out,) = self._project(h, mlp.down_proj)
             with plain():
-                x = x + out
                 if i + 1 < len(layers):
-                    h = self._norm(x, layers[i + 1].input_layernorm.weight)
+                    x, h = self._residual_norm(x, out, layers[i + 1].input_layernorm.weight)
                 else:
-                    h = self._norm(x[:, -1:], self.inner.norm.weight)
-        return self.model.lm_head(h)[:, -1, :]
+                    x = x + out
+                    h = self._norm_of(x[:, -1:], self.inner.norm.weight)
+        (logits,) = self._project(h, self.model.lm_head)
+        return logits[:, -1, :]
+
+    def _project(self, x: torch.Tensor, *layers: torch.nn.Module) -> list[torch.Tensor]:
+        """Each layer applied to ``x``: through ``self.packed`` directly where it takes them, else
+        by calling the layers (inside whatever mode the caller entered)."""
+        if self.packed is not None:
+            with torch._C.DisableTorchFunction():
+                out = self.packed.project(x, layers)
+            if out is not None:
+                return out
+        return [layer(x) for layer in layers]
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, half: int) -> torch.Tensor:
+        return x * cos + x.roll(half, -1) * sin_signed
+
+    def _residual_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x + residual`` and its norm times ``weight``; in one kernel call (``x`` updated in
+        place) where the C kernels serve."""
+        if self.kernel:
+            h = kernels.add_rms_norm(x, residual, weight, self.eps)
+            if h is not None:
+                return x, h
+        x = x + residual
+        return x, self._norm(x, weight)
+
+    def _norm_of(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The norm of ``x`` times ``weight`` (the C kernel where it serves)."""
+        h = kernels.add_rms_norm(x, None, weight, self.eps) if self.kernel else None
+        return self._norm(x, weight) if h is None else h
 
     def _whole_buffers(self, cache: Any, i: int, B: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         buffers = getattr(cache.layers[i], "buffers", None)

@@ -41,17 +41,25 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from agentbolt.engine.model_files import cache_root
 
-__all__ = ["available", "decode_attention", "status"]
+__all__ = ["add_rms_norm", "available", "decode_attention", "rope_append", "row_stats", "silu_mul", "status"]
 
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
-ABI = 1
-_DTYPES = {torch.bfloat16: "decode_attention_bf16", torch.float32: "decode_attention_f32"}
+ABI = 3
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+_SIGNATURES = {  # (pointer arguments, int64 arguments, whether a float comes last)
+    "decode_attention": (5, 12, True),
+    "add_rms_norm": (4, 5, True),
+    "silu_mul": (3, 5, False),
+    "rope_append": (3, 3, False),  # then 5 pointers and 11 int64s: see _open
+    "row_stats": (1, 3, False),  # then 3 pointers: see _open
+}
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -82,11 +90,8 @@ def decode_attention(
     ``values`` (rows x key-value heads x L columns x dims, any strides but the last) where
     ``mask_BL`` (rows x L) is nonzero; None when the kernel is unavailable or the tensors are not
     CPU tensors of one supported dtype (the caller then uses PyTorch's attention)."""
-    lib = _load()
-    dtype = q_BKGD.dtype
-    if lib is None or dtype not in _DTYPES or q_BKGD.device.type != "cpu":
-        return None
-    if keys_BKLD.dtype != dtype or values_BKLD.dtype != dtype or keys_BKLD.device.type != "cpu":
+    fn = _function("decode_attention", q_BKGD, keys_BKLD, values_BKLD)
+    if fn is None:
         return None
     B, KV, G, D = q_BKGD.shape
     L = keys_BKLD.shape[2]
@@ -97,7 +102,7 @@ def decode_attention(
     q = q_BKGD.contiguous()
     mask = mask_BL if mask_BL.dtype == torch.int64 and mask_BL.stride(1) == 1 else mask_BL.long().contiguous()
     out = torch.empty_like(q)
-    code = getattr(lib, _DTYPES[dtype])(
+    code = fn(
         q.data_ptr(),
         keys_BKLD.data_ptr(),
         values_BKLD.data_ptr(),
@@ -114,6 +119,139 @@ def decode_attention(
         scale,
     )
     return out if code == 0 else None
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor | None:
+    """``x += residual`` in place (rounded to the dtype; skipped when ``residual`` is None), then
+    the RMS norm of every row of ``x`` times ``weight``, as a new tensor: in bfloat16 the
+    normalised row is rounded before the weight's product (``LlamaRMSNorm``'s steps), in float32
+    one product. None (nothing changed) when the kernel does not take these tensors."""
+    n = x.shape[-1]
+    fn = _function("add_rms_norm", x, weight, *([] if residual is None else [residual]))
+    rows = _rows(x)
+    if fn is None or rows is None or weight.shape != (n,) or not weight.is_contiguous():
+        return None
+    res_rows = None if residual is None else _rows(residual)
+    if residual is not None and (residual.shape != x.shape or res_rows is None or res_rows[0] != rows[0]):
+        return None
+    h = torch.empty(x.shape, dtype=x.dtype)
+    res_ptr, res_stride = (None, 0) if residual is None else (residual.data_ptr(), res_rows[1])  # type: ignore[index]
+    fn(x.data_ptr(), res_ptr, weight.data_ptr(), h.data_ptr(), rows[0], n, rows[1], res_stride, n, eps)
+    return h
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """``silu(gate) * up`` (in bfloat16 the activation rounded first, as PyTorch's two ops do);
+    None when the kernel does not take these tensors."""
+    fn = _function("silu_mul", gate, up)
+    g_rows, u_rows = _rows(gate), _rows(up)
+    if fn is None or g_rows is None or u_rows is None or gate.shape != up.shape or g_rows[0] != u_rows[0]:
+        return None
+    n = gate.shape[-1]
+    out = torch.empty(gate.shape, dtype=gate.dtype)
+    fn(gate.data_ptr(), up.data_ptr(), out.data_ptr(), g_rows[0], n, g_rows[1], u_rows[1], n)
+    return out
+
+
+def rope_append(
+    q_B1X: torch.Tensor,
+    k_B1X: torch.Tensor,
+    v_B1X: torch.Tensor,
+    cos_BD: torch.Tensor,
+    sin_signed_BD: torch.Tensor,
+    buf_k: torch.Tensor,
+    buf_v: torch.Tensor,
+    column: int,
+    head_dim: int,
+) -> torch.Tensor | None:
+    """One decode step's rotary embedding and cache write for one layer: the query heads of
+    ``q_B1X`` (rows x 1 x heads*dims) rotated into a new rows x heads x dims tensor, the key heads
+    rotated and the value heads copied into column ``column`` of the cache buffers (rows x
+    key-value heads x capacity x dims); rotation as ``x * cos + roll(x, dims/2) * sin_signed``
+    with each product and the sum rounded to the dtype. None (nothing written) when the kernel
+    does not take these tensors."""
+    fn = _function("rope_append", q_B1X, k_B1X, v_B1X, cos_BD, sin_signed_BD, buf_k, buf_v)
+    if fn is None or q_B1X.dim() != 3 or q_B1X.shape[1] != 1:
+        return None
+    B, KV, C, D = buf_k.shape
+    H = q_B1X.shape[2] // head_dim
+    if D != head_dim or q_B1X.shape != (B, 1, H * D) or buf_v.shape != buf_k.shape or not 0 <= column < C:
+        return None
+    if k_B1X.shape != (B, 1, KV * D) or v_B1X.shape != (B, 1, KV * D) or cos_BD.shape != (B, D):
+        return None
+    if any(t.stride(2) != 1 for t in (q_B1X, k_B1X, v_B1X)) or buf_k.stride(3) != 1 or buf_v.stride(3) != 1:
+        return None
+    if not (cos_BD.is_contiguous() and sin_signed_BD.is_contiguous() and sin_signed_BD.shape == (B, D)):
+        return None
+    q_out = torch.empty(B, H, D, dtype=q_B1X.dtype)
+    code = fn(
+        q_B1X.data_ptr(),
+        k_B1X.data_ptr(),
+        v_B1X.data_ptr(),
+        q_B1X.stride(0),
+        k_B1X.stride(0),
+        v_B1X.stride(0),
+        cos_BD.data_ptr(),
+        sin_signed_BD.data_ptr(),
+        q_out.data_ptr(),
+        buf_k.data_ptr(),
+        buf_v.data_ptr(),
+        B,
+        H,
+        KV,
+        D,
+        *buf_k.stride()[:3],
+        *buf_v.stride()[:3],
+        column,
+    )
+    return q_out if code == 0 else None
+
+
+def row_stats(logits_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Per row: the largest logit (float32), the first column holding it (int64: what
+    ``torch.argmax`` returns) and ``log(sum(exp(logits - largest)))`` (float32), so that
+    ``log_softmax(logits)[j] == (logits[j] - largest) - logsum``: one pass of the kernel instead of
+    a float32 copy, a log-softmax over the whole vocabulary and an argmax. None when the kernel
+    does not take the tensor or a row holds NaN (PyTorch's rules decide then)."""
+    fn = _function("row_stats", logits_BV)
+    if fn is None or logits_BV.dim() != 2 or logits_BV.stride(1) != 1 or logits_BV.shape[1] == 0:
+        return None
+    B, V = logits_BV.shape
+    top = torch.empty(B, dtype=torch.float32)
+    arg = torch.empty(B, dtype=torch.int64)
+    logsum = torch.empty(B, dtype=torch.float32)
+    code = fn(
+        logits_BV.data_ptr(), B, V, logits_BV.stride(0), top.data_ptr(), arg.data_ptr(), logsum.data_ptr()
+    )
+    return (top, arg, logsum) if code == 0 else None
+
+
+def _function(name: str, *tensors: torch.Tensor) -> Any:
+    """The kernel ``name`` for the dtype of ``tensors`` (all CPU tensors of one supported dtype), or None."""
+    lib = _load()
+    dtype = tensors[0].dtype
+    if lib is None or dtype not in _SUFFIX:
+        return None
+    if any(t.dtype != dtype or t.device.type != "cpu" for t in tensors):
+        return None
+    return getattr(lib, f"{name}_{_SUFFIX[dtype]}")
+
+
+def _rows(t: torch.Tensor) -> tuple[int, int] | None:
+    """(rows, row stride) of ``t`` seen as rows of its last dimension, or None where its leading
+    dimensions do not step by one stride (the last dimension must be contiguous)."""
+    if t.dim() == 0 or t.stride(-1) != 1:
+        return None
+    n = t.shape[-1]
+    rows = t.numel() // n if n else 0
+    if t.is_contiguous():
+        return rows, n
+    lead = [(size, stride) for size, stride in zip(t.shape[:-1], t.stride()[:-1], strict=True) if size != 1]
+    if len(lead) == 1:  # one dimension of rows, any stride (a slice of a wider product)
+        return rows, lead[0][1]
+    return None
 
 
 def _load() -> ctypes.CDLL | None:
@@ -196,10 +334,16 @@ def _open(path: Path) -> ctypes.CDLL:
     if lib.kernels_abi() != ABI:
         raise KernelBuildError(f"{path} reports another interface version")
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    for name in _DTYPES.values():
-        fn = getattr(lib, name)
-        fn.argtypes = [pointer] * 5 + [size] * 12 + [ctypes.c_float]
-        fn.restype = ctypes.c_int
+    for name, (pointers, sizes, last_float) in _SIGNATURES.items():
+        args = [pointer] * pointers + [size] * sizes + ([ctypes.c_float] if last_float else [])
+        if name == "rope_append":
+            args += [pointer] * 5 + [size] * 11
+        elif name == "row_stats":
+            args += [pointer] * 3
+        for suffix in _SUFFIX.values():
+            fn = getattr(lib, f"{name}_{suffix}")
+            fn.argtypes = args
+            fn.restype = ctypes.c_int
     return lib
 
 

@@ -18,6 +18,7 @@ from transformers.cache_utils import DynamicLayer
 
 __all__ = [
     "GrowingLayer",
+    "append_column",
     "cache_with_prefix",
     "cut_left",
     "merge_rows",
@@ -47,6 +48,19 @@ class GrowingLayer(DynamicLayer):
         self._buf_v[:, :, old:new].copy_(value_states)
         self.keys, self.values = self._buf_k[:, :, :new], self._buf_v[:, :, :new]
         return self.keys, self.values
+
+    def append_column(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """Room for one more column, for a caller that writes it itself (the engine's decode-step
+        kernel): the whole key and value buffers and the column to write; ``keys``/``values``
+        already include it. None before the first ``update``."""
+        if not self.is_initialized or not self.keys.numel():
+            return None
+        old = self.keys.shape[-2]
+        if not self._owns_buffer(self.keys, old + 1):
+            self._regrow(self.keys, self.values, old, old + 1)
+        assert self._buf_k is not None and self._buf_v is not None
+        self.keys, self.values = self._buf_k[:, :, : old + 1], self._buf_v[:, :, : old + 1]
+        return self._buf_k, self._buf_v, old
 
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The whole key and value buffers (rows x heads x capacity x dim) that ``keys`` and
@@ -103,6 +117,13 @@ def row_columns(cache: Any, row: int, columns: torch.Tensor) -> list[tuple[torch
         (layer.keys[row : row + 1, :, columns].clone(), layer.values[row : row + 1, :, columns].clone())
         for layer in cache.layers
     ]
+
+
+def append_column(cache: Any, i: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """``GrowingLayer.append_column`` of layer ``i``, or None where the cache holds no such layer yet."""
+    layers = getattr(cache, "layers", [])
+    layer = layers[i] if i < len(layers) else None
+    return layer.append_column() if isinstance(layer, GrowingLayer) else None
 
 
 def select_rows(cache: Any, rows: torch.Tensor) -> None:

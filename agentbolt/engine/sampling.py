@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from agentbolt.engine import kernels
+
 __all__ = ["SamplingParams", "StepOutput", "first_argmax", "sample_step"]
 
 
@@ -71,8 +73,17 @@ def sample_step(
     params: list[SamplingParams],
     generators: list[torch.Generator],
     max_top_logprobs: int = 0,
+    fast: bool = False,
 ) -> StepOutput:
-    """Pick one token per row of ``logits_BV`` and report its raw log-probability."""
+    """Pick one token per row of ``logits_BV`` and report its raw log-probability.
+
+    ``fast``: take each row's maximum, first argmax and log-sum-exp from the engine's C kernel
+    (:func:`agentbolt.engine.kernels.row_stats`) instead of a float32 copy of the logits, a
+    log-softmax over the vocabulary and an argmax; the same tokens, and log-probabilities by the
+    same formula (``(logit - max) - logsum``) with the sum taken in another order."""
+    stats = kernels.row_stats(logits_BV) if fast else None
+    if stats is not None:
+        return _sample_with_stats(logits_BV, stats, params, generators, max_top_logprobs)
     logits_BV = logits_BV.float()
     logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
@@ -90,6 +101,30 @@ def sample_step(
     if max_top_logprobs > 0:
         top_vals_BK, top_idx_BK = logprobs_BV.topk(max_top_logprobs, dim=-1)
         top_ids, top_lps = top_idx_BK.tolist(), top_vals_BK.tolist()
+    return StepOutput(tokens_B.tolist(), chosen_B.tolist(), top_ids, top_lps)
+
+
+def _sample_with_stats(
+    logits_BV: torch.Tensor,
+    stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    params: list[SamplingParams],
+    generators: list[torch.Generator],
+    max_top_logprobs: int,
+) -> StepOutput:
+    top_B, tokens_B, logsum_B = stats
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled:
+        rows = torch.tensor(sampled)
+        logits_RV = logits_BV[rows].float()
+        tokens_B[rows] = _sample_rows(
+            logits_RV, [params[i] for i in sampled], [generators[i] for i in sampled]
+        )
+    chosen_B = (logits_BV.gather(1, tokens_B[:, None]).squeeze(1).float() - top_B) - logsum_B
+    top_ids = top_lps = None
+    if max_top_logprobs > 0:
+        top_vals_BK, top_idx_BK = logits_BV.topk(max_top_logprobs, dim=-1)
+        top_lps_BK = (top_vals_BK.float() - top_B[:, None]) - logsum_B[:, None]
+        top_ids, top_lps = top_idx_BK.tolist(), top_lps_BK.tolist()
     return StepOutput(tokens_B.tolist(), chosen_B.tolist(), top_ids, top_lps)
 
 

@@ -159,3 +159,71 @@ async def test_the_engine_serves_through_the_kernel_with_exact_logprobs(tiny_dir
     with make_engine(tiny_dir, forward="transformers") as engine:
         assert engine.stats()["attention"] == "torch"
         assert engine.stats()["attention_note"] == "transformers' forward serves"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_layer_kernels_give_pytorchs_numbers(dtype: torch.dtype) -> None:
+    """RMSNorm with the residual add and RoPE with the cache write: the same bits as the engine's
+    PyTorch ops (bfloat16: each step rounded where PyTorch's ops round; the norm's sum of squares
+    in another order); SiLU times up within an ulp (its own exp)."""
+    g = torch.Generator().manual_seed(1)
+    x, res = torch.randn(5, 1, 96, generator=g).to(dtype), torch.randn(5, 1, 96, generator=g).to(dtype)
+    weight = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype)
+    want_x = x + res
+    normed = F.rms_norm(want_x.float(), (96,), eps=1e-5)
+    want_h = F.rms_norm(want_x, (96,), weight, 1e-5) if dtype == torch.float32 else weight * normed.to(dtype)
+    got_x = x.clone()
+    got_h = kernels.add_rms_norm(got_x, res, weight, 1e-5)
+    assert got_h is not None and torch.equal(got_x, want_x)
+    assert torch.allclose(
+        got_h.float(), want_h.float(), atol=0, rtol=1e-6
+    )  # the sum of squares' order differs
+    assert torch.equal(kernels.add_rms_norm(want_x[:, -1:], None, weight, 1e-5), got_h)
+    # gate and up as slices of one product (rows strided), with a tail past the vector width
+    gate_up = (3 * torch.randn(4, 1, 2 * 70, generator=g)).to(dtype)
+    gate, up = gate_up.split(70, dim=-1)
+    got, want = kernels.silu_mul(gate, up), F.silu(gate) * up  # its own exp: within an ulp of PyTorch's
+    assert got is not None and torch.allclose(
+        got.float(), want.float(), atol=0, rtol=1e-2 if dtype == torch.bfloat16 else 2e-6
+    )
+    assert (got == want).double().mean() > (0.99 if dtype == torch.bfloat16 else 0.5)
+    # one decode step's RoPE for 9 query and 3 key-value heads of 64 dims, into cache column 5
+    B, H, KV, D = 4, 9, 3, 64
+    qkv = (3 * torch.randn(B, 1, (H + 2 * KV) * D, generator=g)).to(dtype)
+    q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
+    angle = 6 * torch.rand(B, D, generator=g)
+    cos, sin = angle.cos().to(dtype), torch.cat([-angle[:, :32].sin(), angle[:, 32:].sin()], -1).to(dtype)
+    buf_k, buf_v = torch.zeros(B, KV, 9, D, dtype=dtype), torch.zeros(B, KV, 9, D, dtype=dtype)
+    q_rot = kernels.rope_append(q, k, v, cos, sin, buf_k, buf_v, 5, D)
+
+    def rope(t: torch.Tensor, heads: int) -> torch.Tensor:
+        t = t.view(B, heads, D)
+        return t * cos[:, None] + t.roll(32, -1) * sin[:, None]
+
+    assert q_rot is not None and torch.equal(q_rot, rope(q, H))
+    assert torch.equal(buf_k[:, :, 5], rope(k, KV)) and torch.equal(buf_v[:, :, 5], v.view(B, KV, D))
+    assert not buf_k[:, :, :5].any() and not buf_k[:, :, 6:].any()  # only that column written
+    assert kernels.rope_append(q, k, v, cos, sin, buf_k, buf_v, 9, D) is None  # past the buffer
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_step_statistics_give_the_same_tokens_and_logprobs(dtype: torch.dtype) -> None:
+    from agentbolt.engine.sampling import SamplingParams, sample_step
+
+    g = torch.Generator().manual_seed(2)
+    logits = (3 * torch.randn(6, 1000, generator=g)).to(dtype)
+    logits[2, 7] = logits[2, 900] = logits[2].max() + 1  # a tie: the first column wins
+    params = [SamplingParams(temperature=0.0, top_logprobs=4) for _ in range(6)]
+    params[4] = SamplingParams(temperature=0.8, seed=11, top_logprobs=4)  # a sampled row among them
+    plain = sample_step(logits, params, [p.make_generator() for p in params], 4)
+    fast = sample_step(logits, params, [p.make_generator() for p in params], 4, fast=True)
+    assert fast.token_ids == plain.token_ids and fast.token_ids[2] == 7
+    assert fast.top_ids == plain.top_ids
+    assert max(abs(a - b) for a, b in zip(fast.logprobs, plain.logprobs, strict=True)) < 1e-6
+    stats = kernels.row_stats(logits)
+    assert stats is not None and torch.equal(stats[1], logits.float().argmax(-1))
+    want = torch.logsumexp(logits.float() - logits.float().amax(-1, keepdim=True), -1)
+    assert torch.allclose(stats[2], want, atol=1e-6)
+    logits[3, 5] = float("nan")
+    assert kernels.row_stats(logits) is None  # PyTorch's rules for NaN, then
+    assert sample_step(logits, params, [p.make_generator() for p in params], 0, fast=True).token_ids[3] == 5
