@@ -77,6 +77,10 @@ class EngineConfig:
     """Hand the heap's free pages back to the system (glibc's ``malloc_trim``) each time the batch
     empties: the freed key-value caches and activations otherwise stay mapped, and a long-running
     server's memory follows the largest batches it ever served (figures at ``Batcher._idle``)."""
+    gather_s: float = 0.004
+    """An idle engine that receives a request waits until none has arrived for this long (at
+    most ten times it in all) before prefilling, so a burst of requests is prefilled together
+    rather than one request first (``Batcher.gather_s``); 0: start at once."""
     kernels: bool = True
     """Run a decode step's attention in the engine's C kernel (:mod:`agentbolt.engine.kernels`,
     built on first use with the system's C compiler) where the engine's own forward serves a
@@ -115,6 +119,7 @@ class ModelEngine:
             max_context=self.max_context,
             prefill_tokens=self.config.prefill_tokens,
             drain_timeout_s=self.config.drain_timeout_s,
+            gather_s=self.config.gather_s,
             matmul=cpu_matmul_mode(self.config.cpu_matmul, model),
             forward=self.config.forward,
             release_idle_memory=self.config.release_idle_memory,
@@ -213,6 +218,7 @@ class ModelEngine:
             "running": b.num_running,
             "waiting": b.num_waiting,
             "steps": b.steps,
+            "prefills": b.prefills,
             "version": b.version,
         } | {
             "threads": threads,

@@ -1,32 +1,47 @@
-"""The engine's own C kernel for a decode step's attention, built on first use.
+"""The engine's own C kernels for the work of a decode step around its matrix products.
 
-A decode step attends one new query position per row to that row's cached keys and values. For
-SmolLM2 (32 rows, 9 query heads sharing 3 key-value heads, 64 dimensions, about 100 cached
-positions) that is about 7 million multiply-adds per layer, a few tens of microseconds of
-arithmetic; PyTorch's CPU flash kernel spent 291 us per layer on it inside a served decode step
-(a quarter of the step, ``inference_throughput.py --profile-steps``), mostly on work that does not
-grow with the cache: splitting into blocks, converting them to float32 and back, masking.
-``kernels.c`` does the same computation directly on the batch's cache: per row and key-value head,
-the scores of its query heads in float32, a float32 softmax over the row's token columns (the
-attention mask read from the batcher's 0/1 mask, padding skipped), the weighted sum of the values
-in float32, rounded to the model's dtype once. The flash kernel rounds the softmax weights to
-bfloat16 before the values' product; this kernel does not, so its output is at least as close to
-a float64 reference (tested).
+With its weights packed for oneDNN, a decode step of SmolLM2 (bfloat16, 32 rows, 2 threads) spent
+half its time in the matrix products and the rest in PyTorch calls too small to use the CPU well
+(``inference_throughput.py --profile-steps``, 35.6 ms a step): the CPU flash-attention kernel took
+291 us per layer for about 7 million multiply-adds (a quarter of the step), and a thousand small
+elementwise calls took most of what was left. ``kernels.c`` does that work in a few calls per
+layer, on the batch's own tensors:
 
-It is C called through ``ctypes``, not a PyTorch C++ extension: it includes no PyTorch header, so
-it builds in about half a second with the system's C compiler (``$CC``, else ``cc``) where a
-C++ extension takes about a minute, and it needs neither ninja nor a matching PyTorch ABI.
-``-march=native`` lets the compiler use the CPU's vector instructions; ``-fopenmp`` links
-``libgomp.so.1``, which resolves to the OpenMP runtime PyTorch has already loaded, so the kernel's
-parallel loop runs on the same thread team, with the thread count PyTorch was given
-(``torch.set_num_threads``, which the engine's thread tuner sets). The library is cached under
-``kernels/`` of the model cache (``$AGENTBOLT_CACHE``, else ``~/.cache/agentbolt``) by a hash of the source, the
-compiler's version and flags and the CPU's feature flags; a new build replaces it atomically, so
-processes building it at once do not clash.
+- ``decode_attention``: one query position per row against that row's cached keys and values
+  (any strides), per row and key-value head, its query heads together: float32 scores, a float32
+  softmax over the row's token columns (the batcher's 0/1 mask; padding skipped), the weighted sum
+  of the values in float32, rounded to the model's dtype once. The flash kernel rounds the softmax
+  weights to bfloat16 before the values' product; this one does not, so its output is at least as
+  close to a float64 reference (tested). With AVX-512, sixteen scores are reduced at once.
+- ``rope_append``: the rotary embedding of the step's query and key heads and the write of the
+  keys and values into the cache's new column (``kv_cache.append_column``), in place of eight
+  elementwise ops, two copies and the cache's bookkeeping per layer.
+- ``add_rms_norm`` and ``silu_mul``: the residual add with the next RMSNorm, and the gated MLP's
+  ``silu(gate) * up``.
+- ``row_stats``: each row's largest logit, its first column and the log-sum-exp, from which
+  ``sample_step`` takes greedy tokens and every log-probability, instead of a float32 copy of the
+  logits and a log-softmax over the whole vocabulary.
 
-Where it cannot be built (no compiler, a failed build), or with ``AGENTBOLT_KERNELS=0`` or
-``EngineConfig(kernels=False)``, the engine keeps PyTorch's attention; ``status()`` says why, and
-``ModelEngine.stats()["attention"]`` which one serves.
+Each rounds to the model's dtype where the PyTorch ops it replaces round, so in bfloat16 RoPE,
+the residual add and the norm give PyTorch's bits (the norm's sum of squares is taken in another
+order, which changed no bfloat16 result in the tests' rows) and the SiLU, with its own exp, is
+within one unit in the last place; in float32 the results agree to float32 rounding.
+
+They are C called through ``ctypes``, not a PyTorch C++ extension: no PyTorch header, so the
+build takes about half a second with the system's C compiler (``$CC``, else ``cc``) and needs
+neither ninja nor a matching PyTorch ABI. ``-march=native`` lets the compiler use the CPU's vector
+instructions; ``-fopenmp`` links ``libgomp.so.1``, which resolves to the OpenMP runtime PyTorch has
+already loaded, so the kernels' parallel loops run on the same thread team with the thread count
+PyTorch was given (``torch.set_num_threads``, which the engine's thread tuner sets). The library is
+cached under ``kernels/`` of the model cache (``$AGENTBOLT_CACHE``, else ``~/.cache/agentbolt``) by
+a hash of the source, the compiler's version and flags and the CPU's feature flags; a new build
+replaces it atomically, so processes building it at once do not clash.
+
+Where they cannot be built (no compiler, a failed build), or with ``AGENTBOLT_KERNELS=0`` or
+``EngineConfig(kernels=False)`` (``agentbolt model serve --no-kernels``), the engine keeps
+PyTorch's ops; ``status()`` says why, ``ModelEngine.stats()["attention"]`` which attention serves.
+Every function here returns None, having changed nothing, for tensors it does not take, and the
+caller then runs the PyTorch ops.
 """
 
 from __future__ import annotations
