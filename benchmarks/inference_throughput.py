@@ -55,6 +55,8 @@ rounds.
 ``--engine-idle-memory release,keep`` also runs the engine server with
 ``--no-release-idle-memory`` (the heap's free pages kept when the batch empties), in the same
 rounds: what that hand-back costs the next batch.
+``--engine-kernels on,off`` also runs the engine server with ``--no-kernels`` (PyTorch's ops
+instead of the engine's C kernels, :mod:`agentbolt.engine.kernels`), in the same rounds.
 ``--forward-ab`` measures that difference in this process instead: one batch of the chats in the
 engine's batcher (no server, ``--baseline-threads``' first count, 1 by default), its decode steps
 alternating step by step between transformers' forward, the engine's own, and the engine's own
@@ -515,8 +517,13 @@ def profile_steps(texts: list[str], args) -> None:
 
     from torch.profiler import ProfilerActivity, profile
 
+    from agentbolt.engine import kernels
+
     batcher, tokenizer, prompt_ids, threads = in_process_batcher(texts, args)
     decode_steps(batcher, tokenizer, prompt_ids, args)  # warm-up
+    # the engine's C kernels are ctypes calls the profiler does not see: name them for it
+    for name in ("decode_attention", "rope_append", "add_rms_norm", "silu_mul", "row_stats"):
+        setattr(kernels, name, _profiled(getattr(kernels, name), f"agentbolt::{name}"))
     plain = [
         statistics.median(decode_steps(batcher, tokenizer, prompt_ids, args)) for _ in range(args.repeat)
     ]
@@ -526,8 +533,20 @@ def profile_steps(texts: list[str], args) -> None:
     total = sum(t for _, t, _ in ops) or 1.0
     groups = {
         "linear products": ("_linear_pointwise", "aten::addmm", "aten::mm", "aten::linear"),
-        "attention": ("scaled_dot_product", "aten::bmm", "aten::_softmax"),
-        "logprobs and sampling": ("log_softmax", "aten::sort", "aten::topk", "aten::argmax", "aten::cumsum"),
+        "attention": ("scaled_dot_product", "aten::bmm", "aten::_softmax", "agentbolt::decode_attention"),
+        "logprobs and sampling": (
+            "log_softmax",
+            "aten::sort",
+            "aten::topk",
+            "aten::argmax",
+            "aten::cumsum",
+            "agentbolt::row_stats",
+        ),
+        "RoPE, norms, SiLU (C kernels)": (
+            "agentbolt::rope_append",
+            "agentbolt::add_rms_norm",
+            "agentbolt::silu_mul",
+        ),
     }
     shares = dict.fromkeys([*groups, "everything else"], 0.0)
     for key, t, _ in ops:
@@ -549,6 +568,17 @@ def profile_steps(texts: list[str], args) -> None:
         print(
             f"{key[:56]:<56} {t / total:>10.1%} {count / max(len(steps), 1):>10.1f} {t / max(count, 1):>9.1f}"
         )
+
+
+def _profiled(fn: Callable, name: str) -> Callable:
+    """``fn`` under ``torch.profiler.record_function(name)``, so its time shows as an operator."""
+    import torch
+
+    def run(*args, **kwargs):
+        with torch.profiler.record_function(name):
+            return fn(*args, **kwargs)
+
+    return run
 
 
 def forward_ab(texts: list[str], args) -> None:
