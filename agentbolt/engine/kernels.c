@@ -553,3 +553,12 @@ DEFINE_ROW_STATS(row_stats_f32, float, 0)
 
 /* The version of this file's interface; kernels.py refuses a library that reports another. */
 int kernels_abi(void) { return 3; }
+
+/* 1 where the AVX-512 loops were compiled in, 0 for the portable loops alone. */
+int kernels_avx512(void) {
+#ifdef HAVE_ATTEND64
+    return 1;
+#else
+    return 0;
+#endif
+}

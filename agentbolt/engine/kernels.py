@@ -12,7 +12,8 @@ layer, on the batch's own tensors:
   softmax over the row's token columns (the batcher's 0/1 mask; padding skipped), the weighted sum
   of the values in float32, rounded to the model's dtype once. The flash kernel rounds the softmax
   weights to bfloat16 before the values' product; this one does not, so its output is at least as
-  close to a float64 reference (tested). With AVX-512, sixteen scores are reduced at once.
+  close to a float64 reference (tested). With AVX-512, sixteen scores are reduced at once;
+  without it, portable loops compute the same (tested with a build of ``-mno-avx512f``).
 - ``rope_append``: the rotary embedding of the step's query and key heads and the write of the
   keys and values into the cache's new column (``kv_cache.append_column``), in place of eight
   elementwise ops, two copies and the cache's bookkeeping per layer.
@@ -29,7 +30,7 @@ within one unit in the last place; in float32 the results agree to float32 round
 
 They are C called through ``ctypes``, not a PyTorch C++ extension: no PyTorch header, so the
 build takes about half a second with the system's C compiler (``$CC``, else ``cc``) and needs
-neither ninja nor a matching PyTorch ABI. ``-march=native`` lets the compiler use the CPU's vector
+neither ninja nor a matching PyTorch ABI. ``-march=native`` (``$AGENTBOLT_KERNEL_CFLAGS`` adds flags) lets the compiler use the CPU's vector
 instructions; ``-fopenmp`` links ``libgomp.so.1``, which resolves to the OpenMP runtime PyTorch has
 already loaded, so the kernels' parallel loops run on the same thread team with the thread count
 PyTorch was given (``torch.set_num_threads``, which the engine's thread tuner sets). The library is
@@ -82,7 +83,8 @@ _status: str | None = None  # None: not tried yet
 
 
 def status() -> str:
-    """ "built: PATH", or why the kernel is not used (building it first if not yet tried)."""
+    """``built: PATH (AVX-512)`` or ``built: PATH (portable loops)``, or why the kernels are not
+    used (building them first if not yet tried)."""
     _load()
     assert _status is not None
     return _status
@@ -281,7 +283,8 @@ def _load() -> ctypes.CDLL | None:
                 try:
                     path = _build()
                     _lib = _open(path)
-                    _status = f"built: {path}"
+                    loops = "AVX-512" if _lib.kernels_avx512() else "portable loops"
+                    _status = f"built: {path} ({loops})"
                 except KernelBuildError as exc:
                     _status = str(exc)
     return _lib
@@ -298,8 +301,15 @@ def _compiler() -> list[str]:
     return cc
 
 
+def _flags() -> list[str]:
+    """The compiler flags: ``FLAGS``, then ``$AGENTBOLT_KERNEL_CFLAGS`` (say ``-mno-avx512f`` for
+    the portable loops only, or a ``-march`` for another CPU)."""
+    return [*FLAGS, *shlex.split(os.environ.get("AGENTBOLT_KERNEL_CFLAGS", ""))]
+
+
 def _build() -> Path:
     cc = _compiler()
+    flags = _flags()
     source = SOURCE.read_bytes()
     try:
         version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -309,7 +319,7 @@ def _build() -> Path:
     for part in (
         source,
         version.encode(),
-        " ".join(FLAGS).encode(),
+        " ".join(flags).encode(),
         platform.machine().encode(),
         _cpu_flags(),
     ):
@@ -326,7 +336,7 @@ def _build() -> Path:
         raise KernelBuildError(f"cannot write the kernel to {folder}: {exc}") from exc
     try:
         done = subprocess.run(
-            [*cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120
+            [*cc, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120
         )
         if done.returncode != 0:
             raise KernelBuildError(

@@ -20,6 +20,26 @@ def built() -> None:
     need(kernels.available(), f"the engine's C kernel: {kernels.status()}")
 
 
+@pytest.fixture(scope="module")
+def portable_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("portable-kernels")
+
+
+@pytest.fixture(params=["native", "portable"])
+def build(request: pytest.FixtureRequest, portable_cache: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The kernels as built here (-march=native), and as built without AVX-512 (the loops a CPU
+    without it runs, e.g. AVX2 only): both must give the same numbers."""
+    if request.param == "portable":
+        monkeypatch.setattr(kernels, "_status", None)
+        monkeypatch.setattr(kernels, "_lib", None)
+        monkeypatch.setenv("AGENTBOLT_CACHE", str(portable_cache))
+        monkeypatch.setenv("AGENTBOLT_KERNEL_CFLAGS", "-mno-avx512f")
+        assert kernels.available() and kernels.status().endswith("(portable loops)"), kernels.status()
+    elif "avx512f" in Path("/proc/cpuinfo").read_text():
+        assert kernels.status().endswith("(AVX-512)"), kernels.status()
+    return request.param
+
+
 def _case(B: int, KV: int, G: int, D: int, L: int, dtype: torch.dtype, mask_kind: str, seed: int = 0):
     """Queries, a cache view of L columns inside a buffer with spare room, and a 0/1 mask."""
     g = torch.Generator().manual_seed(seed)
@@ -48,7 +68,7 @@ def _reference(q, k, v, mask, scale) -> torch.Tensor:
 
 @pytest.mark.parametrize("mask_kind", ["full", "padded", "empty row"])
 @pytest.mark.parametrize(("KV", "G", "D"), [(3, 3, 64), (4, 1, 32), (2, 4, 128), (1, 5, 40)])
-def test_float32_matches_a_float64_reference(KV: int, G: int, D: int, mask_kind: str) -> None:
+def test_float32_matches_a_float64_reference(KV: int, G: int, D: int, mask_kind: str, build: str) -> None:
     q, k, v, mask = _case(6, KV, G, D, 37, torch.float32, mask_kind)
     got = kernels.decode_attention(q, k, v, mask, D**-0.5)
     assert got is not None and got.dtype == torch.float32 and got.shape == q.shape
@@ -61,7 +81,7 @@ def test_float32_matches_a_float64_reference(KV: int, G: int, D: int, mask_kind:
 @pytest.mark.parametrize("mask_kind", ["full", "padded"])
 @pytest.mark.parametrize("L", [1, 44, 300])
 def test_bfloat16_is_the_reference_rounded_and_no_further_than_the_flash_kernel(
-    L: int, mask_kind: str
+    L: int, mask_kind: str, build: str
 ) -> None:
     q, k, v, mask = _case(32, 3, 3, 64, L, torch.bfloat16, mask_kind)
     if mask_kind == "padded":
@@ -76,7 +96,7 @@ def test_bfloat16_is_the_reference_rounded_and_no_further_than_the_flash_kernel(
     assert (got == want.to(torch.bfloat16)).double().mean() > 0.999
 
 
-def test_any_row_and_head_strides_are_read_in_place() -> None:
+def test_any_row_and_head_strides_are_read_in_place(build: str) -> None:
     """Rows that share one prefix (a broadcast view: row stride 0) and a transposed buffer."""
     q, k, v, mask = _case(1, 3, 3, 64, 20, torch.float32, "full")
     k4, v4 = k.expand(4, -1, -1, -1), v.expand(4, -1, -1, -1)
@@ -162,7 +182,7 @@ async def test_the_engine_serves_through_the_kernel_with_exact_logprobs(tiny_dir
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_layer_kernels_give_pytorchs_numbers(dtype: torch.dtype) -> None:
+def test_the_layer_kernels_give_pytorchs_numbers(dtype: torch.dtype, build: str) -> None:
     """RMSNorm with the residual add and RoPE with the cache write: the same bits as the engine's
     PyTorch ops (bfloat16: each step rounded where PyTorch's ops round; the norm's sum of squares
     in another order); SiLU times up within an ulp (its own exp)."""
@@ -207,7 +227,7 @@ def test_the_layer_kernels_give_pytorchs_numbers(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_step_statistics_give_the_same_tokens_and_logprobs(dtype: torch.dtype) -> None:
+def test_the_step_statistics_give_the_same_tokens_and_logprobs(dtype: torch.dtype, build: str) -> None:
     from agentbolt.engine.sampling import SamplingParams, sample_step
 
     g = torch.Generator().manual_seed(2)
@@ -219,7 +239,7 @@ def test_the_step_statistics_give_the_same_tokens_and_logprobs(dtype: torch.dtyp
     fast = sample_step(logits, params, [p.make_generator() for p in params], 4, fast=True)
     assert fast.token_ids == plain.token_ids and fast.token_ids[2] == 7
     assert fast.top_ids == plain.top_ids
-    assert max(abs(a - b) for a, b in zip(fast.logprobs, plain.logprobs, strict=True)) < 1e-6
+    assert max(abs(a - b) for a, b in zip(fast.logprobs, plain.logprobs, strict=True)) < 5e-6
     stats = kernels.row_stats(logits)
     assert stats is not None and torch.equal(stats[1], logits.float().argmax(-1))
     want = torch.logsumexp(logits.float() - logits.float().amax(-1, keepdim=True), -1)
