@@ -400,35 +400,26 @@ static inline __attribute__((always_inline)) void silu_mul_row(const void *g_r, 
     }
 }
 
-int add_rms_norm_bf16(uint16_t *x, const uint16_t *residual, const uint16_t *weight, uint16_t *h, int64_t rows,
-                      int64_t n, int64_t x_s, int64_t r_s, int64_t h_s, float eps) {
-#pragma omp parallel for schedule(static) if (rows * n >= 32768)
-    for (int64_t r = 0; r < rows; r++)
-        add_rms_norm_row(x + r * x_s, residual != NULL ? residual + r * r_s : NULL, weight, h + r * h_s, n, eps, 1);
-    return 0;
-}
+/* The exported entry points of the two above, per dtype (the dtype a constant inside each loop). */
+#define DEFINE_ROW_KERNELS(SUFFIX, T, IS_BF16)                                                     \
+    int add_rms_norm_##SUFFIX(T *x, const T *residual, const T *weight, T *h, int64_t rows,          \
+                              int64_t n, int64_t x_s, int64_t r_s, int64_t h_s, float eps) {        \
+        _Pragma("omp parallel for schedule(static) if (rows * n >= 32768)")                        \
+        for (int64_t r = 0; r < rows; r++)                                                         \
+            add_rms_norm_row(x + r * x_s, residual != NULL ? residual + r * r_s : NULL, weight,     \
+                             h + r * h_s, n, eps, IS_BF16);                                        \
+        return 0;                                                                                  \
+    }                                                                                              \
+    int silu_mul_##SUFFIX(const T *gate, const T *up, T *out, int64_t rows, int64_t n,             \
+                          int64_t g_s, int64_t u_s, int64_t o_s) {                                 \
+        _Pragma("omp parallel for schedule(static) if (rows * n >= 32768)")                        \
+        for (int64_t r = 0; r < rows; r++)                                                         \
+            silu_mul_row(gate + r * g_s, up + r * u_s, out + r * o_s, n, IS_BF16);                 \
+        return 0;                                                                                  \
+    }
 
-int silu_mul_bf16(const uint16_t *gate, const uint16_t *up, uint16_t *out, int64_t rows, int64_t n, int64_t g_s,
-                  int64_t u_s, int64_t o_s) {
-#pragma omp parallel for schedule(static) if (rows * n >= 32768)
-    for (int64_t r = 0; r < rows; r++) silu_mul_row(gate + r * g_s, up + r * u_s, out + r * o_s, n, 1);
-    return 0;
-}
-
-int add_rms_norm_f32(float *x, const float *residual, const float *weight, float *h, int64_t rows,
-                      int64_t n, int64_t x_s, int64_t r_s, int64_t h_s, float eps) {
-#pragma omp parallel for schedule(static) if (rows * n >= 32768)
-    for (int64_t r = 0; r < rows; r++)
-        add_rms_norm_row(x + r * x_s, residual != NULL ? residual + r * r_s : NULL, weight, h + r * h_s, n, eps, 0);
-    return 0;
-}
-
-int silu_mul_f32(const float *gate, const float *up, float *out, int64_t rows, int64_t n, int64_t g_s,
-                  int64_t u_s, int64_t o_s) {
-#pragma omp parallel for schedule(static) if (rows * n >= 32768)
-    for (int64_t r = 0; r < rows; r++) silu_mul_row(gate + r * g_s, up + r * u_s, out + r * o_s, n, 0);
-    return 0;
-}
+DEFINE_ROW_KERNELS(bf16, uint16_t, 1)
+DEFINE_ROW_KERNELS(f32, float, 0)
 
 /* ------------------------------------------------------------------ RoPE and the cache's new column
  * One decode step of one layer: the rotary embedding of each row's query and key heads (PyTorch's

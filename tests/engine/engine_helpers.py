@@ -25,5 +25,17 @@ def teacher_forced_logprobs(model, prompt_ids: list[int], completion_ids: list[i
     return logprobs.gather(1, torch.tensor(completion_ids)[:, None]).squeeze(1)
 
 
+def max_logprob_error(model, responses: list[dict]) -> float:
+    """The largest difference between a returned logprob (every choice of every response) and
+    a teacher-forced pass of ``model`` over the same tokens."""
+    errors = [0.0]
+    for response in responses:
+        for choice in response["choices"]:
+            returned = torch.tensor([e["logprob"] for e in choice["logprobs"]["content"]])
+            expected = teacher_forced_logprobs(model, response["prompt_token_ids"], choice["token_ids"])
+            errors.append(float((returned - expected).abs().max()))
+    return max(errors)
+
+
 def chat_body(text: str, **extra) -> dict:
     return {"model": "tiny", "messages": [{"role": "user", "content": text}], **extra}

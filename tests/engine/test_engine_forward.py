@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import chat_body, make_engine, teacher_forced_logprobs
+from engine_helpers import chat_body, make_engine, max_logprob_error
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from agentbolt.engine import ModelEngine, kernels, kv_cache
@@ -118,10 +118,4 @@ async def test_updates_of_every_weight_are_seen_at_the_next_step(fresh_engine: M
     await fresh_engine.aupdate_weights(state_dict=state)
     body = chat_body("Tell me a story.", max_tokens=12, logprobs=True, ignore_eos=True, temperature=0)
     responses = await asyncio.gather(*[fresh_engine.chat(body) for _ in range(2)])
-    for response in responses:
-        choice = response["choices"][0]
-        returned = torch.tensor([e["logprob"] for e in choice["logprobs"]["content"]])
-        expected = teacher_forced_logprobs(
-            fresh_engine.model, response["prompt_token_ids"], choice["token_ids"]
-        )
-        assert (returned - expected).abs().max() < 1e-4
+    assert max_logprob_error(fresh_engine.model, responses) < 1e-4

@@ -7,8 +7,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
-import torch
-from engine_helpers import make_engine, teacher_forced_logprobs
+from engine_helpers import make_engine, max_logprob_error
 
 from agentbolt.engine import ModelEngine
 from agentbolt.engine.batcher import MIN_SHARED_PREFIX, _common_length
@@ -25,15 +24,7 @@ def _body(text: str, **extra) -> dict:
 
 
 def _max_error(engine: ModelEngine, responses: list[dict]) -> float:
-    errors = []
-    for response in responses:
-        for choice in response["choices"]:
-            returned = torch.tensor([e["logprob"] for e in choice["logprobs"]["content"]])
-            expected = teacher_forced_logprobs(
-                engine.model, response["prompt_token_ids"], choice["token_ids"]
-            )
-            errors.append(float((returned - expected).abs().max()))
-    return max(errors)
+    return max_logprob_error(engine.model, responses)
 
 
 def _record_prefill_widths(engine: ModelEngine) -> list[tuple[int, int]]:
