@@ -113,7 +113,9 @@ def _sample_with_stats(
 ) -> StepOutput:
     top_B, tokens_B, logsum_B = stats
     sampled = [i for i, p in enumerate(params) if not p.greedy]
-    if sampled:
+    if len(sampled) == len(params):  # every row sampled (rollouts): no copy of the chosen rows
+        tokens_B = _sample_rows(logits_BV.float(), params, generators)
+    elif sampled:
         rows = torch.tensor(sampled)
         logits_RV = logits_BV[rows].float()
         tokens_B[rows] = _sample_rows(

@@ -234,6 +234,11 @@ def test_the_step_statistics_give_the_same_tokens_and_logprobs(dtype: torch.dtyp
     assert fast.token_ids == plain.token_ids and fast.token_ids[2] == 7
     assert fast.top_ids == plain.top_ids
     assert max(abs(a - b) for a, b in zip(fast.logprobs, plain.logprobs, strict=True)) < 5e-6
+    every = [SamplingParams(temperature=1.0, seed=i) for i in range(6)]  # rollouts: all rows sampled
+    plain = sample_step(logits, every, [p.make_generator() for p in every])
+    fast = sample_step(logits, every, [p.make_generator() for p in every], fast=True)
+    assert fast.token_ids == plain.token_ids
+    assert max(abs(a - b) for a, b in zip(fast.logprobs, plain.logprobs, strict=True)) < 5e-6
     stats = kernels.row_stats(logits)
     assert stats is not None and torch.equal(stats[1], logits.float().argmax(-1))
     want = torch.logsumexp(logits.float() - logits.float().amax(-1, keepdim=True), -1)
