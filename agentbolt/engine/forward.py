@@ -114,7 +114,7 @@ class LlamaForward:
         bfloat16 the scores are rounded to bfloat16 before the softmax, and with large scores the
         logprobs drift twice as far from a teacher-forced pass as the flash kernel's."""
         self.kernel_note = ""
-        """Why a decode step's attention is not the engine's C kernel (empty when it is)."""
+        """Why the engine's C kernels do not serve (empty when they do)."""
         if not use_kernels:
             self.kernel_note = "switched off (kernels=False)"
         elif inner.embed_tokens.weight.device.type != "cpu" or self.dtype not in (
@@ -127,11 +127,13 @@ class LlamaForward:
         elif not kernels.available():
             self.kernel_note = kernels.status()
         self.kernel = not self.kernel_note
+        """The C kernels of :mod:`agentbolt.engine.kernels` serve: a decode step's RoPE, cache write
+        and attention, and every pass's norms and MLP activation (each where it takes the tensors)."""
         self.packed: Any = None
         """The :class:`~agentbolt.engine.matmul.PackedMatmul` mode the caller enters around this
         forward pass, if any: its products are then called directly (``PackedMatmul.project``)."""
         self.silu = getattr(config, "hidden_act", None) == "silu"
-        """A decode step's attention runs in :mod:`agentbolt.engine.kernels` (one C call per layer)."""
+        """The MLP's activation is SiLU, which ``kernels.silu_mul`` computes."""
         self._tables_for(max(max_positions, int(getattr(config, "max_position_embeddings", 0))))
 
     def _tables_for(self, positions: int) -> None:

@@ -91,7 +91,7 @@ def status() -> str:
 
 
 def available() -> bool:
-    """Whether the kernel is built and loaded (builds it on the first call)."""
+    """Whether the kernels are built and loaded (builds them on the first call)."""
     return _load() is not None
 
 
@@ -108,7 +108,7 @@ def decode_attention(
     ``mask_BL`` (rows x L) is nonzero; None when the kernel is unavailable or the tensors are not
     CPU tensors of one supported dtype (the caller then uses PyTorch's attention)."""
     fn = _function("decode_attention", q_BKGD, keys_BKLD, values_BKLD)
-    if fn is None:
+    if fn is None or q_BKGD.dim() != 4 or keys_BKLD.dim() != 4:
         return None
     B, KV, G, D = q_BKGD.shape
     L = keys_BKLD.shape[2]

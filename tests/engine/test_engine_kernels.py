@@ -117,6 +117,7 @@ def test_what_it_does_not_take_is_left_to_pytorch() -> None:
     assert kernels.decode_attention(q, k.double(), v, mask, 0.125) is None  # mixed dtypes
     assert kernels.decode_attention(q, k[:, :, :5], v, mask, 0.125) is None  # shapes disagree
     assert kernels.decode_attention(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, mask, 0.125) is None
+    assert kernels.decode_attention(q[:, 0], k, v, mask, 0.125) is None  # not rows x heads x queries x dims
     too_many_heads = torch.randn(2, 1, 17, 64)
     assert kernels.decode_attention(too_many_heads, k[:, :1], v[:, :1], mask, 0.125) is None
 
