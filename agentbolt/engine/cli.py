@@ -67,8 +67,8 @@ def serve(
     ),
     kernels: bool = typer.Option(
         True,
-        help="Run a decode step's attention in the engine's C kernel, built on first use with the "
-        "system's C compiler (otherwise PyTorch's attention).",
+        help="Run a decode step's attention, RoPE, norms, activation and logprobs in the engine's C "
+        "kernels, built on first use with the system's C compiler (otherwise PyTorch's ops).",
     ),
     device: str | None = typer.Option(None, help="cpu or cuda (default: cuda when available)."),
     name: str | None = typer.Option(

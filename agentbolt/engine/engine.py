@@ -82,10 +82,12 @@ class EngineConfig:
     most ten times it in all) before prefilling, so a burst of requests is prefilled together
     rather than one request first (``Batcher.gather_s``); 0: start at once."""
     kernels: bool = True
-    """Run a decode step's attention in the engine's C kernel (:mod:`agentbolt.engine.kernels`,
-    built on first use with the system's C compiler) where the engine's own forward serves a
-    bfloat16 or float32 model on the CPU; PyTorch's attention otherwise, or where the kernel cannot
-    be built (``stats()["attention"]`` says which serves, ``"attention_note"`` why)."""
+    """Run the work around the matrix products in the engine's C kernels
+    (:mod:`agentbolt.engine.kernels`, built on first use with the system's C compiler) for a
+    bfloat16 or float32 model on the CPU: each step's logprobs and greedy tokens, and with the
+    engine's own forward a decode step's attention, RoPE and cache write, norms and activation.
+    PyTorch's ops otherwise, or where the kernels cannot be built (``stats()["attention"]`` says
+    which attention serves, ``"attention_note"`` why)."""
 
 
 class ModelEngine:

@@ -271,13 +271,7 @@ class PackedMatmul(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _LINEAR:
             x, weight, bias = _linear_args(args, kwargs)
-            if (
-                _is_cpu_bf16(weight)
-                and weight.dim() == 2
-                and _is_cpu_bf16(x)
-                and (bias is None or _is_cpu_bf16(bias))
-                and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-            ):
+            if _packable(x, weight, bias):
                 if bias is None and (id(weight) in self._groups or id(weight) in self._later):
                     out = self._sibling_linear(x, weight)
                     if out is not None:
@@ -300,24 +294,26 @@ class PackedMatmul(TorchFunctionMode):
             type(la) is torch.nn.Linear and not (la._forward_hooks or la._forward_pre_hooks) for la in layers
         ):
             return None
-        weights: list[torch.Tensor] = [la.weight for la in layers]
-        if not _is_cpu_bf16(x) or not all(_is_cpu_bf16(w) and w.dim() == 2 for w in weights):
-            return None
-        if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+        if not all(_packable(x, la.weight, la.bias) for la in layers):
             return None
         if len(layers) == 1:
-            bias = layers[0].bias
-            if id(weights[0]) in self._group_of or (bias is not None and not _is_cpu_bf16(bias)):
+            weight, bias = layers[0].weight, layers[0].bias
+            if id(weight) in self._group_of:
                 return None  # packed with its group only
-            return [torch.ops.mkldnn._linear_pointwise(x, self._pack(weights[0]), bias, "none", [], "")]
-        group = self._groups.get(id(weights[0]))
+            return [torch.ops.mkldnn._linear_pointwise(x, self._pack(weight), bias, "none", [], "")]
+        group = self._groups.get(id(layers[0].weight))
         if (
             group is None
             or len(group) != len(layers)
             or any(la is not g for la, g in zip(layers, group, strict=True))
         ):
             return None
-        if any(w.shape[1] != x.shape[-1] for w in weights):
+        return self._group_product(x, [la.weight for la in layers])
+
+    def _group_product(self, x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """The products of ``x`` with each of a group's bias-free ``weights``, as one product of
+        their packed concatenation, split; None where a weight's shape does not fit ``x``."""
+        if any(not (_is_cpu_bf16(w) and w.dim() == 2 and w.shape[1] == x.shape[-1]) for w in weights):
             return None
         out = torch.ops.mkldnn._linear_pointwise(x, self._pack_group(weights), None, "none", [], "")
         return list(out.split([w.shape[0] for w in weights], dim=-1))
@@ -332,10 +328,9 @@ class PackedMatmul(TorchFunctionMode):
         if group is None or group[0].weight is not weight:
             return None
         weights = [la.weight for la in group]
-        if any(not (_is_cpu_bf16(w) and w.dim() == 2 and w.shape[1] == weight.shape[1]) for w in weights):
+        parts = self._group_product(x, weights)
+        if parts is None:
             return None
-        out = torch.ops.mkldnn._linear_pointwise(x, self._pack_group(weights), None, "none", [], "")
-        parts = out.split([w.shape[0] for w in weights], dim=-1)
         for w, part in zip(weights[1:], parts[1:], strict=True):
             self._ahead[id(w)] = (x, _version_of(x), part)
         return parts[0]
@@ -508,6 +503,18 @@ def _holds_placeholder(refs: list[weakref.ref]) -> bool:
 def _version_of(t: torch.Tensor) -> int:
     """The in-place version counter; inference-mode tensors have none (-1)."""
     return -1 if t.is_inference() else t._version
+
+
+def _packable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether ``PackedMatmul`` computes ``linear(x, weight, bias)``: bfloat16 CPU tensors, a 2-D
+    weight, and no gradient to record."""
+    return (
+        _is_cpu_bf16(weight)
+        and weight.dim() == 2
+        and _is_cpu_bf16(x)
+        and (bias is None or _is_cpu_bf16(bias))
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    )
 
 
 def _is_cpu_bf16(t: Any) -> bool:

@@ -82,51 +82,35 @@ def sample_step(
     log-softmax over the vocabulary and an argmax; the same tokens, and log-probabilities by the
     same formula (``(logit - max) - logsum``) with the sum taken in another order."""
     stats = kernels.row_stats(logits_BV) if fast else None
-    if stats is not None:
-        return _sample_with_stats(logits_BV, stats, params, generators, max_top_logprobs)
-    logits_BV = logits_BV.float()
-    logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
+    if stats is None:
+        logits_BV = logits_BV.float()
+        source_BV = torch.log_softmax(logits_BV, dim=-1)  # what gather and topk read: logprobs
+
+        def logprobs(values_BK: torch.Tensor) -> torch.Tensor:
+            return values_BK
+
+    else:
+        top_B, argmax_B, logsum_B = stats
+        source_BV = logits_BV  # logits, turned into logprobs by the row's max and log-sum-exp
+
+        def logprobs(values_BK: torch.Tensor) -> torch.Tensor:
+            return (values_BK.float() - top_B[:, None]) - logsum_B[:, None]
+
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if len(sampled) == len(params):  # every row sampled (rollouts): no argmax, no copy of the logits
-        tokens_B = _sample_rows(logits_BV, params, generators)
+        tokens_B = _sample_rows(logits_BV.float(), params, generators)
     else:
-        tokens_B = first_argmax(logits_BV)
+        tokens_B = first_argmax(logits_BV) if stats is None else argmax_B
         if sampled:
             rows = torch.tensor(sampled)
             tokens_B[rows] = _sample_rows(
-                logits_BV[rows], [params[i] for i in sampled], [generators[i] for i in sampled]
+                logits_BV[rows].float(), [params[i] for i in sampled], [generators[i] for i in sampled]
             )
-    chosen_B = logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
+    chosen_B = logprobs(source_BV.gather(1, tokens_B[:, None])).squeeze(1)
     top_ids = top_lps = None
     if max_top_logprobs > 0:
-        top_vals_BK, top_idx_BK = logprobs_BV.topk(max_top_logprobs, dim=-1)
-        top_ids, top_lps = top_idx_BK.tolist(), top_vals_BK.tolist()
-    return StepOutput(tokens_B.tolist(), chosen_B.tolist(), top_ids, top_lps)
-
-
-def _sample_with_stats(
-    logits_BV: torch.Tensor,
-    stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    params: list[SamplingParams],
-    generators: list[torch.Generator],
-    max_top_logprobs: int,
-) -> StepOutput:
-    top_B, tokens_B, logsum_B = stats
-    sampled = [i for i, p in enumerate(params) if not p.greedy]
-    if len(sampled) == len(params):  # every row sampled (rollouts): no copy of the chosen rows
-        tokens_B = _sample_rows(logits_BV.float(), params, generators)
-    elif sampled:
-        rows = torch.tensor(sampled)
-        logits_RV = logits_BV[rows].float()
-        tokens_B[rows] = _sample_rows(
-            logits_RV, [params[i] for i in sampled], [generators[i] for i in sampled]
-        )
-    chosen_B = (logits_BV.gather(1, tokens_B[:, None]).squeeze(1).float() - top_B) - logsum_B
-    top_ids = top_lps = None
-    if max_top_logprobs > 0:
-        top_vals_BK, top_idx_BK = logits_BV.topk(max_top_logprobs, dim=-1)
-        top_lps_BK = (top_vals_BK.float() - top_B[:, None]) - logsum_B[:, None]
-        top_ids, top_lps = top_idx_BK.tolist(), top_lps_BK.tolist()
+        top_vals_BK, top_idx_BK = source_BV.topk(max_top_logprobs, dim=-1)
+        top_ids, top_lps = top_idx_BK.tolist(), logprobs(top_vals_BK).tolist()
     return StepOutput(tokens_B.tolist(), chosen_B.tolist(), top_ids, top_lps)
 
 
