@@ -47,7 +47,7 @@ def train(
         group_size=8,
         seed=seed,
         advantage=mode,  # type: ignore[arg-type]
-        asynchronous=False,  # on-policy, as the README's figures were measured: only the credit differs
+        asynchronous=False,  # on-policy, as docs/training.md's figures were measured: only the credit differs
         val_every=0,
         validate_before=validate_before,
         checkpoint_every=0,

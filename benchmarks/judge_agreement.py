@@ -239,7 +239,7 @@ def train(reward: str, steps: int, val_tasks: int, judge: Any, seed: int) -> dic
         plot=False,
         reward=reward,
         evaluators=evaluators,
-        asynchronous=False,  # on-policy, as the README's figures were measured: only the reward differs
+        asynchronous=False,  # on-policy, as docs/evaluators.md's figures were measured: only the reward differs
     )
     log = (run_dir / "log.txt").open("w")
     t0 = time.perf_counter()
