@@ -109,9 +109,15 @@ def ctx():
 
 def test_call_id_of_reads_every_shape():
     response = openai.types.chat.ChatCompletion.model_validate(
-        {"id": "c", "object": "chat.completion", "created": 0, "model": "m", "choices": [],
-         "agentbolt": {"call_id": 17}}
-    )  # fmt: skip
+        {
+            "id": "c",
+            "object": "chat.completion",
+            "created": 0,
+            "model": "m",
+            "choices": [],
+            "agentbolt": {"call_id": 17},
+        }
+    )
     assert call_id_of(response) == 17
     assert call_id_of({"agentbolt": {"call_id": 3}}) == 3
     assert call_id_of(4) == 4 and call_id_of("42") == 42 and call_id_of(" 7 ") == 7
