@@ -114,7 +114,7 @@ def make_trainable(model: nn.Module, config: TrainConfig) -> nn.Module:
         task_type="CAUSAL_LM",
     )
     with _quiet_peft():
-        model = get_peft_model(model, lora)  # type: ignore[arg-type]
+        model = get_peft_model(model, lora)
     fuse_lora_products(model)  # the same function in fewer passes over the activations
     return model
 
