@@ -24,6 +24,13 @@ disabled, with full fine-tuning a frozen copy of the initial model kept on the t
 beside the trained one, so full fine-tuning with KL holds the weights twice (plus the optimizer's
 two moments of the trained copy). Validation runs every task sampled (the published sampling
 parameters) and greedy (temperature 0, ``val_greedy``).
+
+This module is the loop. Its parts: the settings (:mod:`~agentbolt.algorithms.grpo_config`),
+the rows a step trains on (:mod:`~agentbolt.algorithms.grpo_rows`), the update
+(:mod:`~agentbolt.algorithms.grpo_update`), checkpoints and resuming
+(:mod:`~agentbolt.algorithms.grpo_checkpoint`), the live table
+(:mod:`~agentbolt.algorithms.grpo_table`) and the collapse watch
+(:mod:`~agentbolt.algorithms.collapse`).
 """
 
 from __future__ import annotations

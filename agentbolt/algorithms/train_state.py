@@ -21,8 +21,9 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from agentbolt.algorithms.batch import Batch
 from agentbolt.algorithms.lora_products import fuse_lora_products
-from agentbolt.algorithms.losses import Batch, LossFn
+from agentbolt.algorithms.losses import LossFn
 from agentbolt.algorithms.train_attention import use_train_attention
 
 __all__ = [
