@@ -52,6 +52,23 @@ assert not installed, f"installed without extras: {installed}"
 EOF
 light "$LIGHT/python" -c "from agentbolt import Trainer" 2>"$WORK/trainer.err" && fail "Trainer imported without the server extra"
 grep -q "Trainer needs the 'server' extra" "$WORK/trainer.err" || fail "Trainer's error does not name the extra: $(cat "$WORK/trainer.err")"
+# Every name agentbolt.algorithms exports imports, but GRPO and SFT, which name the train extra.
+light "$LIGHT/python" - <<'EOF' || fail "agentbolt.algorithms does not import on the light install as documented"
+import agentbolt.algorithms as algorithms
+from agentbolt.errors import MissingExtra
+
+train = {"GRPO", "SFT"}
+for name in algorithms.__all__:
+    try:
+        getattr(algorithms, name)
+    except MissingExtra as exc:
+        assert name in train, f"{name} needs no extra, yet: {exc}"
+        said = str(exc)
+        assert said.startswith(f"{name} needs the 'train' extra"), said
+        assert said.endswith("pip install 'agentbolt[train]'"), said
+    else:
+        assert name not in train, f"{name} imported without the train extra"
+EOF
 step "site-packages of the light install: $(du -sh "$WORK/venv/lib/"python3*/site-packages | cut -f1)"
 
 step "starting the server from the full .venv"

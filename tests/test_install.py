@@ -118,6 +118,64 @@ def test_a_name_that_needs_an_extra_raises_one_clear_error(tmp_path, name, extra
     assert f"pip install 'agentbolt[{extra}]'" in done.stdout
 
 
+# What ``agentbolt.algorithms`` exports, by whether it needs the train extra.
+LIGHT_ALGORITHMS = (
+    "APO",
+    "Algorithm",
+    "BatchResult",
+    "EvalSummary",
+    "Evaluate",
+    "TrainContext",
+    "run_rollouts",
+)
+TRAIN_ALGORITHMS = ("GRPO", "SFT")
+
+
+def test_every_name_of_agentbolt_algorithms_is_sorted_into_light_or_train():
+    import agentbolt.algorithms
+
+    assert sorted(agentbolt.algorithms.__all__) == sorted(LIGHT_ALGORITHMS + TRAIN_ALGORITHMS)
+
+
+def test_the_light_install_imports_the_algorithms_that_need_no_extra(tmp_path):
+    code = (
+        "import sys\n"
+        f"from agentbolt.algorithms import {', '.join(LIGHT_ALGORITHMS)}\n"
+        f"loaded = sorted({{m.partition('.')[0] for m in sys.modules}} & {set(EXTRA_MODULES)!r})\n"
+        "print('imported', loaded)\n"
+    )
+    done = python("-c", code, absent_dir=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "imported []"
+
+
+@pytest.mark.parametrize("name", TRAIN_ALGORITHMS)
+@pytest.mark.parametrize("blocked", ["torch", "transformers", "peft"])
+def test_a_training_algorithm_without_the_train_extra_raises_one_clear_error(tmp_path, name, blocked):
+    code = (
+        "import agentbolt.algorithms\n"  # the package itself imports without the extra
+        "from agentbolt.errors import AgentboltError, MissingExtra\n"
+        "try:\n"
+        f"    from agentbolt.algorithms import {name}\n"
+        "except MissingExtra as exc:\n"
+        "    assert isinstance(exc, ImportError) and isinstance(exc, AgentboltError)\n"
+        "    assert exc.__cause__ is None and (exc.__context__ is None or exc.__suppress_context__)\n"
+        "    print(exc)\n"
+    )
+    done = python("-c", code, absent_dir=tmp_path, absent=(blocked,))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == (
+        f"{name} needs the 'train' extra ({blocked} is not installed): pip install 'agentbolt[train]'"
+    )
+    assert "Traceback" not in done.stderr and "ModuleNotFoundError" not in done.stderr
+
+
+def test_a_training_algorithm_with_the_train_extra_imports(tmp_path):
+    done = python("-c", f"from agentbolt.algorithms import {', '.join(TRAIN_ALGORITHMS)}; print('ok')")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+
+
 @pytest.mark.parametrize(
     ("command", "what", "extras"),
     [

@@ -34,6 +34,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from agentbolt.adapters import latest_attempt
+from agentbolt.algorithms.base import BatchResult
 from agentbolt.algorithms.importance import behaviour_version
 from agentbolt.algorithms.rewards import RewardPlan, tally
 from agentbolt.client import Client
@@ -42,7 +43,7 @@ from agentbolt.schemas import Mode, Rollout, RolloutCreate, RolloutStatus, Task
 if TYPE_CHECKING:
     from agentbolt.evaluators import EvaluationReport
 
-__all__ = ["EngineIdleClock", "GroupPool", "InFlightGroup", "task_for"]
+__all__ = ["EngineIdleClock", "GroupPool", "InFlightGroup", "batch_of", "task_for", "version_lag"]
 
 POLL_SECONDS = 0.25
 
@@ -86,6 +87,16 @@ def version_lag(synced: Sequence[int], version: int) -> int:
     """How many policy versions behind ``version`` is: the versions in ``synced`` (those served
     so far, in order) after it."""
     return len(synced) - bisect.bisect_right(synced, version)
+
+
+def batch_of(groups: Sequence[InFlightGroup], plan: RewardPlan) -> BatchResult:
+    """The taken groups' rollouts as one batch, with what the evaluators here did for them."""
+    reports = [g.report for g in groups if g.report is not None]
+    report = reports[0] if reports else None
+    for more in reports[1:]:
+        report = report + more if report is not None else more
+    rollouts = [r for g in groups for r in g.rollouts]
+    return BatchResult(rollouts, sum(g.timed_out for g in groups), plan.choice, report)
 
 
 class GroupPool:

@@ -51,7 +51,8 @@ from typing import Any, Literal, get_args
 import torch
 
 from agentbolt.adapters import CallSpan, TrajectoryRow
-from agentbolt.algorithms.losses import TrainRow, group_advantages
+from agentbolt.algorithms.batch import TrainRow
+from agentbolt.algorithms.losses import group_advantages
 
 __all__ = ["ADVANTAGE_MODES", "AdvantageMode", "CreditStats", "compute_advantages", "grouped_advantages"]
 

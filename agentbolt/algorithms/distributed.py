@@ -66,6 +66,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from agentbolt.algorithms.batch import to_device as _to_device
 from agentbolt.algorithms.losses import Batch, LossFn, reference_logprobs
 from agentbolt.algorithms.train_state import TrainConfig, TrainState, make_train_state
 from agentbolt.errors import ConfigError
@@ -456,11 +457,6 @@ def balance(costs: Sequence[int], ranks: int) -> list[list[int]]:
     return [sorted(ix) for ix in owned]
 
 
-def _to_device(batch: Batch, device: torch.device) -> Batch:
-    tensors = {f.name: getattr(batch, f.name) for f in fields(batch)}
-    return replace(batch, **{k: v.to(device) for k, v in tensors.items() if isinstance(v, torch.Tensor)})
-
-
 def _step(
     group: _Group | None,
     state: TrainState,
@@ -618,7 +614,7 @@ def _build(setup: _Setup, device: torch.device) -> TrainState:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(setup.model, dtype=torch.float32)
-    return make_train_state(model.to(device), setup.config, reference=setup.reference)  # type: ignore[arg-type]
+    return make_train_state(model.to(device), setup.config, reference=setup.reference)
 
 
 def _load(state: TrainState, load: _Load) -> None:

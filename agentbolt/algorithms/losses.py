@@ -1,5 +1,7 @@
-"""The loss side of GRPO and SFT: advantages, batching, log-probs and losses. Small functions
-over rows and tensors; no store access, no optimizer (that is :mod:`agentbolt.algorithms.train_state`).
+"""The loss side of GRPO and SFT: advantages, log-probs and losses. Small functions over
+batches and tensors; no store access, no optimizer (that is :mod:`agentbolt.algorithms.train_state`).
+The rows and padded batches they read are :mod:`agentbolt.algorithms.batch` (re-exported here,
+where the training code has always found them).
 
 Shapes are in the names: ``B`` batch, ``T`` tokens, ``V`` vocabulary, ``G`` group.
 ``logprobs_BT[b, t]`` is ``log p(input_ids[b, t] | input_ids[b, :t])``; position 0 has no
@@ -24,7 +26,7 @@ Where this departs from the papers:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
@@ -36,7 +38,7 @@ import torch.utils.checkpoint
 from peft import PeftModel
 from torch import Tensor, nn
 
-from agentbolt.adapters import TrajectoryRow
+from agentbolt.algorithms.batch import Batch, TrainRow, micro_batches, pad_batch
 from agentbolt.algorithms.importance import ImportanceMode, importance_weights
 
 __all__ = [
@@ -69,95 +71,6 @@ def group_advantages(rewards_G: Tensor, eps: float = 1e-6, normalize_std: bool =
     """``(r - mean) / (std + eps)`` over one group (or just ``r - mean``)."""
     advantages_G = rewards_G - rewards_G.mean()
     return advantages_G / (rewards_G.std(correction=0) + eps) if normalize_std else advantages_G
-
-
-@dataclass(frozen=True)
-class TrainRow:
-    """One sequence to train on."""
-
-    input_ids: tuple[int, ...]
-    loss_mask: tuple[int, ...]
-    old_logprobs: tuple[float, ...] | None = None
-    advantage: float = 0.0
-    """The sequence's advantage; with per-token ``advantages`` only a summary (their mean over
-    the model tokens), the loss uses those."""
-    advantages: tuple[float, ...] | None = None
-    """Per token, aligned with ``input_ids`` (per-turn credit); None: ``advantage`` everywhere."""
-
-    @classmethod
-    def of(
-        cls, row: TrajectoryRow, advantage: float = 0.0, advantages: tuple[float, ...] | None = None
-    ) -> TrainRow:
-        return cls(row.input_ids, row.loss_mask, row.logprobs, advantage, advantages)
-
-
-# ---------------------------------------------------------------------------- batching
-
-
-@dataclass(frozen=True)
-class Batch:
-    """Right-padded tensors of a list of :class:`TrainRow`."""
-
-    input_ids_BT: Tensor
-    attention_mask_BT: Tensor
-    loss_mask_BT: Tensor
-    """float, 0 on padding"""
-    old_logprobs_BT: Tensor | None
-    """None when any row lacks recorded logprobs: the loss then uses the current policy's."""
-    advantages_B: Tensor
-    ref_logprobs_BT: Tensor | None = None
-    """Reference-policy logprobs for the KL term, see :func:`reference_logprobs`."""
-    advantages_BT: Tensor | None = None
-    """Per-token advantages (0 on padding) when any row has them; the loss then uses these
-    instead of ``advantages_B``."""
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.loss_mask_BT.sum().item())
-
-
-def _pad(seqs: Sequence[Sequence[float]], length: int, value: float, dtype: torch.dtype) -> Tensor:
-    return torch.tensor([list(s[:length]) + [value] * (length - len(s[:length])) for s in seqs], dtype=dtype)
-
-
-def pad_batch(rows: Sequence[TrainRow], pad_token_id: int = 0, max_len: int | None = None) -> Batch:
-    """Right-pad rows to the longest (cut to ``max_len`` tokens, keeping the start)."""
-    if not rows:
-        raise ValueError("pad_batch needs at least one row")
-    T = max(len(r.input_ids) for r in rows)
-    T = min(T, max_len) if max_len else T
-    old = [r.old_logprobs for r in rows]
-    per_token = [r.advantages or (r.advantage,) * len(r.input_ids) for r in rows]
-    any_per_token = any(r.advantages is not None for r in rows)
-    return Batch(
-        input_ids_BT=_pad([r.input_ids for r in rows], T, pad_token_id, torch.long),
-        attention_mask_BT=_pad([[1] * len(r.input_ids) for r in rows], T, 0, torch.long),
-        loss_mask_BT=_pad([r.loss_mask for r in rows], T, 0, torch.float32),
-        old_logprobs_BT=None if any(o is None for o in old) else _pad(old, T, 0.0, torch.float32),  # type: ignore[arg-type]
-        advantages_B=torch.tensor([r.advantage for r in rows], dtype=torch.float32),
-        advantages_BT=_pad(per_token, T, 0.0, torch.float32) if any_per_token else None,
-    )
-
-
-def micro_batches(
-    rows: Sequence[TrainRow], max_tokens: int | None = None, micro_batch_size: int | None = None
-) -> list[list[TrainRow]]:
-    """Split rows, in order, so that each padded micro-batch has at most ``max_tokens`` tokens
-    (B x longest) and ``micro_batch_size`` rows; a row longer than ``max_tokens`` goes alone."""
-    out: list[list[TrainRow]] = []
-    longest = 0
-    for row in rows:
-        n = len(row.input_ids)
-        full = bool(out) and (
-            (max_tokens is not None and (len(out[-1]) + 1) * max(longest, n) > max_tokens)
-            or (micro_batch_size is not None and len(out[-1]) >= micro_batch_size)
-        )
-        if not out or full:
-            out.append([])
-            longest = 0
-        out[-1].append(row)
-        longest = max(longest, n)
-    return out
 
 
 # ---------------------------------------------------------------------------- log-probs
@@ -356,7 +269,7 @@ class _HeadLogprobs(torch.autograd.Function):
     backward pass is one exponential, one scaled subtraction at the targets and the product."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         hidden_NH: Tensor,
         weight_VH: Tensor,

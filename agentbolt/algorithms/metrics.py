@@ -7,10 +7,11 @@ import importlib.util
 import json
 import math
 import os
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsLog", "plot_history"]
+__all__ = ["MetricsLog", "jsonable", "plot_history"]
 
 
 class MetricsLog:
@@ -43,6 +44,20 @@ class MetricsLog:
         self._file.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` as JSON can hold it (a checkpoint's history, a resources version's metrics): a
+    tensor or NumPy scalar as its number, a dataclass as a dict, anything else as its text."""
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [jsonable(v) for v in value]
+    if isinstance(value, float | int | str | bool) or value is None:
+        return value
+    if hasattr(value, "item"):
+        return value.item()
+    return asdict(value) if hasattr(value, "__dataclass_fields__") else str(value)
 
 
 def _number(value: Any) -> bool:

@@ -51,8 +51,8 @@ from agentbolt.algorithms.base import (
     run_rollouts,
     validate,
 )
+from agentbolt.algorithms.batch import TrainRow
 from agentbolt.algorithms.evaluate import EvalSummary
-from agentbolt.algorithms.losses import TrainRow
 from agentbolt.algorithms.policy import PolicyServer, publish, serve_policy
 from agentbolt.algorithms.rewards import RewardOptions, resolve, reward_names, wait_for_rewards
 from agentbolt.algorithms.sft_train import TrainStats, eval_loss, select_rollouts, sft_rows, train_rows

@@ -18,7 +18,8 @@ from torch import nn
 
 from agentbolt.adapters import TrajectoryRow
 from agentbolt.algorithms import distributed
-from agentbolt.algorithms.losses import TrainRow, micro_batches, pad_batch, sft_loss
+from agentbolt.algorithms.batch import TrainRow, micro_batches, pad_batch
+from agentbolt.algorithms.losses import sft_loss
 from agentbolt.algorithms.rewards import AGENT, RewardChoice, resolve
 from agentbolt.algorithms.train_state import TrainState, optimizer_step
 from agentbolt.schemas import Rollout, RolloutStatus

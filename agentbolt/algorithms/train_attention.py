@@ -75,7 +75,7 @@ def train_attention(
     [B, KV, T, D], a boolean (True: attend) or additive mask [B, 1, S, T] or None (causal when
     the layer is, the queries being the last S of the T positions); returns [B, S, H, D]."""
     if not _plain(query, key, value, dropout, kwargs):
-        return _sdpa()(  # type: ignore[no-any-return]
+        return _sdpa()(
             module,
             query,
             key,

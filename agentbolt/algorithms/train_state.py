@@ -21,8 +21,9 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from agentbolt.algorithms.batch import Batch
 from agentbolt.algorithms.lora_products import fuse_lora_products
-from agentbolt.algorithms.losses import Batch, LossFn
+from agentbolt.algorithms.losses import LossFn
 from agentbolt.algorithms.train_attention import use_train_attention
 
 __all__ = [
@@ -114,7 +115,7 @@ def make_trainable(model: nn.Module, config: TrainConfig) -> nn.Module:
         task_type="CAUSAL_LM",
     )
     with _quiet_peft():
-        model = get_peft_model(model, lora)  # type: ignore[arg-type]
+        model = get_peft_model(model, lora)
     fuse_lora_products(model)  # the same function in fewer passes over the activations
     return model
 

@@ -269,11 +269,12 @@ def test_low_memory_maps_the_updates_blocks_and_changes_nothing_else(tiny, monke
     from transformers import AutoModelForCausalLM
 
     from agentbolt.algorithms import grpo as grpo_module
+    from agentbolt.algorithms import grpo_update
     from agentbolt.algorithms.losses import TrainRow
     from agentbolt.algorithms.train_state import TrainConfig, make_train_state
 
     entered: list[bool] = []
-    real = grpo_module.large_blocks_mapped
+    real = grpo_update.large_blocks_mapped
 
     @contextlib.contextmanager
     def recording(*args, **kwargs):
@@ -281,7 +282,7 @@ def test_low_memory_maps_the_updates_blocks_and_changes_nothing_else(tiny, monke
             entered.append(mapped)
             yield mapped
 
-    monkeypatch.setattr(grpo_module, "large_blocks_mapped", recording)
+    monkeypatch.setattr(grpo_update, "large_blocks_mapped", recording)
     rows = [TrainRow((5, 6, 7, 8, 9), (0, 0, 1, 1, 1), (-1.0,) * 5, a) for a in (1.0, -1.0)]
     weights = []
     for low in (False, True):

@@ -97,9 +97,9 @@ def test_grpo_trains_on_per_turn_credit(tiny, tmp_path, advantage: str) -> None:
 
 
 def test_the_collapse_watch_warns_once_per_stretch_of_flat_groups() -> None:
-    from agentbolt.algorithms.grpo import _CollapseWatch
+    from agentbolt.algorithms.collapse import CollapseWatch
 
-    watch = _CollapseWatch(min_entropy=0.05, steps=3)
+    watch = CollapseWatch(min_entropy=0.05, steps=3)
 
     def step(zero_spread: int, groups: int = 4, entropy: float = 1.0) -> str | None:
         return watch.check(
@@ -117,7 +117,7 @@ def test_the_collapse_watch_warns_once_per_stretch_of_flat_groups() -> None:
     low = step(0, entropy=0.01)
     assert low is not None and "entropy 0.010" in low and "spread" not in low
     assert (
-        _CollapseWatch(min_entropy=0.0, steps=0).check(
+        CollapseWatch(min_entropy=0.0, steps=0).check(
             {"reward_mean": 0, "groups": 1, "zero_spread_groups": 1, "entropy": 0.0}
         )
         is None
