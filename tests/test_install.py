@@ -122,7 +122,7 @@ def test_a_name_that_needs_an_extra_raises_one_clear_error(tmp_path, name, extra
     ("command", "what", "extras"),
     [
         (["server", "--port", "1"], "agentbolt server", "server"),
-        (["eval", "--agent", "a.py:x", "--tasks", "t.json"], "agentbolt eval", "server"),
+        (["eval", "--agent", "a.py:x", "--val", "t.json"], "agentbolt eval", "server"),
         (["demo", "--steps", "1"], "agentbolt demo", "server,train"),
         (["model", "serve"], "agentbolt model serve", "server,train"),
         (["model", "pull", "--offline"], "agentbolt model pull", "train"),
