@@ -180,7 +180,7 @@ def test_a_training_algorithm_with_the_train_extra_imports(tmp_path):
     ("command", "what", "extras"),
     [
         (["server", "--port", "1"], "agentbolt server", "server"),
-        (["eval", "--agent", "a.py:x", "--tasks", "t.json"], "agentbolt eval", "server"),
+        (["eval", "--agent", "a.py:x", "--val", "t.json"], "agentbolt eval", "server"),
         (["demo", "--steps", "1"], "agentbolt demo", "server,train"),
         (["model", "serve"], "agentbolt model serve", "server,train"),
         (["model", "pull", "--offline"], "agentbolt model pull", "train"),

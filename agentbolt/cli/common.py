@@ -3,16 +3,26 @@ the one way a command reports a problem (a plain message and an exit code, never
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from agentbolt.console import make_console
 from agentbolt.schemas import Task
 
-__all__ = ["DEFAULT_SERVER", "ServerOpt", "TokenOpt", "console", "err_console", "fail", "load_tasks"]
+__all__ = [
+    "DEFAULT_SERVER",
+    "ServerOpt",
+    "TokenOpt",
+    "console",
+    "err_console",
+    "fail",
+    "keyword_option",
+    "load_tasks",
+]
 
 console = make_console()
 err_console = make_console(stderr=True)
@@ -26,6 +36,17 @@ def fail(message: str, code: int = 2) -> typer.Exit:
     """Print ``message`` as an error and return the ``typer.Exit`` to raise."""
     err_console.print(f"[bold red]error:[/] {message}")
     return typer.Exit(code)
+
+
+def keyword_option(
+    name: str, kind: Any, *decls: str, help: str, panel: str | None = None
+) -> inspect.Parameter:
+    """A parameter of a command built at run time (``agentbolt train ALGORITHM``): flag ``decls``,
+    None unless given."""
+    info = typer.Option(*decls, help=help, show_default=False, rich_help_panel=panel)
+    return inspect.Parameter(
+        name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[kind, info]
+    )
 
 
 def load_tasks(path: Path) -> list[Task]:

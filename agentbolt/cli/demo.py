@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
 from rich.console import Console
@@ -19,6 +19,9 @@ from rich.table import Table
 
 from agentbolt.extras import needs_extra
 from agentbolt.schemas import PromptTemplate
+
+if TYPE_CHECKING:
+    from agentbolt.algorithms.credit import AdvantageMode
 
 __all__ = ["demo_command"]
 
@@ -46,7 +49,9 @@ def demo_command(
     resume: Annotated[
         bool, typer.Option(help="Continue from the checkpoint in --run-dir (which must be given).")
     ] = False,
-    concurrency: Annotated[int, typer.Option(help="Rollouts in flight (the engine batches them).")] = 32,
+    concurrency: Annotated[
+        int, typer.Option("--concurrency", "-n", help="Rollouts in flight (the engine batches them).")
+    ] = 32,
 ) -> None:
     """Train SmolLM2-135M with GRPO on a built-in task; prints held-out success before and after."""
     from agentbolt.tasks import TASKS
@@ -120,7 +125,7 @@ def _run(
         tasks_per_step=tasks_per_step,
         lr=lr,
         seed=seed,
-        advantage=advantage,  # type: ignore[arg-type]
+        advantage=cast("AdvantageMode", advantage),  # checked by demo_command
         resume=resume,
         val_every=0 if name == "calculator" else 10,
         checkpoint_every=max(1, steps // 2) if name == "calculator" else 5,

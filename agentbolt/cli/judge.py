@@ -1,11 +1,11 @@
 """``agentbolt judge``: a model judge scoring rollouts as they finish, beside the runners.
 
 It runs an :class:`~agentbolt.evaluators.worker.EvaluatorWorker` with one judge: a
-:class:`~agentbolt.evaluators.judge.PointwiseJudge`, or with ``--group`` a
+:class:`~agentbolt.evaluators.judge.PointwiseJudge`, or with ``--group-judge`` a
 :class:`~agentbolt.evaluators.judge.GroupJudge`, over any OpenAI-compatible model. With
-``--via-server`` the model is called through the server's judge proxy, which holds the key;
+``--judge-via-server`` the model is called through the server's judge proxy, which holds the key;
 otherwise ``--judge-key`` (or ``AGENTBOLT_JUDGE_API_KEY``) is sent to the model directly.
-Bad options are one line and exit code 2.
+The judge's options are spelt as ``agentbolt train``'s. Bad options are one line and exit code 2.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ __all__ = ["judge_command"]
 
 def _rubric(rubric: str | None, rubric_file: Path | None) -> str:
     if (rubric is None) == (rubric_file is None):
-        raise fail("give the rubric as exactly one of --rubric TEXT or --rubric-file PATH")
+        raise fail("give the rubric as exactly one of --judge-rubric TEXT or --judge-rubric-file PATH")
     if rubric_file is None:
         return rubric or ""
     try:
@@ -85,21 +85,24 @@ def judge_command(
     judge_model: Annotated[
         str, typer.Option("--judge-model", envvar="AGENTBOLT_JUDGE_MODEL", help="The judge model's name.")
     ],
-    rubric: Annotated[str | None, typer.Option("--rubric", help="What a good run does.")] = None,
-    rubric_file: Annotated[
-        Path | None, typer.Option("--rubric-file", help="The rubric, from a file.")
+    judge_rubric: Annotated[str | None, typer.Option("--judge-rubric", help="What a good run does.")] = None,
+    judge_rubric_file: Annotated[
+        Path | None, typer.Option("--judge-rubric-file", help="The rubric, from a file.")
     ] = None,
     name: Annotated[
         str | None,
-        typer.Option("--name", help="The reward to write (default: judge, or group_judge with --group)."),
+        typer.Option(
+            "--name", help="The reward to write (default: judge, or group_judge with --group-judge)."
+        ),
     ] = None,
-    group: Annotated[
-        bool, typer.Option("--group", help="Judge each group's rollouts together, relative to each other.")
+    group_judge: Annotated[
+        bool,
+        typer.Option("--group-judge", help="Judge each group's rollouts together, relative to each other."),
     ] = False,
-    via_server: Annotated[
+    judge_via_server: Annotated[
         bool,
         typer.Option(
-            "--via-server", help="Call the model through the server's judge proxy (it holds the key)."
+            "--judge-via-server", help="Call the model through the server's judge proxy (it holds the key)."
         ),
     ] = False,
     judge_key: Annotated[
@@ -127,21 +130,21 @@ def judge_command(
 ) -> None:
     """Score finished rollouts with a model judge: their pending evaluator reward (--name), as
     they finish, until stopped (Ctrl-C) or, with --once, after one pass."""
-    text = _rubric(rubric, rubric_file)
-    if via_server and judge_key:
-        raise fail("with --via-server the server holds the judge's key: drop --judge-key")
+    text = _rubric(judge_rubric, judge_rubric_file)
+    if judge_via_server and judge_key:
+        raise fail("with --judge-via-server the server holds the judge's key: drop --judge-key")
     try:
         model = JudgeModel(
             judge_url,
             judge_model,
             judge_key,
-            via_server=via_server,
-            server_url=server if via_server else None,
-            server_token=token if via_server else None,
+            via_server=judge_via_server,
+            server_url=server if judge_via_server else None,
+            server_token=token if judge_via_server else None,
             cache_path=cache,
         )
         budget = JudgeBudget(max_calls=max_calls, max_tokens=max_tokens)
-        evaluator = _judge(text, model, name, group, budget, max_transcript_chars)
+        evaluator = _judge(text, model, name, group_judge, budget, max_transcript_chars)
     except ConfigError as exc:
         raise fail(str(exc)) from None
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")

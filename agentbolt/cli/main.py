@@ -177,7 +177,11 @@ def runner(
     ] = None,
     command: Annotated[
         str | None,
-        typer.Option(help="Run this program per rollout instead: an argv template, {field} from the task."),
+        typer.Option(
+            "--command",
+            "-c",
+            help="Run this program per rollout instead: an argv template, {field} from the task.",
+        ),
     ] = None,
     stdin: Annotated[bool, typer.Option("--stdin", help="Also write the task as JSON to its stdin.")] = False,
     env: Annotated[
@@ -274,8 +278,18 @@ def runner(
         from agentbolt.runner.ray_runners import run_cli
 
         run_on = agent if agent is not None else loaded  # a spec: each actor loads it itself
-        run_cli(ray, run_on, server, token, *ray_options, ray_ready_timeout, concurrency, lease_seconds,
-                max_rollouts, tracing or None)  # fmt: skip
+        run_cli(
+            ray,
+            run_on,
+            server,
+            token,
+            *ray_options,
+            ray_ready_timeout,
+            concurrency,
+            lease_seconds,
+            max_rollouts,
+            tracing or None,
+        )
         return
     worker = Runner(
         loaded,
@@ -300,7 +314,7 @@ def runner(
 @needs_extra("agentbolt eval", "server")
 def eval_(
     agent: Annotated[str, typer.Option("--agent", "-a", help="module:object or file.py:object.")],
-    tasks: Annotated[Path, typer.Option("--tasks", "-t", help="JSON or JSON-lines file of tasks.")],
+    val_file: Annotated[Path, typer.Option("--val", help="Tasks: a JSON list or JSON-lines file.")],
     server: Annotated[
         str | None, typer.Option("--server", "-s", help="Use this server instead of an embedded one.")
     ] = None,
@@ -318,7 +332,7 @@ def eval_(
     loaded = load_agent(agent)
     resources: dict[str, Any] | None = {"system_prompt": PromptTemplate(template=prompt)} if prompt else None
     trainer = Trainer(Evaluate(), n_runners=runners, server_url=server, token=token, resources=resources)
-    trainer.fit(loaded, val_tasks=load_tasks(tasks))
+    trainer.fit(loaded, val_tasks=load_tasks(val_file))
 
 
 @rollouts_app.command("list")
@@ -327,7 +341,9 @@ def rollouts_list(
     token: TokenOpt = None,
     status: Annotated[list[RolloutStatus] | None, typer.Option(help="Filter by status (repeatable).")] = None,
     mode: Annotated[Mode | None, typer.Option(help="Filter by mode.")] = None,
-    version: Annotated[int | None, typer.Option(help="Filter by resources version.")] = None,
+    version: Annotated[
+        int | None, typer.Option("--version", "-v", help="Filter by resources version.")
+    ] = None,
     limit: Annotated[int, typer.Option(min=1, max=1000)] = 50,
 ) -> None:
     """List the newest rollouts."""

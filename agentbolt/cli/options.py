@@ -6,8 +6,11 @@ itself. The help is the docstring each class already puts under a field, read fr
 source with ``ast``; keeping a copy in field metadata would be a second text to keep in step.
 
 A field of a dataclass type (``SFT.train``, a ``TrainConfig``) is spread into one setting per
-inner field (``train.lr``), whose default comes from the outer default (``SFT`` trains at
-``lr=2e-4``, not ``TrainConfig``'s own ``1e-4``). A field that only Python can give (a live
+inner field, named as the inner field (``lr``, the name GRPO's own field has too), whose
+default comes from the outer default (``SFT`` trains at ``lr=2e-4``, not ``TrainConfig``'s own
+``1e-4``). A setting may be named apart from its Python name where the command line names the
+same thing alike in every command (``Trainer``'s ``n_runners`` is ``runners``); a config file
+that still uses the Python name or the dotted ``train.lr`` is told the setting's name. A field that only Python can give (a live
 ``PolicyServer``) is listed apart, as Python-only. Values from a config file or a flag are
 checked by pydantic against the field's type; a bad one raises :class:`ConfigError` naming
 its key.
@@ -47,17 +50,21 @@ _NONE_WORDS = ("none", "null")
 
 @dataclass(frozen=True)
 class Setting:
-    """One option: ``key`` as in a config file (``lr``, ``train.lr``), with its type and default."""
+    """One option: ``key`` as in a config file and its flag (``lr``, ``runners``), with its type
+    and default."""
 
     key: str
     kind: Any
     default: Any
     help: str
+    target: str = ""
+    """Where the value goes in Python when that is not ``key``: the parameter ``n_runners``, or
+    ``train.lr`` (field ``lr`` of the spread field ``train``)."""
 
     @property
     def dest(self) -> str:
         """The Python identifier click stores the flag's value under."""
-        return self.key.replace(".", "__")
+        return self.key
 
     @property
     def flag(self) -> str:
@@ -110,7 +117,7 @@ class Setting:
         if not _is_structured(self.kind):
             return text
         if text.lstrip()[:1] not in ("[", "{") and _accepts_text(self.kind):
-            return text  # ``--train.target-modules all-linear``
+            return text  # ``--target-modules all-linear``
         try:
             return json.loads(text)
         except json.JSONDecodeError:
@@ -119,32 +126,39 @@ class Setting:
 
 @dataclass(frozen=True)
 class Schema:
-    """Every setting of one class; ``parents`` holds the default of each spread dataclass field."""
+    """Every setting of one class; ``parents`` holds the default of each spread dataclass field,
+    ``renamed`` the setting key of each Python name (or dotted ``train.lr``) that is not one."""
 
     settings: dict[str, Setting]
     parents: dict[str, Any]
     python_only: tuple[str, ...]
+    renamed: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def check_all(self, values: dict[str, Any], source: str) -> dict[str, Any]:
-        """Each of ``values`` (dotted keys) checked; an unknown key names the close ones."""
+        """Each of ``values`` checked; an unknown key names the close ones, a Python name the key."""
         checked = {}
         for key, value in values.items():
+            if key in self.renamed:
+                raise ConfigError(f"{source}: {key!r} is named {self.renamed[key]!r} (as its flag)")
             if key not in self.settings:
                 raise ConfigError(f"{source}: unknown key {key!r}{self._suggest(key)}")
             checked[key] = self.settings[key].check(value)
         return checked
 
     def kwargs(self, values: dict[str, Any]) -> dict[str, Any]:
-        """Checked dotted ``values`` as keyword arguments: ``train.lr`` goes into ``train``."""
-        out = {k: v for k, v in values.items() if "." not in k}
-        for parent, default in self.parents.items():
-            inner = {k.partition(".")[2]: v for k, v in values.items() if k.startswith(parent + ".")}
-            if inner:
-                out[parent] = dataclasses.replace(default, **inner)
+        """Checked ``values`` as keyword arguments: ``lr`` of ``SFT`` goes into its ``train``."""
+        out: dict[str, Any] = {}
+        inner: dict[str, dict[str, Any]] = {}
+        for key, value in values.items():
+            parent, _, name = (self.settings[key].target or key).rpartition(".")
+            (inner.setdefault(parent, {}) if parent else out)[name] = value
+        for parent, fields in inner.items():
+            out[parent] = dataclasses.replace(self.parents[parent], **fields)
         return out
 
     def flatten(self, table: dict[str, Any]) -> dict[str, Any]:
-        """A config table's keys as dotted keys (only a spread field's table is opened)."""
+        """A config table's keys as dotted keys (only a spread field's table is opened, which
+        ``check_all`` then answers with the setting's own key)."""
         flat = {}
         for key, value in table.items():
             if key in self.parents and isinstance(value, dict):
@@ -158,10 +172,11 @@ class Schema:
         return f" (did you mean {' or '.join(close)}?)" if close else ""
 
 
-def dataclass_schema(cls: type) -> Schema:
-    """The settings of dataclass ``cls``: one per field, a dataclass field spread into its own."""
+def dataclass_schema(cls: type, names: dict[str, str] | None = None) -> Schema:
+    """The settings of dataclass ``cls``: one per field, a dataclass field spread into its own;
+    ``names`` gives a field's setting key where it is not the field's name."""
     docs, hints = field_docs(cls), typing.get_type_hints(cls, include_extras=True)
-    settings: dict[str, Setting] = {}
+    settings: list[Setting] = []
     parents: dict[str, Any] = {}
     python_only = []
     for f in dataclasses.fields(cls):
@@ -171,20 +186,23 @@ def dataclass_schema(cls: type) -> Schema:
         if dataclasses.is_dataclass(hints[f.name]):
             parents[f.name] = default
             inner = dataclass_schema(hints[f.name]).settings.values()
-            settings.update(_nested(f.name, s, default) for s in inner)
+            settings += (_nested(f.name, s, default) for s in inner)
             continue
         kind = cli_type(hints[f.name])
         if kind is None:
             python_only.append(f.name)
             continue
-        settings[f.name] = Setting(f.name, kind, default, docs.get(f.name, ""))
-    return Schema(settings, parents, tuple(python_only))
+        settings.append(_named(Setting(f.name, kind, default, docs.get(f.name, "")), names))
+    return _schema(cls.__name__, settings, parents, tuple(python_only))
 
 
-def parameters_schema(func: Any, skip: tuple[str, ...], docs: dict[str, str]) -> Schema:
-    """The settings of ``func``'s keyword parameters (``Trainer.__init__``), but ``skip``."""
+def parameters_schema(
+    func: Any, skip: tuple[str, ...], docs: dict[str, str], names: dict[str, str] | None = None
+) -> Schema:
+    """The settings of ``func``'s keyword parameters (``Trainer.__init__``), but ``skip``;
+    ``names`` gives a parameter's setting key where it is not the parameter's name."""
     hints = typing.get_type_hints(func, include_extras=True)
-    settings, python_only = {}, []
+    settings, python_only = [], []
     for name, param in inspect.signature(func).parameters.items():
         if name in skip or name == "self":
             continue
@@ -193,8 +211,25 @@ def parameters_schema(func: Any, skip: tuple[str, ...], docs: dict[str, str]) ->
             python_only.append(name)
             continue
         default = dataclasses.MISSING if param.default is param.empty else param.default
-        settings[name] = Setting(name, kind, default, docs.get(name, ""))
-    return Schema(settings, {}, tuple(python_only))
+        settings.append(_named(Setting(name, kind, default, docs.get(name, "")), names))
+    return _schema(func.__qualname__, settings, {}, tuple(python_only))
+
+
+def _named(setting: Setting, names: dict[str, str] | None) -> Setting:
+    key = (names or {}).get(setting.key)
+    return dataclasses.replace(setting, key=key, target=setting.key) if key else setting
+
+
+def _schema(
+    owner: str, settings: list[Setting], parents: dict[str, Any], python_only: tuple[str, ...]
+) -> Schema:
+    by_key: dict[str, Setting] = {}
+    for setting in settings:
+        if setting.key in by_key:  # a spread field's name met the class's own: a key for each is needed
+            raise TypeError(f"{owner}: two settings are named {setting.key!r}")
+        by_key[setting.key] = setting
+    renamed = {s.target: s.key for s in settings if s.target}
+    return Schema(by_key, parents, python_only, renamed)
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -206,8 +241,9 @@ def field_docs(cls: type) -> dict[str, str]:
         [node] = ast.parse(textwrap.dedent(inspect.getsource(klass))).body
         assert isinstance(node, ast.ClassDef)
         for item, after in zip(node.body, node.body[1:], strict=False):
-            if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) and _is_text(after):
-                docs[item.target.id] = inspect.cleandoc(after.value.value)  # type: ignore[attr-defined]
+            text = _text(after)
+            if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) and text is not None:
+                docs[item.target.id] = inspect.cleandoc(text)
     return docs
 
 
@@ -266,9 +302,9 @@ def _parse(path: Path) -> Any:
     raise ValueError(f"unknown config format {path.suffix!r}: use .toml, .yaml or .yml")
 
 
-def _nested(parent: str, inner: Setting, default: Any) -> tuple[str, Setting]:
-    key = f"{parent}.{inner.key}"
-    return key, Setting(key, inner.kind, getattr(default, inner.key), inner.help)
+def _nested(parent: str, inner: Setting, default: Any) -> Setting:
+    target = f"{parent}.{inner.key}"
+    return Setting(inner.key, inner.kind, getattr(default, inner.key), inner.help, target)
 
 
 def _default_of(f: dataclasses.Field[Any]) -> Any:
@@ -279,12 +315,15 @@ def _default_of(f: dataclasses.Field[Any]) -> Any:
     return dataclasses.MISSING
 
 
-def _is_text(node: ast.stmt) -> bool:
-    return (
+def _text(node: ast.stmt) -> str | None:
+    """The string of a statement that is a string literal (a docstring); None otherwise."""
+    if (
         isinstance(node, ast.Expr)
         and isinstance(node.value, ast.Constant)
         and isinstance(node.value.value, str)
-    )
+    ):
+        return node.value.value
+    return None
 
 
 def union_members(kind: Any) -> tuple[Any, ...]:

@@ -1,8 +1,10 @@
 """``agentbolt train ALGORITHM``: Evaluate, APO, SFT or GRPO on an agent, from the command line.
 
-The options of each algorithm are generated from its dataclass, and the Trainer's from its
-parameters (``cli/options.py``), so a flag has the name, the default and the help of the Python
-field. They are built only when that algorithm is asked for: the algorithm classes import
+The options of each algorithm are generated from its dataclass, and the Trainer's and the
+Program's from their parameters (``cli/options.py``), so a flag has the name, the default and the
+help of the Python field; where every other command names the same thing otherwise (the runners'
+count is ``--runners``, the program's timeout ``--timeout``), the flag and its config key take that
+name (``TRAINER_NAMES``, ``ALGORITHM_NAMES``). They are built only when that algorithm is asked for: the algorithm classes import
 torch, which ``agentbolt runner --help`` must not load. Precedence: flags over the ``--config``
 file over the class defaults. The run is ``Trainer(...).fit(...)``, so it prints what the
 Python API prints.
@@ -23,7 +25,7 @@ import typer
 from rich.markup import escape
 from typer.core import TyperCommand, TyperGroup
 
-from agentbolt.cli.common import fail, load_tasks
+from agentbolt.cli.common import fail, keyword_option, load_tasks
 from agentbolt.cli.options import (
     Schema,
     Setting,
@@ -33,11 +35,14 @@ from agentbolt.cli.options import (
     split_config,
     union_members,
 )
+from agentbolt.cli.rewards import REWARD_PANEL, evaluators, reward_parameters
 from agentbolt.errors import ConfigError
 from agentbolt.extras import needs_extra
 
 __all__ = [
     "ALGORITHMS",
+    "ALGORITHM_NAMES",
+    "TRAINER_NAMES",
     "TRAINER_HELP",
     "algorithm_class",
     "program_schema",
@@ -63,8 +68,12 @@ TRAINER_HELP = {
     "run_dir": "Folder of the run's store, metrics and checkpoints (default: runs/<time>).",
     "lease_seconds": "Lease per attempt without a heartbeat.",
 }
-# Shorter spellings some Trainer flags also answer to (the other commands use these names).
-TRAINER_ALIASES = {"n_runners": "--runners", "server_url": "--server"}
+# The flag (and config key) of a Trainer parameter that every other command names otherwise.
+TRAINER_NAMES = {"n_runners": "runners", "server_url": "server", "runner_concurrency": "concurrency"}
+# Evaluate's batch wait is APO's batch_timeout; --timeout is the program's, as in `agentbolt runner`.
+ALGORITHM_NAMES = {"Evaluate": {"timeout": "batch_timeout"}}
+# The short flags the other commands give the same options.
+SHORT_FLAGS = {"server": "-s", "concurrency": "-n"}
 _METAVARS = {
     int: "INTEGER",
     float: "FLOAT",
@@ -75,35 +84,32 @@ _METAVARS = {
     tuple: "JSON",
 }
 PROGRAM_PANEL = "Program options (with --command)"
-REWARD_PANEL = "Reward options"
 # Given by hand below: the command is its own flag, the scorer is named as module:fn, and
-# --program.env repeats NAME=TEMPLATE like ``agentbolt runner --env``.
+# --env repeats NAME=TEMPLATE as in ``agentbolt runner``.
 PROGRAM_BY_HAND = ("command", "scorer")
 
 
 @dataclass(frozen=True)
 class _Section:
-    """One group of generated options: its settings, help panel, config table and flag prefix."""
+    """One group of generated options: its settings, help panel and config table. The flags of
+    all groups share one namespace: two settings of one name fail to build the command."""
 
     schema: Schema
     panel: str
     table: str | None = None
     """The config file's table of these settings; None: the top level."""
-    flag_prefix: str = ""
-
-    def dest(self, setting: Setting) -> str:
-        # names of different sections may meet (Evaluate's timeout, Program's): keep them apart
-        return f"{self.table}__{setting.dest}" if self.table else setting.dest
-
-    def flag(self, setting: Setting) -> str:
-        return "--" + self.flag_prefix + setting.flag.removeprefix("--")
 
 
 def algorithm_class(name: str) -> type:
     """The class of algorithm ``name``; importing it may load torch."""
     import agentbolt.algorithms as algorithms
 
-    return getattr(algorithms, ALGORITHMS[name][0])  # type: ignore[no-any-return]
+    return getattr(algorithms, ALGORITHMS[name][0])
+
+
+def algorithm_schema(cls: type) -> Schema:
+    """The settings of algorithm ``cls``, named as on the command line."""
+    return dataclass_schema(cls, ALGORITHM_NAMES.get(cls.__name__))
 
 
 def trainer_schema() -> Schema:
@@ -112,7 +118,7 @@ def trainer_schema() -> Schema:
     # the reward settings are the algorithm's own flags (--reward, --reward-wait, the judges')
     # runners on Ray are Trainer(ray=RayRunners(...)) in Python, or `agentbolt runner --ray`
     skip = ("algorithm", "reward", "evaluators", "reward_wait", "ray")
-    return parameters_schema(Trainer.__init__, skip=skip, docs=TRAINER_HELP)
+    return parameters_schema(Trainer.__init__, skip=skip, docs=TRAINER_HELP, names=TRAINER_NAMES)
 
 
 def program_schema() -> Schema:
@@ -171,7 +177,7 @@ def _algorithm_command(name: str) -> Any:
         *_common_parameters(),
         *(p for s in sections for p in _parameters(s)),
         *_program_parameters(),
-        *_reward_parameters(),
+        *reward_parameters(),
     ]
     command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     command.__doc__ = _command_help(cls, sections[0].schema)
@@ -183,9 +189,9 @@ def _algorithm_command(name: str) -> Any:
 def _sections(cls: type) -> list[_Section]:
     """The algorithm's, the Trainer's and Program's settings, in that order."""
     return [
-        _Section(dataclass_schema(cls), "Algorithm options"),
+        _Section(algorithm_schema(cls), "Algorithm options"),
         _Section(trainer_schema(), "Trainer options", "trainer"),
-        _Section(program_schema(), PROGRAM_PANEL, "program", "program."),
+        _Section(program_schema(), PROGRAM_PANEL, "program"),
     ]
 
 
@@ -212,21 +218,22 @@ def _summary(cls: type, doc: str) -> str:
     return first if first.startswith(f"{cls.__name__}:") else f"{cls.__name__}: {first}"
 
 
-def _option(name: str, kind: Any, *decls: str, help: str, panel: str | None = None) -> inspect.Parameter:
-    info = typer.Option(*decls, help=help, show_default=False, rich_help_panel=panel)
-    return inspect.Parameter(
-        name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[kind, info]
-    )
-
-
 def _common_parameters() -> list[inspect.Parameter]:
     return [
-        _option("agent", str | None, "--agent", "-a", help="The agent: module:object or file.py:object."),
-        _option("command", str | None, "--command", "-c", help="The agent as a program: an argv template."),
-        _option("train_file", Path | None, "--train", help="Training tasks: a JSON list or JSON-lines file."),
-        _option("val_file", Path | None, "--val", help="Validation tasks: a JSON list or JSON-lines file."),
-        _option("config", Path | None, "--config", help="Settings file (.toml, .yaml or .yml)."),
-        _option(
+        keyword_option(
+            "agent", str | None, "--agent", "-a", help="The agent: module:object or file.py:object."
+        ),
+        keyword_option(
+            "command", str | None, "--command", "-c", help="The agent as a program: an argv template."
+        ),
+        keyword_option(
+            "train_file", Path | None, "--train", help="Training tasks: a JSON list or JSON-lines file."
+        ),
+        keyword_option(
+            "val_file", Path | None, "--val", help="Validation tasks: a JSON list or JSON-lines file."
+        ),
+        keyword_option("config", Path | None, "--config", help="Settings file (.toml, .yaml or .yml)."),
+        keyword_option(
             "nproc",
             int | None,
             "--nproc",
@@ -241,79 +248,31 @@ def _program_parameters() -> list[inspect.Parameter]:
     env_help = "NAME=TEMPLATE: a variable rendered from the task's fields (repeatable)."
     scorer_help = "module:fn or file.py:fn scoring each run (sees the task, output, model calls)."
     return [
-        _option("program__env_flags", list[str] | None, "--program.env", help=env_help, panel=PROGRAM_PANEL),
-        _option("program__scorer", str | None, "--program.scorer", help=scorer_help, panel=PROGRAM_PANEL),
-    ]
-
-
-def _reward_parameters() -> list[inspect.Parameter]:
-    """The evaluators a command line can give (the algorithm's ``evaluators``, Python-only as
-    a field): a model judge with a rubric and a person's review."""
-    return [
-        _option(
-            "judge_rubric",
-            str | None,
-            "--judge-rubric",
-            help="A model judge scores each run by this rubric: reward 'judge' on 0-1"
-            " ('group_judge' with --group-judge); train on it with --reward judge.",
-            panel=REWARD_PANEL,
-        ),
-        _option(
-            "judge_rubric_file",
-            Path | None,
-            "--judge-rubric-file",
-            help="The judge's rubric, from a file.",
-            panel=REWARD_PANEL,
-        ),
-        _option(
-            "judge_url",
-            str | None,
-            "--judge-url",
-            help="The judge's OpenAI-compatible endpoint (its key from $AGENTBOLT_JUDGE_API_KEY).",
-            panel=REWARD_PANEL,
-        ),
-        _option(
-            "judge_model", str | None, "--judge-model", help="The judge's model name.", panel=REWARD_PANEL
-        ),
-        _option(
-            "judge_via_server",
-            bool | None,
-            "--judge-via-server",
-            help="Call the judge through the agentbolt server's judge proxy: the key stays with the"
-            " server (listed in its upstream keys for --judge-url).",
-            panel=REWARD_PANEL,
-        ),
-        _option(
-            "group_judge",
-            bool | None,
-            "--group-judge",
-            help="The judge sees each group's runs together and scores them against each other.",
-            panel=REWARD_PANEL,
-        ),
-        _option(
-            "review",
-            list[str] | None,
-            "--review",
-            help="NAME[:LOW-HIGH]: rollouts await a person's score (default 1-5, integer bounds:"
-            " whole steps), given in the dashboard or with agentbolt review (repeatable).",
-            panel=REWARD_PANEL,
-        ),
+        keyword_option("env", list[str] | None, "--env", help=env_help, panel=PROGRAM_PANEL),
+        keyword_option("scorer", str | None, "--scorer", help=scorer_help, panel=PROGRAM_PANEL),
     ]
 
 
 def _parameters(section: _Section) -> list[inspect.Parameter]:
-    return [_parameter(section, s) for s in section.schema.settings.values() if s.key != "env"]
+    return [_parameter(section, s) for s in _generated(section)]
+
+
+def _generated(section: _Section) -> list[Setting]:
+    """The section's settings with a generated flag: the program's ``env`` is ``--env`` by hand."""
+    by_hand = ("env",) if section.table == "program" else ()
+    return [s for s in section.schema.settings.values() if s.key not in by_hand]
 
 
 def _parameter(section: _Section, setting: Setting) -> inspect.Parameter:
     """One generated flag. Its value is None unless given, so a flag overrides only when used."""
     help_text = escape(f"{' '.join(setting.help.split())} [default: {setting.shown_default()}]".lstrip())
-    flag = section.flag(setting)
+    flag = setting.flag
     if setting.is_bool:
         decls: tuple[str, ...] = (f"{flag}/--no-{flag.removeprefix('--')}",)
         kind: Any = bool | None
     else:
-        decls, kind = (flag, *_aliases(section, setting)), str | None
+        short = SHORT_FLAGS.get(setting.key) if section.table == "trainer" else None
+        decls, kind = (flag, short) if short else (flag,), str | None
     # the token is read from the environment too, so it need not show in a process list
     envvar = "AGENTBOLT_TOKEN" if section.table == "trainer" and setting.key == "token" else None
     info = typer.Option(
@@ -325,13 +284,8 @@ def _parameter(section: _Section, setting: Setting) -> inspect.Parameter:
         metavar=_metavar(setting),
     )
     return inspect.Parameter(
-        section.dest(setting), inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[kind, info]
+        setting.dest, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[kind, info]
     )
-
-
-def _aliases(section: _Section, setting: Setting) -> tuple[str, ...]:
-    alias = TRAINER_ALIASES.get(setting.key) if section.table == "trainer" else None
-    return (alias,) if alias else ()
 
 
 def _metavar(setting: Setting) -> str | None:
@@ -352,15 +306,13 @@ def _train(name: str, cls: type, sections: list[_Section], params: dict[str, Any
     bound_kernel_cache()  # before any product: oneDNN reads it once (memory.bound_kernel_cache)
     try:
         values = _settings(sections, params)
-        if params.get("judge_via_server") and not values.get("trainer", {}).get("server_url"):
+        if params.get("judge_via_server") and not values.get("trainer", {}).get("server"):
             raise ConfigError(
                 "--judge-via-server calls the judge through a server that holds its key: give that "
                 "server with --server (the embedded one holds no upstream keys)"
             )
-        evaluators = _evaluators(params)
-        algorithm = cls(
-            **sections[0].schema.kwargs(values[None]), **({"evaluators": evaluators} if evaluators else {})
-        )
+        given = evaluators(params)
+        algorithm = cls(**sections[0].schema.kwargs(values[None]), **({"evaluators": given} if given else {}))
         agent = _agent(params, values.get("program", {}))
     except ConfigError as exc:
         raise fail(str(exc)) from None
@@ -435,24 +387,24 @@ def _from_file(section: _Section, table: dict[str, Any], path: Path) -> dict[str
 
 
 def _flags(section: _Section, params: dict[str, Any]) -> dict[str, Any]:
-    given = {s.key: (s, params.get(section.dest(s))) for s in section.schema.settings.values()}
+    given = {s.key: (s, params.get(s.dest)) for s in _generated(section)}
     return {key: s.check(value, from_flag=True) for key, (s, value) in given.items() if value is not None}
 
 
 def _program_flags(params: dict[str, Any]) -> dict[str, Any]:
-    """``--program.env NAME=TEMPLATE`` (repeated) and ``--program.scorer module:fn``."""
+    """``--env NAME=TEMPLATE`` (repeated) and ``--scorer module:fn``."""
     given: dict[str, Any] = {}
-    if params.get("program__env_flags"):
-        given["env"] = dict(_variable(item) for item in params["program__env_flags"])
-    if params.get("program__scorer"):
-        given["scorer"] = _scorer(params["program__scorer"])
+    if params.get("env"):
+        given["env"] = dict(_variable(item) for item in params["env"])
+    if params.get("scorer"):
+        given["scorer"] = _scorer(params["scorer"])
     return given
 
 
 def _variable(item: str) -> tuple[str, str]:
     name, sep, template = item.partition("=")
     if not sep or not name:
-        raise ConfigError(f"--program.env {item!r} must look like NAME=TEMPLATE, e.g. QUESTION={{question}}")
+        raise ConfigError(f"--env {item!r} must look like NAME=TEMPLATE, e.g. QUESTION={{question}}")
     return name, template
 
 
@@ -460,7 +412,7 @@ def _scorer(spec: Any) -> Any:
     from agentbolt.runner.worker import load_object
 
     if not isinstance(spec, str):
-        raise ConfigError(f"program.scorer: expected 'module:fn', got {spec!r}")
+        raise ConfigError(f"[program] scorer: expected 'module:fn', got {spec!r}")
     sys.path.insert(0, os.getcwd())
     return load_object(spec, "scorer")
 
@@ -477,61 +429,3 @@ def _agent(params: dict[str, Any], program: dict[str, Any]) -> Any:
     from agentbolt.runner.program import Program
 
     return Program(command, **program)
-
-
-def _evaluators(params: dict[str, Any]) -> list[Any]:
-    """The evaluators the reward flags ask for: a judge (with a rubric), reviews."""
-    found: list[Any] = [_review(spec) for spec in params.get("review") or []]
-    judge = _judge(params)
-    return [judge, *found] if judge is not None else found
-
-
-def _judge(params: dict[str, Any]) -> Any:
-    rubric, path = params.get("judge_rubric"), params.get("judge_rubric_file")
-    if rubric is not None and path is not None:
-        raise ConfigError("give the judge's rubric once: --judge-rubric TEXT or --judge-rubric-file PATH")
-    if path is not None:
-        if not Path(path).is_file():
-            raise ConfigError(f"--judge-rubric-file: {path} does not exist")
-        rubric = Path(path).read_text()
-    if rubric is None:
-        if any(params.get(k) for k in ("judge_url", "judge_model", "group_judge", "judge_via_server")):
-            raise ConfigError("--judge-url, --judge-model and --group-judge need a rubric (--judge-rubric)")
-        return None
-    if not rubric.strip():
-        raise ConfigError("the judge's rubric is empty")
-    if not params.get("judge_url") or not params.get("judge_model"):
-        raise ConfigError("a judge needs --judge-url (OpenAI-compatible endpoint) and --judge-model")
-    from agentbolt.evaluators.judge import GroupJudge, JudgeModel, PointwiseJudge
-
-    via_server = bool(params.get("judge_via_server"))
-    key = None if via_server else os.environ.get("AGENTBOLT_JUDGE_API_KEY")
-    model = JudgeModel(params["judge_url"], params["judge_model"], api_key=key, via_server=via_server)
-    return GroupJudge(rubric, model) if params.get("group_judge") else PointwiseJudge(rubric, model)
-
-
-_REVIEW = re.compile(r"^([^:]+)(?::(-?\d+(?:\.\d+)?)-(-?\d+(?:\.\d+)?))?$")
-
-
-def _review(spec: str) -> Any:
-    """``--review human`` (1-5 stars) or ``--review NAME:LOW-HIGH`` (whole steps when both
-    bounds are integers, any number between them otherwise)."""
-    from pydantic import ValidationError
-
-    from agentbolt.evaluators import HumanReview
-    from agentbolt.schemas import RewardScale
-
-    match = _REVIEW.match(spec.strip())
-    if match is None:
-        raise ConfigError(f"--review {spec!r}: expected NAME or NAME:LOW-HIGH, e.g. human:1-5")
-    name, low, high = match.groups()
-    if low is None:
-        return HumanReview(name)
-    whole = "." not in low + high
-    try:
-        scale = RewardScale(low=float(low), high=float(high), step=1.0 if whole else None)
-    except ValidationError as exc:
-        raise ConfigError(
-            f"--review {spec!r}: {exc.errors()[0]['msg'].removeprefix('Value error, ')}"
-        ) from None
-    return HumanReview(name, scale=scale)

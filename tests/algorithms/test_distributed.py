@@ -202,7 +202,7 @@ def test_grpo_end_to_end_on_two_ranks_from_the_cli(tmp_path: Path) -> None:
     ]
     args += ["--steps", "2", "--tasks-per-step", "2", "--group-size", "4", "--lr", "1e-3", "--val-every", "0"]
     args += ["--checkpoint-every", "1", "--engine-dtype", "float32", "--no-bf16", "--no-plot"]
-    args += ["--no-validate-before", "--runner-concurrency", "8", "--run-dir", str(run_dir)]
+    args += ["--no-validate-before", "--concurrency", "8", "--run-dir", str(run_dir)]
     args += ["--max-tokens-per-micro-batch", "64"]  # several micro-batches: both ranks train
     done = run_ranks(
         [sys.executable, "-m", "agentbolt", "train", "grpo", "--nproc", "2", *args], _env(), LAUNCH_TIMEOUT

@@ -111,7 +111,7 @@ def test_grpo_end_to_end_with_fsdp2_from_the_cli(tmp_path: Path) -> None:
     args += ["--agent", f"{HERE / 'distributed_agent.py'}:vowels", "--steps", "2", "--tasks-per-step", "2"]
     args += ["--group-size", "4", "--lr", "1e-3", "--val-every", "0", "--checkpoint-every", "1"]
     args += ["--engine-dtype", "float32", "--no-bf16", "--no-plot", "--no-validate-before"]
-    args += ["--runner-concurrency", "8", "--run-dir", str(run_dir), "--max-tokens-per-micro-batch", "64"]
+    args += ["--concurrency", "8", "--run-dir", str(run_dir), "--max-tokens-per-micro-batch", "64"]
     _run(args, fsdp2=True)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]

@@ -90,19 +90,19 @@ def test_workers_list_and_revoke(server, client):
 def test_eval_runs_an_agent_file_on_a_task_file(tmp_path):
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("\n".join(json.dumps({"id": f"t{i}", "q": str(i), "reward": 0.5}) for i in range(4)))
-    done = cli("eval", "--agent", f"{AGENTS}:echo", "--tasks", str(tasks), "--runners", "1", "--prompt", "P:")
+    done = cli("eval", "--agent", f"{AGENTS}:echo", "--val", str(tasks), "--runners", "1", "--prompt", "P:")
     assert done.returncode == 0, done.stderr
     assert "0.500" in done.stdout and "4" in done.stdout
 
 
 def test_bad_input_gives_one_clear_message(tmp_path):
-    missing = cli("eval", "--agent", f"{AGENTS}:echo", "--tasks", str(tmp_path / "nope.jsonl"))
+    missing = cli("eval", "--agent", f"{AGENTS}:echo", "--val", str(tmp_path / "nope.jsonl"))
     assert (
         missing.returncode != 0 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr
     )
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{not json")
-    broken = cli("eval", "--agent", f"{AGENTS}:echo", "--tasks", str(bad))
+    broken = cli("eval", "--agent", f"{AGENTS}:echo", "--val", str(bad))
     assert broken.returncode != 0 and "not JSON" in broken.stderr and "Traceback" not in broken.stderr
     spec = cli("runner", "--agent", "no_colon_here", "--server", "http://127.0.0.1:9")
     assert spec.returncode != 0 and "module:object" in spec.stderr and "Traceback" not in spec.stderr

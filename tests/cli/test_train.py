@@ -19,13 +19,14 @@ import pytest
 from typer.testing import CliRunner
 
 from agentbolt.cli.main import app
-from agentbolt.cli.options import dataclass_schema
+from agentbolt.cli.options import Setting, dataclass_schema
 from agentbolt.cli.train import (
     ALGORITHMS,
     _algorithm_command,
     _sections,
     _settings,
     algorithm_class,
+    algorithm_schema,
     program_schema,
     trainer_schema,
 )
@@ -54,22 +55,48 @@ def _expected_keys(cls: type) -> set[str]:
     return keys
 
 
+def _python_name(setting: Setting) -> str:
+    return setting.target or setting.key
+
+
 @pytest.mark.parametrize("name", list(ALGORITHMS))
 def test_the_generated_options_are_the_dataclass_fields(name: str) -> None:
     cls = algorithm_class(name)
-    schema = dataclass_schema(cls)
-    assert set(schema.settings) | set(schema.python_only) == _expected_keys(cls)
+    schema = algorithm_schema(cls)
+    assert {_python_name(s) for s in schema.settings.values()} | set(schema.python_only) == _expected_keys(
+        cls
+    )
+    # a setting is named as its field, but where the command line names it apart (Evaluate's batch
+    # wait, as APO's) or spreads a dataclass field (SFT.train.lr is lr, as GRPO.lr)
+    renamed = {s.target: s.key for s in schema.settings.values() if s.target}
+    assert renamed == {
+        "evaluate": {"timeout": "batch_timeout"},
+        "sft": {
+            f"train.{k}": k
+            for k in (
+                "lora",
+                "lora_r",
+                "lora_alpha",
+                "lora_dropout",
+                "target_modules",
+                "lr",
+                "weight_decay",
+                "max_grad_norm",
+            )
+        },
+    }.get(name, {})
     # the evaluators come from the reward flags (--judge-rubric, --review), not a generated one
     assert schema.python_only == (("evaluators", "policy") if name == "sft" else ("evaluators",))
     defaults = cls()
     for key, setting in schema.settings.items():
-        parent, _, inner = key.rpartition(".")
-        value = getattr(getattr(defaults, parent), inner) if parent else getattr(defaults, key)
+        parent, _, inner = _python_name(setting).rpartition(".")
+        value = getattr(getattr(defaults, parent), inner) if parent else getattr(defaults, inner)
         assert setting.default == value, key
     params = _algorithm_command(name).params
     flags = {opt for p in params for opt in p.opts}
     assert {s.flag for s in schema.settings.values()} <= flags
-    negations = {opt for p in params for opt in p.secondary_opts if not opt.startswith("--no-program.")}
+    program_flags = {s.flag for s in program_schema().settings.values() if s.is_bool}
+    negations = {opt for p in params for opt in p.secondary_opts if "--" + opt[5:] not in program_flags}
     assert negations == {"--no-" + s.flag[2:] for s in schema.settings.values() if s.is_bool}
 
 
@@ -79,12 +106,16 @@ def test_the_trainer_options_are_its_parameters() -> None:
     rewards = {"reward", "evaluators", "reward_wait"}
     # runners on Ray: Trainer(ray=RayRunners(...)) in Python, `agentbolt runner --ray` beside a run
     params = set(inspect.signature(Trainer.__init__).parameters) - {"self", "algorithm", "ray", *rewards}
-    assert set(schema.settings) | set(schema.python_only) == params
+    assert {_python_name(s) for s in schema.settings.values()} | set(schema.python_only) == params
     assert schema.python_only == ("console",)
-    for key, setting in schema.settings.items():
-        assert setting.default == inspect.signature(Trainer.__init__).parameters[key].default
+    for setting in schema.settings.values():
+        assert (
+            setting.default == inspect.signature(Trainer.__init__).parameters[_python_name(setting)].default
+        )
     flags = {opt for p in _algorithm_command("evaluate").params for opt in p.opts}
-    assert {"--n-runners", "--runners", "--server-url", "--server", "--run-dir"} <= flags
+    # named as every other command names them (`agentbolt eval --runners`, `runner --server`)
+    assert {"--runners", "--server", "-s", "--concurrency", "-n", "--run-dir"} <= flags
+    assert not {"--n-runners", "--server-url", "--runner-concurrency"} & flags
 
 
 def test_a_program_table_gives_env_and_a_scorer(tmp_path: Path) -> None:
@@ -94,11 +125,9 @@ def test_a_program_table_gives_env_and_a_scorer(tmp_path: Path) -> None:
     program = _resolved("evaluate", "--config", str(config))["program"]
     assert program["env"] == {"Q": "{q}"} and program["scorer"](None) == 0.5
     # the flag replaces the file's variables
-    assert _resolved("evaluate", "--config", str(config), "--program.env", "R=1")["program"]["env"] == {
-        "R": "1"
-    }
+    assert _resolved("evaluate", "--config", str(config), "--env", "R=1")["program"]["env"] == {"R": "1"}
     config.write_text("[program]\nscorer = 3\n")
-    with pytest.raises(ConfigError, match="program.scorer: expected 'module:fn', got 3"):
+    with pytest.raises(ConfigError, match=r"\[program\] scorer: expected 'module:fn', got 3"):
         _resolved("evaluate", "--config", str(config))
 
 
@@ -125,17 +154,16 @@ def _resolved(name: str, *args: str) -> dict[str | None, dict[str, object]]:
 def test_flags_override_the_config_file(tmp_path: Path) -> None:
     config = tmp_path / "c.toml"
     config.write_text(
-        "max_len = 64\nrounds = 5\n[train]\nlr = 0.5\nlora = false\n"
-        "[trainer]\nn_runners = 3\nrun_dir = 'a'\n[program]\ntimeout = 9\nstdin = true\n"
+        "max_len = 64\nrounds = 5\nlr = 0.5\nlora = false\n"
+        "[trainer]\nrunners = 3\nrun_dir = 'a'\n[program]\ntimeout = 9\nstdin = true\n"
     )
-    values = _resolved(
-        "sft", "--config", str(config), "--rounds", "2", "--runners", "4", "--program.timeout", "1.5"
-    )
-    assert values[None] == {"max_len": 64, "rounds": 2, "train.lr": 0.5, "train.lora": False}
-    assert values["trainer"] == {"n_runners": 4, "run_dir": "a"}
+    values = _resolved("sft", "--config", str(config), "--rounds", "2", "--runners", "4", "--timeout", "1.5")
+    assert values[None] == {"max_len": 64, "rounds": 2, "lr": 0.5, "lora": False}
+    assert values["trainer"] == {"runners": 4, "run_dir": "a"}
+    assert trainer_schema().kwargs(values["trainer"]) == {"n_runners": 4, "run_dir": "a"}
     assert values["program"] == {"timeout": 1.5, "stdin": True}
     sft = algorithm_class("sft")(**dataclass_schema(algorithm_class("sft")).kwargs(values[None]))
-    # the nested table starts from SFT's own default TrainConfig, not TrainConfig()
+    # SFT.train's fields start from SFT's own default TrainConfig, not TrainConfig()
     assert (sft.train.lr, sft.train.lora, sft.train.lora_r, sft.rounds) == (0.5, False, 16, 2)
 
 
@@ -146,10 +174,13 @@ def test_the_program_options_are_its_parameters() -> None:
     params = set(inspect.signature(Program.__init__).parameters) - {"self", "command", "scorer"}
     assert set(schema.settings) == params and schema.python_only == ()
     assert "seconds before its process group is killed" in schema.settings["timeout"].help
-    values = _resolved("evaluate", "--program.env", "Q={q}", "--program.env", "N=1", "--no-program.stdin")
+    values = _resolved("evaluate", "--env", "Q={q}", "--env", "N=1", "--no-stdin")
     assert values["program"] == {"env": {"Q": "{q}", "N": "1"}, "stdin": False}
-    # --timeout is Evaluate's own; the program's is --program.timeout
-    assert _resolved("evaluate", "--timeout", "5")[None] == {"timeout": 5.0}
+    # --timeout is the program's, as in `agentbolt runner`; Evaluate's batch wait is --batch-timeout
+    assert _resolved("evaluate", "--timeout", "5") == {None: {}, "trainer": {}, "program": {"timeout": 5.0}}
+    values = _resolved("evaluate", "--batch-timeout", "5")[None]
+    assert values == {"batch_timeout": 5.0}
+    assert algorithm_schema(algorithm_class("evaluate")).kwargs(values) == {"timeout": 5.0}
 
 
 def _bad(tmp_path: Path, *args: str, config: str | None = None, suffix: str = ".toml") -> str:
@@ -175,7 +206,8 @@ def test_an_unknown_key_is_named_with_the_close_ones(tmp_path: Path) -> None:
 
 
 def test_an_unknown_trainer_key_is_named(tmp_path: Path) -> None:
-    assert "unknown key 'runners'" in _bad(tmp_path, "evaluate", config="[trainer]\nrunners = 2\n")
+    line = _bad(tmp_path, "evaluate", config="[trainer]\nrunnerz = 2\n")
+    assert "unknown key 'runnerz'" in line and "did you mean runners" in line
 
 
 def test_a_wrong_type_names_the_key(tmp_path: Path) -> None:
@@ -188,8 +220,10 @@ def test_a_file_is_not_read_loosely(tmp_path: Path) -> None:
     assert "lora: expected true or false, got 1" in _bad(tmp_path, "grpo", config="lora = 1\n")
 
 
-def test_a_wrong_type_in_a_nested_table_names_the_dotted_key(tmp_path: Path) -> None:
-    assert "train.lr:" in _bad(tmp_path, "sft", config='[train]\nlr = "fast"\n')
+def test_a_spread_field_is_set_at_the_top_level(tmp_path: Path) -> None:
+    assert _bad(tmp_path, "sft", config='lr = "fast"\n').startswith("error: lr:")
+    # SFT.train's fields are top-level settings, as GRPO's lr: a [train] table names the key
+    assert "'train.lr' is named 'lr'" in _bad(tmp_path, "sft", config="[train]\nlr = 0.1\n")
 
 
 def test_a_wrong_flag_value_names_the_key(tmp_path: Path) -> None:
@@ -218,7 +252,7 @@ def test_the_agent_is_given_once(tmp_path: Path) -> None:
 def test_a_yaml_config_runs_an_evaluation_end_to_end(tmp_path: Path) -> None:
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text('{"id": "a", "q": "x", "reward": 0.5}\n{"id": "b", "q": "y", "reward": 1.0}\n')
-    (tmp_path / "c.yaml").write_text("timeout: 120\ntrainer:\n  n_runners: 1\n")
+    (tmp_path / "c.yaml").write_text("batch_timeout: 120\ntrainer:\n  runners: 1\n")
     run_dir = tmp_path / "run"
     args = ["--agent", f"{AGENTS}:echo", "--val", str(tasks), "--config", "c.yaml", "--run-dir", str(run_dir)]
     done = cli("train", "evaluate", *args, cwd=tmp_path, timeout=180)
@@ -267,7 +301,7 @@ def test_grpo_runs_one_step_on_the_tiny_model_from_a_config_file(tmp_path: Path)
         plot = false
         step_timeout = 120
         [trainer]
-        runner_concurrency = 4
+        concurrency = 4
     """
     (tmp_path / "grpo.toml").write_text(textwrap.dedent(config))
     run_dir = tmp_path / "run"
@@ -297,7 +331,7 @@ def test_a_program_agent_is_evaluated_from_the_command_line(tmp_path: Path) -> N
     args = [
         "--command",
         f"{sys.executable} {tmp_path / 'prog.py'}",
-        "--program.env",
+        "--env",
         "REWARD={r}",
         "--val",
         str(tasks),
@@ -350,7 +384,7 @@ def test_train_help_lists_the_algorithms_without_loading_torch() -> None:
 
 
 def test_reward_flags_give_the_choice_the_wait_and_reviews(tmp_path: Path) -> None:
-    from agentbolt.cli.train import _evaluators
+    from agentbolt.cli.rewards import evaluators as _evaluators
 
     values = _resolved("grpo", "--reward", "agent=0.5,judge=0.5", "--reward-wait", "30")
     grpo = algorithm_class("grpo")(**dataclass_schema(algorithm_class("grpo")).kwargs(values[None]))
@@ -414,7 +448,7 @@ def test_an_evaluation_awaiting_a_review_shows_it_pending_not_zero(tmp_path: Pat
 
 
 def test_judge_flags_make_a_pointwise_or_group_judge(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from agentbolt.cli.train import _evaluators
+    from agentbolt.cli.rewards import evaluators as _evaluators
     from agentbolt.evaluators.judge import GroupJudge, PointwiseJudge
 
     monkeypatch.setenv("AGENTBOLT_JUDGE_API_KEY", "sk-judge")
@@ -521,7 +555,7 @@ def test_grpo_trains_on_a_group_judge_from_the_command_line(tmp_path: Path) -> N
     run_dir = tmp_path / "run"
     args = ["--agent", "silent.py:agent", "--train", str(tasks), "--model", tiny, "--steps", "1"]
     args += ["--tasks-per-step", "2", "--group-size", "3", "--engine-dtype", "float32", "--no-bf16"]
-    args += ["--no-plot", "--no-validate-before", "--runner-concurrency", "4", "--run-dir", str(run_dir)]
+    args += ["--no-plot", "--no-validate-before", "--concurrency", "4", "--run-dir", str(run_dir)]
     args += ["--judge-rubric", "More a's is better.", "--group-judge", "--judge-model", "double"]
     args += ["--judge-url", f"http://127.0.0.1:{port}/v1", "--reward", "group_judge"]
     try:

@@ -128,7 +128,7 @@ def test_agentbolt_judge_once_scores_pending_rollouts_with_the_judge_model(serve
         options = {
             "--server": served.url,
             "--token": EVALUATOR,
-            "--rubric-file": str(rubric),
+            "--judge-rubric-file": str(rubric),
             "--judge-url": model.base_url,
             "--judge-model": "gpt-4o-mini",
             "--judge-key": "sk-judge",
@@ -147,20 +147,45 @@ def test_agentbolt_judge_once_scores_pending_rollouts_with_the_judge_model(serve
 def test_agentbolt_judge_refuses_bad_options_in_one_line(served, tmp_path) -> None:
     common = ("--server", served.url, "--judge-url", "http://127.0.0.1:9/v1", "--judge-model", "m", "--once")
     cases = {
-        ("--token", EVALUATOR): "give the rubric as exactly one of --rubric TEXT or --rubric-file PATH",
-        ("--token", EVALUATOR, "--rubric", "a", "--rubric-file", "r.txt"): "exactly one of",
-        ("--token", EVALUATOR, "--rubric-file", str(tmp_path / "none.txt")): "cannot read the rubric file",
-        ("--token", EVALUATOR, "--rubric", "a", "--via-server", "--judge-key", "k"): "drop --judge-key",
-        ("--token", EVALUATOR, "--rubric", "a", "--name", "agent"): "'agent' names the rollout's own reward",
+        (
+            "--token",
+            EVALUATOR,
+        ): "give the rubric as exactly one of --judge-rubric TEXT or --judge-rubric-file PATH",
+        ("--token", EVALUATOR, "--judge-rubric", "a", "--judge-rubric-file", "r.txt"): "exactly one of",
+        (
+            "--token",
+            EVALUATOR,
+            "--judge-rubric-file",
+            str(tmp_path / "none.txt"),
+        ): "cannot read the rubric file",
+        (
+            "--token",
+            EVALUATOR,
+            "--judge-rubric",
+            "a",
+            "--judge-via-server",
+            "--judge-key",
+            "k",
+        ): "drop --judge-key",
+        (
+            "--token",
+            EVALUATOR,
+            "--judge-rubric",
+            "a",
+            "--name",
+            "agent",
+        ): "'agent' names the rollout's own reward",
     }
     for args, message in cases.items():
         out = cli(*common, *args)
         assert out.returncode == 2, (args, out.stdout, out.stderr)
         assert message in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)
-    bad_url = cli("--server", served.url, "--judge-url", "not a url", "--judge-model", "m", "--rubric", "a")
+    bad_url = cli(
+        "--server", served.url, "--judge-url", "not a url", "--judge-model", "m", "--judge-rubric", "a"
+    )
     assert bad_url.returncode == 2 and "must be an http(s) URL" in bad_url.stderr
     # a token the server does not know: one line, before any work
-    refused = cli(*common, "--token", "wrong", "--rubric", "a")
+    refused = cli(*common, "--token", "wrong", "--judge-rubric", "a")
     assert refused.returncode == 1 and "Traceback" not in refused.stderr and "401" in refused.stderr
 
 
@@ -169,7 +194,7 @@ def test_agentbolt_judge_stops_at_its_budget_and_the_unjudged_rewards_say_why(se
     with Client(served.url, ADMIN) as admin, recorded_judge_server("group_good") as model:
         group_a = run_rollouts(admin, ["4", "5", "four"], [judge], group_id="a")
         group_b = run_rollouts(admin, ["6", "7", "8"], [judge], group_id="b")
-        options = ["--server", served.url, "--token", EVALUATOR, "--rubric", RUBRIC, "--group"]
+        options = ["--server", served.url, "--token", EVALUATOR, "--judge-rubric", RUBRIC, "--group-judge"]
         options += ["--judge-url", model.base_url, "--judge-model", "m", "--max-calls", "1", "--poll", "0.2"]
         out = cli(*options)  # not --once: the exhausted budget stops it
         assert out.returncode == 0, out.stderr
@@ -190,7 +215,7 @@ def test_agentbolt_judge_stops_at_its_budget_and_the_unjudged_rewards_say_why(se
 def test_agentbolt_judge_stops_cleanly_on_ctrl_c(served) -> None:
     import signal
 
-    args = ["--server", served.url, "--token", EVALUATOR, "--rubric", RUBRIC, "--poll", "0.2"]
+    args = ["--server", served.url, "--token", EVALUATOR, "--judge-rubric", RUBRIC, "--poll", "0.2"]
     args += ["--judge-url", "http://127.0.0.1:9/v1", "--judge-model", "m"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "agentbolt", "judge", *args],

@@ -125,7 +125,7 @@ def test_node_agent_evaluated_by_agentbolt_train(client, tmp_path):
     cli = Path(sys.executable).parent / "agentbolt"
     done = subprocess.run(
         [str(cli), "train", "evaluate", "--command", shlex.join(command), "--val", "tasks.jsonl"]
-        + ["--server", client.url, "--runners", "1", "--runner-concurrency", "2", "--run-dir", "run"],
+        + ["--server", client.url, "--runners", "1", "--concurrency", "2", "--run-dir", "run"],
         cwd=tmp_path,
         capture_output=True,
         text=True,

@@ -1,7 +1,7 @@
 """The judge proxy: ``POST /judge/v1/chat/completions``, an evaluator's model calls made with an
 API key only the server holds.
 
-An LLM judge running beside the runners (``agentbolt judge --via-server``) names the model server
+An LLM judge running beside the runners (``agentbolt judge --judge-via-server``) names the model server
 it wants in the header ``X-Agentbolt-Upstream`` (a base URL, e.g. ``https://api.openai.com/v1``);
 the server forwards the body to ``<base_url>/chat/completions`` with the key configured for that
 URL in ``ServerConfig.upstream_api_keys``, so the key never leaves the server. Only a URL listed
