@@ -244,7 +244,7 @@ def runner(
             "--kubernetes runs each rollout as a Job; it cannot be combined with --ray/--replicas"
         )
     if kubernetes is not None:
-        from agentbolt.runner.kubernetes import launch_from_cli
+        from agentbolt.cli.kubernetes import launch_from_cli
 
         program: dict[str, Any] = {"stdin": stdin, "env": env or [], "timeout": timeout, "scorer": scorer}
         program |= {

@@ -38,11 +38,15 @@ NOT_OURS = (LeaseLost, NotFound, WorkerRevoked, WorkerTokenExpired)
 
 
 class Holder(Protocol):
-    """Who holds attempts: its client, the worker id it holds them under, the lease it asks for."""
+    """Who holds attempts: its client, the worker id it holds them under, the lease it asks
+    for, and the counts of its reported attempts."""
 
     client: AsyncClient
     worker_id: str
     lease_seconds: float | None
+    completed: int
+    failed: int
+    lost: int
 
     def identity_lost(self, exc: WorkerRevoked | WorkerTokenExpired) -> None:
         """The server no longer takes the holder's worker token (its attempts went with it)."""
@@ -173,9 +177,22 @@ class AttemptCycle:
     async def report(
         self, status: AttemptStatus, reward: float | None, error: str | None
     ) -> AttemptStatus | None:
-        """Upload the remaining events, then finish the attempt. Returns the status it ended
-        with (failed, when the server took no word from us: its lease runs out); None when
-        it is no longer ours."""
+        """Upload the remaining events, then finish the attempt, and count it on the holder.
+        Returns the status it ended with (failed, when the server took no word from us: its
+        lease runs out); None when it is no longer ours (counted as lost)."""
+        ended = await self._report(status, reward, error)
+        holder = self.holder
+        if ended is None:
+            holder.lost += 1
+        elif ended == AttemptStatus.SUCCEEDED:
+            holder.completed += 1
+        elif ended == AttemptStatus.FAILED:
+            holder.failed += 1
+        return ended
+
+    async def _report(
+        self, status: AttemptStatus, reward: float | None, error: str | None
+    ) -> AttemptStatus | None:
         try:
             status, reward, error = await self._last_upload(status, reward, error)
             return await self.finish(status, reward, error)

@@ -354,16 +354,7 @@ class Runner:
             log.warning("attempt %s is no longer ours (%s); its result is dropped", ctx.attempt.id, cycle.why)
             self.lost += 1
             return
-        self._count(await cycle.report(status, reward, error))
-
-    def _count(self, status: AttemptStatus | None) -> None:
-        """Count a reported attempt (None: it stopped being ours before it could report)."""
-        if status is None:
-            self.lost += 1
-        elif status == AttemptStatus.SUCCEEDED:
-            self.completed += 1
-        elif status == AttemptStatus.FAILED:
-            self.failed += 1
+        await cycle.report(status, reward, error)
 
     async def _outcome(
         self, ctx: RolloutContext, work: asyncio.Task[Any], ended: asyncio.Event
