@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 from agentbolt.errors import ConfigError
 
-__all__ = ["assignment", "assignments", "malformed"]
+__all__ = ["assignment", "assignments", "env_templates", "malformed"]
 
 
 def assignment(item: str, option: str, form: str, example: str) -> tuple[str, str]:
@@ -23,6 +23,11 @@ def assignment(item: str, option: str, form: str, example: str) -> tuple[str, st
 def assignments(items: Iterable[str], option: str, form: str, example: str) -> dict[str, str]:
     """Each item read by :func:`assignment`; a name given again takes the later value."""
     return dict(assignment(item, option, form, example) for item in items)
+
+
+def env_templates(items: Iterable[str], option: str) -> dict[str, str]:
+    """A program's variables made from task fields (``--env QUESTION={question}``)."""
+    return assignments(items, option, "NAME=TEMPLATE", "QUESTION={question}")
 
 
 def malformed(item: str, option: str, form: str, example: str) -> ConfigError:

@@ -8,7 +8,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from agentbolt.cli.assignments import assignments
+from agentbolt.cli.assignments import env_templates
 from agentbolt.errors import ConfigError
 from agentbolt.runner.kube_api import KubeApi, kube_api_client, missing_extra
 from agentbolt.runner.kube_template import JobTemplate, schema_problem
@@ -44,7 +44,7 @@ def launch_from_cli(
         raise missing_extra() from None
     from agentbolt.runner.worker import load_object
 
-    variables = assignments(options["env"], "--env", "NAME=TEMPLATE", "QUESTION={question}")
+    variables = env_templates(options["env"], "--env")
     try:
         argv = shlex.split(command) if command else None
         scorer_argv = shlex.split(options["scorer_command"]) if options["scorer_command"] else None

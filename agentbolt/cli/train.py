@@ -23,6 +23,7 @@ import typer
 from rich.markup import escape
 from typer.core import TyperCommand, TyperGroup
 
+from agentbolt.cli.assignments import env_templates
 from agentbolt.cli.common import fail, load_tasks
 from agentbolt.cli.options import (
     Schema,
@@ -103,7 +104,8 @@ def algorithm_class(name: str) -> type:
     """The class of algorithm ``name``; importing it may load torch."""
     import agentbolt.algorithms as algorithms
 
-    return getattr(algorithms, ALGORITHMS[name][0])  # type: ignore[no-any-return]
+    cls: type = getattr(algorithms, ALGORITHMS[name][0])
+    return cls
 
 
 def trainer_schema() -> Schema:
@@ -443,17 +445,10 @@ def _program_flags(params: dict[str, Any]) -> dict[str, Any]:
     """``--program.env NAME=TEMPLATE`` (repeated) and ``--program.scorer module:fn``."""
     given: dict[str, Any] = {}
     if params.get("program__env_flags"):
-        given["env"] = dict(_variable(item) for item in params["program__env_flags"])
+        given["env"] = env_templates(params["program__env_flags"], "--program.env")
     if params.get("program__scorer"):
         given["scorer"] = _scorer(params["program__scorer"])
     return given
-
-
-def _variable(item: str) -> tuple[str, str]:
-    name, sep, template = item.partition("=")
-    if not sep or not name:
-        raise ConfigError(f"--program.env {item!r} must look like NAME=TEMPLATE, e.g. QUESTION={{question}}")
-    return name, template
 
 
 def _scorer(spec: Any) -> Any:
