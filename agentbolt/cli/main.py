@@ -270,8 +270,18 @@ def runner(
         from agentbolt.cli.ray import run_cli
 
         run_on = agent if agent is not None else loaded  # a spec: each actor loads it itself
-        settings = (ray_ready_timeout, concurrency, lease_seconds, max_rollouts, tracing or None)
-        run_cli(ray, run_on, server, token, *ray_options, *settings)
+        run_cli(
+            ray,
+            run_on,
+            server,
+            token,
+            *ray_options,
+            ray_ready_timeout,
+            concurrency,
+            lease_seconds,
+            max_rollouts,
+            tracing or None,
+        )
         return
     worker = Runner(
         loaded,
