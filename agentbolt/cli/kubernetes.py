@@ -27,6 +27,25 @@ def launch_from_cli(
 ) -> JobLauncher:
     """What ``agentbolt runner --kubernetes`` runs: check everything (each problem one line),
     then launch Jobs until stopped."""
+    _refuse_what_a_job_cannot_do(agent, options)
+    try:
+        import kubernetes  # noqa: F401
+    except ImportError:
+        raise missing_extra() from None
+    template = _template(template_path, command, token, options)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    launcher = JobLauncher(
+        template,
+        KubeApi(kube_api_client(), options["namespace"]),
+        server_url,
+        token=token,
+        **_launcher_options(options),
+    )
+    launcher.run_sync()
+    return launcher
+
+
+def _refuse_what_a_job_cannot_do(agent: str | None, options: dict[str, Any]) -> None:
     if agent is not None:
         raise ConfigError(
             "--kubernetes runs a program in each Job (--command, or the image's own entrypoint), "
@@ -38,48 +57,41 @@ def launch_from_cli(
         )
     if options["scorer"] and options["scorer_command"]:
         raise ConfigError("give one of --scorer module:fn and --scorer-command '...', not both")
-    try:
-        import kubernetes  # noqa: F401
-    except ImportError:
-        raise missing_extra() from None
-    from agentbolt.runner.worker import load_object
 
+
+def _template(path: Path, command: str | None, token: str | None, options: dict[str, Any]) -> JobTemplate:
+    """The Job template, checked against the Kubernetes schema before any Job is made of it."""
     variables = env_templates(options["env"], "--env")
-    try:
-        argv = shlex.split(command) if command else None
-        scorer_argv = shlex.split(options["scorer_command"]) if options["scorer_command"] else None
-    except ValueError as exc:
-        raise ConfigError(f"a command cannot be split into arguments: {exc}") from None
-    namespace = options["namespace"]
     template = JobTemplate(
-        template_path,
-        namespace,
+        path,
+        options["namespace"],
         container=options["container"],
-        command=argv,
+        command=_split(command),
         env=variables,
         secrets=(token or "",),
     )
     problem = schema_problem(template.sample())
     if problem is not None:
         raise ConfigError(
-            f"Kubernetes template {template_path}: the Job does not fit the Kubernetes schema at {problem}"
+            f"Kubernetes template {path}: the Job does not fit the Kubernetes schema at {problem}"
         )
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    launcher = JobLauncher(
-        template,
-        KubeApi(kube_api_client(), namespace),
-        server_url,
-        token=token,
-        public_url=options["public_url"],
-        name=options["name"],
-        max_jobs=options["max_jobs"],
-        timeout=options["timeout"],
-        scorer=load_object(options["scorer"], "scorer") if options["scorer"] else None,
-        scorer_command=scorer_argv,
-        reward_later=options["reward_later"],
-        output_limit=options["output_limit"],
-        lease_seconds=options["lease_seconds"],
-        max_rollouts=options["max_rollouts"],
-    )
-    launcher.run_sync()
-    return launcher
+    return template
+
+
+def _launcher_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The :class:`JobLauncher` settings the command line gives."""
+    from agentbolt.runner.worker import load_object
+
+    given = {key: options[key] for key in ("public_url", "name", "max_jobs", "timeout", "reward_later")}
+    given |= {key: options[key] for key in ("output_limit", "lease_seconds", "max_rollouts")}
+    scorer = options["scorer"]
+    given["scorer"] = load_object(scorer, "scorer") if scorer else None
+    given["scorer_command"] = _split(options["scorer_command"])
+    return given
+
+
+def _split(command: str | None) -> list[str] | None:
+    try:
+        return shlex.split(command) if command else None
+    except ValueError as exc:
+        raise ConfigError(f"a command cannot be split into arguments: {exc}") from None
