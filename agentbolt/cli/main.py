@@ -147,15 +147,11 @@ def _program(
     output_limit: int,
 ) -> Any:
     """The Program that ``agentbolt runner --command`` runs."""
+    from agentbolt.cli.assignments import env_templates
     from agentbolt.runner.program import Program
     from agentbolt.runner.worker import load_object
 
-    variables = {}
-    for item in env:
-        name, sep, template = item.partition("=")
-        if not sep or not name:
-            raise ConfigError(f"--env {item!r} must look like NAME=TEMPLATE, e.g. QUESTION={{question}}")
-        variables[name] = template
+    variables = env_templates(env, "--env")
     if scorer is not None and scorer_command is not None:
         raise ConfigError("give one of --scorer module:fn and --scorer-command '...', not both")
     return Program(
@@ -248,7 +244,7 @@ def runner(
             "--kubernetes runs each rollout as a Job; it cannot be combined with --ray/--replicas"
         )
     if kubernetes is not None:
-        from agentbolt.runner.kubernetes import launch_from_cli
+        from agentbolt.cli.kubernetes import launch_from_cli
 
         program: dict[str, Any] = {"stdin": stdin, "env": env or [], "timeout": timeout, "scorer": scorer}
         program |= {
@@ -275,7 +271,7 @@ def runner(
     loaded = load_agent(agent) if agent is not None else _program(command or "", *options)
     ray_options = (replicas, ray_cpus, ray_memory, ray_resource)
     if ray is not None or any(o is not None for o in ray_options):
-        from agentbolt.runner.ray_runners import run_cli
+        from agentbolt.cli.ray import run_cli
 
         run_on = agent if agent is not None else loaded  # a spec: each actor loads it itself
         run_cli(

@@ -25,6 +25,7 @@ import typer
 from rich.markup import escape
 from typer.core import TyperCommand, TyperGroup
 
+from agentbolt.cli.assignments import env_templates
 from agentbolt.cli.common import fail, keyword_option, load_tasks
 from agentbolt.cli.options import (
     Schema,
@@ -104,7 +105,8 @@ def algorithm_class(name: str) -> type:
     """The class of algorithm ``name``; importing it may load torch."""
     import agentbolt.algorithms as algorithms
 
-    return getattr(algorithms, ALGORITHMS[name][0])
+    cls: type = getattr(algorithms, ALGORITHMS[name][0])
+    return cls
 
 
 def algorithm_schema(cls: type) -> Schema:
@@ -395,17 +397,10 @@ def _program_flags(params: dict[str, Any]) -> dict[str, Any]:
     """``--env NAME=TEMPLATE`` (repeated) and ``--scorer module:fn``."""
     given: dict[str, Any] = {}
     if params.get("env"):
-        given["env"] = dict(_variable(item) for item in params["env"])
+        given["env"] = env_templates(params["env"], "--env")
     if params.get("scorer"):
         given["scorer"] = _scorer(params["scorer"])
     return given
-
-
-def _variable(item: str) -> tuple[str, str]:
-    name, sep, template = item.partition("=")
-    if not sep or not name:
-        raise ConfigError(f"--env {item!r} must look like NAME=TEMPLATE, e.g. QUESTION={{question}}")
-    return name, template
 
 
 def _scorer(spec: Any) -> Any:

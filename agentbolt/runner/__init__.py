@@ -1,4 +1,5 @@
-"""The runner process: the worker loop (``worker``), the agent API (``agent``), program agents
+"""The runner process: the worker loop (``worker``), each attempt's talk with the server
+(``attempt``, shared with the Kubernetes launcher), the agent API (``agent``), program agents
 (``program``: any executable as an agent), OpenTelemetry tracing of rollouts (``tracing``) and
 the OpenAI client helpers agents use (``llm``)."""
 

@@ -374,7 +374,7 @@ class FunctionAgent(LitAgent):
     def __init__(self, fn: Callable[..., Any]) -> None:
         super().__init__()
         self.fn = fn
-        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+        functools.update_wrapper(self, fn)
         if inspect.iscoroutinefunction(fn):
 
             async def run_async(task: Task) -> Any:
@@ -383,7 +383,7 @@ class FunctionAgent(LitAgent):
             self.execute_rollout = run_async  # type: ignore[method-assign,assignment]
 
     def execute_rollout(self, task: Task) -> Trajectory | float | None:
-        return self.fn(**_inject(self.fn, task, current_rollout()))  # type: ignore[no-any-return]
+        return self.fn(**_inject(self.fn, task, current_rollout()))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)

@@ -4,19 +4,18 @@
 from the user's template (:mod:`agentbolt.runner.kube_template`), its agent container given
 the attempt's variables: the program runner's contract (docs/agents.md), with the task in
 ``AGENTBOLT_TASK`` (there is no shared file system) and every URL on the server's
-cluster-reachable address (``public_url``). It talks to the cluster with the official
-``kubernetes`` client (the ``kubernetes`` extra) and keeps the two in step with a reconcile
-loop; the store stays the source of truth:
+cluster-reachable address (``public_url``). It talks to the cluster through
+:mod:`agentbolt.runner.kube_api` and keeps the two in step with a reconcile loop; the store
+stays the source of truth. What it tells the server of each attempt (lease, events, finish)
+is the runner's own cycle (:mod:`agentbolt.runner.attempt`):
 
 * a claimed attempt gets one Job, named after the attempt (so a second create for it is
   answered 409 by the API server, and taken as the Job it already has), labelled with the
   launcher, rollout and attempt; ``backoffLimit: 0`` (one pod: retrying is the store's
   decision), ``activeDeadlineSeconds`` from the timeout, ``ttlSecondsAfterFinished``;
 * while the Job runs, the launcher heartbeats the attempt's lease;
-* a Job that completes finishes the attempt with its reward: what the program posted to its
-  events URL, else the scorer's (as for a program run by a runner); the pod's log is recorded;
-* a Job that fails (its deadline, its pod's exit, an image that cannot be pulled) fails the
-  attempt with the reason;
+* a Job that ends is reported with its outcome (:mod:`agentbolt.runner.kube_outcome`): the
+  reward the program posted, else the scorer's; or a failure with its reason;
 * a Job whose attempt is no longer running in the store (cancelled, lease lost, finished) is
   deleted, and so is each Job once its attempt is reported;
 * after a restart the launcher lists its Jobs by label and adopts those whose attempts it
@@ -32,176 +31,42 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from agentbolt.client import AsyncClient, Client, RetryPolicy
-from agentbolt.errors import AgentboltError, ConfigError, LeaseLost, MissingExtra, NotFound
+from agentbolt.errors import (
+    AgentboltError,
+    ConfigError,
+    LeaseLost,
+    NotFound,
+    WorkerRevoked,
+    WorkerTokenExpired,
+)
+from agentbolt.runner import kube_state
 from agentbolt.runner.agent import RolloutContext
+from agentbolt.runner.attempt import AttemptCycle, claim
+from agentbolt.runner.kube_api import KubeApi, KubeError
+from agentbolt.runner.kube_outcome import JobOutcomes, failed
 from agentbolt.runner.kube_template import (
     ATTEMPT_ANNOTATION,
     LAUNCHER_LABEL,
     ROLLOUT_ANNOTATION,
     JobTemplate,
     label_value,
-    schema_problem,
 )
-from agentbolt.runner.outcome import clip, content_at_fault, judge, record_failure
 from agentbolt.runner.program import PLACEHOLDER_KEY, llm_of
-from agentbolt.runner.program_io import OUTPUT_LIMIT, CappedOutput, ProgramFailed
-from agentbolt.runner.program_reward import AttemptAccess, ProgramRun, Scorer, choose_reward
-from agentbolt.schemas import LLM, AttemptStatus, Claim, EventType
+from agentbolt.runner.program_io import OUTPUT_LIMIT, ProgramFailed
+from agentbolt.runner.program_reward import AttemptAccess, ProgramRun, Scorer
+from agentbolt.schemas import LLM, AttemptStatus, Claim
 
-__all__ = ["JobLauncher", "KubeApi", "KubeError", "kube_api_client", "launch_from_cli"]
+__all__ = ["JobLauncher"]
 
 log = logging.getLogger("agentbolt.kubernetes")
-
-IMAGE_ERRORS = frozenset(
-    {"ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull", "CreateContainerConfigError"}
-)
-"""Waiting reasons of the agent's container that fail the attempt at once: Kubernetes would go
-on retrying them until the Job's deadline (``ErrImagePull`` is left one retry: it turns into
-``ImagePullBackOff`` when the pull fails again)."""
-
-LOG_READ_LIMIT = 16 * 1024 * 1024
-"""Bytes of a pod's log read back (of which ``output_limit`` are recorded, head and tail)."""
-
-_NO_RESULT = Path("/nonexistent/agentbolt-result.json")
-"""A Job has no result file the launcher can read: its reward comes from events or a scorer."""
-
-
-def _missing() -> MissingExtra:
-    return MissingExtra("agentbolt runner --kubernetes", ("kubernetes",), "kubernetes")
-
-
-def kube_api_client(context: str | None = None) -> Any:
-    """An API client for the cluster this process is in (its service account), else the
-    kubeconfig's (current or named ``context``) one."""
-    try:
-        from kubernetes import client, config
-    except ImportError:
-        raise _missing() from None
-    if context is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
-        config.load_incluster_config()
-        return client.ApiClient()
-    try:
-        return config.new_client_from_config(context=context)
-    except Exception as exc:  # the kubeconfig's own errors: no file, no such context
-        raise ConfigError(f"cannot load the Kubernetes configuration: {exc}") from None
-
-
-class KubeError(AgentboltError):
-    """The Kubernetes API refused a call (``status``: its HTTP status; 0: unreachable)."""
-
-    def __init__(self, status: int, reason: str, message: str) -> None:
-        super().__init__(f"{status} {reason}: {message}" if status else message)
-        self.status, self.reason, self.message = status, reason, message
-
-    @property
-    def transient(self) -> bool:
-        return self.status == 0 or self.status == 429 or self.status >= 500
-
-
-class KubeApi:
-    """The calls the launcher makes, through the official client, on plain dicts in the API's
-    own field names (the client's models, serialised back)."""
-
-    def __init__(self, api_client: Any, namespace: str) -> None:
-        try:
-            from kubernetes import client
-        except ImportError:
-            raise _missing() from None
-        self.api_client, self.namespace = api_client, namespace
-        self.batch = client.BatchV1Api(api_client)
-        self.core = client.CoreV1Api(api_client)
-
-    def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        from kubernetes.client.exceptions import ApiException
-        from pydantic import ValidationError
-
-        try:
-            answer = fn(*args, _request_timeout=30, **kwargs)
-        except ApiException as exc:
-            raise _kube_error(exc) from None
-        except ValidationError as exc:  # the client's models refuse a field's type before sending
-            first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": str(exc)}
-            place = ".".join(str(p) for p in first["loc"][1:]) or "the object"
-            raise KubeError(
-                400, "ClientValidation", f"the client refused it: {place}: {first['msg']}"
-            ) from None
-        except (OSError, ValueError) as exc:  # urllib3's connection errors are OSErrors
-            raise KubeError(0, "Unreachable", f"the Kubernetes API is unreachable: {exc}") from None
-        except Exception as exc:
-            if type(exc).__module__.startswith("urllib3"):
-                raise KubeError(0, "Unreachable", f"the Kubernetes API is unreachable: {exc}") from None
-            raise
-        return self.api_client.sanitize_for_serialization(answer) if not isinstance(answer, str) else answer
-
-    def create_job(self, body: dict[str, Any]) -> dict[str, Any]:
-        result: dict[str, Any] = self._call(self.batch.create_namespaced_job, self.namespace, body)
-        return result
-
-    def read_job(self, name: str) -> dict[str, Any] | None:
-        try:
-            result: dict[str, Any] = self._call(self.batch.read_namespaced_job, name, self.namespace)
-            return result
-        except KubeError as exc:
-            if exc.status == 404:
-                return None
-            raise
-
-    def list_jobs(self, selector: str) -> list[dict[str, Any]]:
-        return list(
-            self._call(self.batch.list_namespaced_job, self.namespace, label_selector=selector)["items"]
-        )
-
-    def list_pods(self, selector: str) -> list[dict[str, Any]]:
-        return list(
-            self._call(self.core.list_namespaced_pod, self.namespace, label_selector=selector)["items"]
-        )
-
-    def delete_job(self, name: str) -> bool:
-        """Delete the Job and (in the background) its pods; False when it was already gone."""
-        try:
-            self._call(
-                self.batch.delete_namespaced_job, name, self.namespace, propagation_policy="Background"
-            )
-            return True
-        except KubeError as exc:
-            if exc.status == 404:
-                return False
-            raise
-
-    def pod_log(self, pod: str, container: str | None, limit: int) -> str | None:
-        try:
-            text = self._call(
-                self.core.read_namespaced_pod_log, pod, self.namespace, container=container, limit_bytes=limit
-            )
-        except KubeError as exc:
-            if exc.status in (400, 404):  # the pod is gone, or its container never started
-                return None
-            raise
-        return str(text)
-
-
-def _kube_error(exc: Any) -> KubeError:
-    """The API's Status (reason, message) of a refused call."""
-    import json
-
-    reason, message = str(exc.reason or ""), ""
-    try:
-        status = json.loads(exc.body or "{}")
-        reason, message = status.get("reason") or reason, status.get("message") or ""
-    except (ValueError, AttributeError):
-        message = str(exc.body or "")[:500]
-    return KubeError(int(exc.status or 0), reason, message or reason)
 
 
 # ---------------------------------------------------------------------------- the launcher
@@ -214,7 +79,8 @@ class _Tracked:
     attempt_id: str
     rollout_id: str
     job: str
-    ctx: RolloutContext | None = None
+    cycle: AttemptCycle | None = None
+    """The attempt's talk with the server: its lease, events and finish."""
     lease_seconds: float | None = None
     created: float | None = None
     """When (monotonic) the Job was known to exist; None while it is being created."""
@@ -274,14 +140,14 @@ class JobLauncher:
         self.selector = f"{LAUNCHER_LABEL}={self.label}"
         self.worker_id = worker_id or f"k8s-{self.namespace}-{name}"
         self.max_jobs, self.timeout, self.max_rollouts = max_jobs, timeout, max_rollouts
-        self.scorer = Scorer(scorer, scorer_command, timeout)
-        self.reward_later, self.output_limit, self.llm = reward_later, output_limit, llm
-        self.lease_seconds, self.poll_wait, self.resync = lease_seconds, poll_wait, resync
-        self._secrets: tuple[str, ...] = (token,) if token else ()
+        self.llm, self.lease_seconds, self.poll_wait, self.resync = llm, lease_seconds, poll_wait, resync
         # Retry forever while the server is down (as a runner does): the Jobs go on meanwhile.
         self.client = AsyncClient(
             server_url, token, retry=RetryPolicy(attempts=0, base_delay=0.2, max_delay=5.0)
         )
+        access = AttemptAccess(None, self.public_url, self.client, (token,) if token else ())
+        scoring = Scorer(scorer, scorer_command, timeout)
+        self.outcomes = JobOutcomes(api, template.container_name, access, scoring, reward_later, output_limit)
         self._sync = Client(server_url, token, retry=RetryPolicy(attempts=5, base_delay=0.2, max_delay=5.0))
         self.tracked: dict[str, _Tracked] = {}
         self.completed = self.failed = self.lost = self.adopted = self.deleted = 0
@@ -303,8 +169,8 @@ class JobLauncher:
                 self._loop.add_signal_handler(sig, self.stop)
         log.info(
             "launcher %s: up to %d Jobs in namespace %s, as worker %s; pods reach the server at %s",
-            self.name, self.max_jobs, self.namespace, self.worker_id, self.public_url,
-        )  # fmt: skip
+            *(self.name, self.max_jobs, self.namespace, self.worker_id, self.public_url),
+        )
         try:
             await self._reconcile()  # adopt first: what runs counts against max_jobs
             claimer = asyncio.create_task(self._claim_loop())
@@ -329,6 +195,13 @@ class JobLauncher:
         """Stop claiming and return; running Jobs are left to the next launcher."""
         if self._stopping is not None:
             self._loop.call_soon_threadsafe(self._stopping.set)
+
+    def identity_lost(self, exc: WorkerRevoked | WorkerTokenExpired) -> None:
+        """The server no longer takes this launcher's token: stop; the Jobs still running are
+        left to a launcher the server takes."""
+        log.error("launcher %s: %s; stopping", self.name, exc)
+        if self._stopping is not None:
+            self._stopping.set()
 
     @property
     def _done(self) -> bool:
@@ -382,26 +255,26 @@ class JobLauncher:
                     wait.cancel()
                 continue
             try:
-                claim = await self.client.dequeue(self.worker_id, self.lease_seconds, self.poll_wait)
+                claimed = await claim(self, self.poll_wait, self._stopping)
             except AgentboltError as exc:
                 log.error("dequeue failed: %s", exc)
                 await self._sleep(1.0)
                 continue
-            if claim is None:
+            if claimed is None:
                 continue
             try:
-                await self._launch(claim)
+                await self._launch(claimed)
             except Exception:  # the attempt's lease runs out and the store retries it
-                log.exception("launching attempt %s failed", claim.attempt.id)
-                dropped = self.tracked.get(claim.attempt.id)
+                log.exception("launching attempt %s failed", claimed.attempt.id)
+                dropped = self.tracked.get(claimed.attempt.id)
                 if dropped is not None:
                     self._untrack(dropped)
                 await self._sleep(1.0)
 
     async def _launch(self, claim: Claim) -> None:
         attempt_id = claim.attempt.id
-        ctx = RolloutContext(claim.rollout, claim.attempt, claim.resources)
-        tracked = _Tracked(attempt_id, claim.rollout.id, "", ctx, claim.lease_seconds)
+        cycle = AttemptCycle(self, RolloutContext(claim.rollout, claim.attempt, claim.resources))
+        tracked = _Tracked(attempt_id, claim.rollout.id, "", cycle, claim.lease_seconds)
         self.tracked[attempt_id] = tracked
         try:
             body = self.template.render(
@@ -427,7 +300,7 @@ class JobLauncher:
             if exc.transient:  # not this attempt's fault: hand it back, try again later
                 log.warning("could not create Job %s (%s); attempt %s released", tracked.job, exc, attempt_id)
                 with contextlib.suppress(LeaseLost, NotFound):
-                    await self._finish(tracked, AttemptStatus.RELEASED, None, f"Kubernetes API: {exc}")
+                    await cycle.finish(AttemptStatus.RELEASED, None, f"Kubernetes API: {exc}")
                 await self._sleep(2.0)
             else:
                 await self._report_failure(
@@ -491,24 +364,18 @@ class JobLauncher:
     async def _keep(self, tracked: _Tracked) -> None:
         """Heartbeat the attempt while its Job runs; once the store says it is no longer ours
         (cancelled, lease lost, finished elsewhere), delete the Job."""
-        interval = (tracked.lease_seconds or self.lease_seconds or 30.0) / 3
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                await self.client.heartbeat(tracked.attempt_id, self.worker_id, self.lease_seconds)
-            except (LeaseLost, NotFound) as exc:
-                if tracked.ending:
-                    return
-                tracked.ending = True
-                log.warning(
-                    "attempt %s is no longer ours (%s): deleting Job %s", tracked.attempt_id, exc, tracked.job
-                )
-                self.lost += 1
-                if tracked.created is not None:  # else the launch deletes it once created
-                    await self._delete(tracked)
-                return
-            except AgentboltError as exc:
-                log.error("heartbeat of %s failed: %s", tracked.attempt_id, exc)
+        cycle = tracked.cycle
+        assert cycle is not None
+        await cycle.heartbeats((tracked.lease_seconds or self.lease_seconds or 30.0) / 3)
+        if tracked.ending:
+            return
+        tracked.ending = True
+        log.warning(
+            "attempt %s is no longer ours (%s): deleting Job %s", tracked.attempt_id, cycle.why, tracked.job
+        )
+        self.lost += 1
+        if tracked.created is not None:  # else the launch deletes it once created
+            await self._delete(tracked)
 
     async def _delete(self, tracked: _Tracked) -> None:
         try:
@@ -535,7 +402,7 @@ class JobLauncher:
                 log.warning(
                     "Job %s carries this launcher's label but no attempt: left alone", job["metadata"]["name"]
                 )
-        pod_of = _pods_by_job(pods)
+        pod_of = kube_state.pods_by_job(pods)
         for attempt_id, job in by_attempt.items():
             if attempt_id not in self.tracked:
                 await self._adopt(job)
@@ -549,7 +416,7 @@ class JobLauncher:
                     self._spawn(self._end(tracked, None, None))
                 continue
             pod = pod_of.get(found["metadata"]["name"])
-            if _finished(found) or _image_error(pod, self.template.container_name):
+            if kube_state.finished(found) or kube_state.image_error(pod, self.template.container_name):
                 tracked.ending = True
                 self._spawn(self._end(tracked, found, pod))
 
@@ -568,7 +435,7 @@ class JobLauncher:
             return
         rollout = await asyncio.to_thread(self._sync.get_rollout, attempt.rollout_id)
         tracked.rollout_id = rollout.id
-        tracked.ctx = RolloutContext(rollout, attempt, None)
+        tracked.cycle = AttemptCycle(self, RolloutContext(rollout, attempt, None))
         lease = attempt.lease_expires_at - attempt.heartbeat_at if attempt.lease_expires_at else None
         tracked.lease_seconds = lease if lease and lease > 0 else None
         tracked.created = time.monotonic()
@@ -582,7 +449,6 @@ class JobLauncher:
     async def _end(self, tracked: _Tracked, job: dict[str, Any] | None, pod: dict[str, Any] | None) -> None:
         """Report a Job that ended (or vanished), then delete it. The lease is kept meanwhile
         (a scorer may take a while)."""
-        assert tracked.ctx is not None
         try:
             if job is None:
                 await self._report_failure(
@@ -598,160 +464,24 @@ class JobLauncher:
         await self._delete(tracked)
 
     async def _report(self, tracked: _Tracked, job: dict[str, Any], pod: dict[str, Any] | None) -> None:
-        ctx = tracked.ctx
-        assert ctx is not None
-        container = self.template.container_name
-        state = _container_state(pod, container)
-        text = await self._log(pod, container)
-        if text is not None and text.total:
-            ctx.emit(EventType.MESSAGE, {"role": "log", "content": text.text(), **text.sizes()})
-        terminated = state.get("terminated") or {}
-        condition = _finished(job)
-        ctx.emit(
-            "job_exit",
-            {
-                "job": tracked.job,
-                "namespace": self.namespace,
-                "condition": condition,
-                "exit_code": terminated.get("exitCode"),
-                "reason": terminated.get("reason") or (state.get("waiting") or {}).get("reason"),
-            },
-        )
-        failure = _failure(job, pod, container)
-        if failure is not None:
-            await self._report_failure(tracked, *failure)
-            return
-        with tempfile.TemporaryDirectory(prefix="agentbolt-job-") as scratch:
-            run = ProgramRun(
-                ctx.task, text.text() if text else "", "", terminated.get("exitCode"), Path(scratch)
-            )
-            access = AttemptAccess(None, self.public_url, self.client, self._secrets)
-            try:
-                reward = await choose_reward(ctx, access, run, _NO_RESULT, self.scorer, self.reward_later)
-            except ProgramFailed as exc:
-                await self._report_failure(tracked, exc.kind, str(exc))
-                return
-        status, reward, error = judge(ctx, reward)
+        assert tracked.cycle is not None
+        status, reward, error = await self.outcomes.read(tracked.cycle.ctx, tracked.job, job, pod)
         await self._send(tracked, status, reward, error)
 
-    async def _log(self, pod: dict[str, Any] | None, container: str | None) -> CappedOutput | None:
-        if pod is None:
-            return None
-        try:
-            text = await asyncio.to_thread(
-                self.api.pod_log, pod["metadata"]["name"], container, LOG_READ_LIMIT
-            )
-        except KubeError as exc:
-            log.warning("could not read the log of pod %s: %s", pod["metadata"]["name"], exc)
-            return None
-        if text is None:
-            return None
-        out = CappedOutput(self.output_limit)
-        out.add(text.encode())
-        return out
-
     async def _report_failure(self, tracked: _Tracked, kind: str, message: str) -> None:
-        assert tracked.ctx is not None
-        record_failure(tracked.ctx, kind, message)
-        await self._send(tracked, AttemptStatus.FAILED, None, message)
+        assert tracked.cycle is not None
+        await self._send(tracked, *failed(tracked.cycle.ctx, kind, message))
 
     async def _send(
         self, tracked: _Tracked, status: AttemptStatus, reward: float | None, error: str | None
     ) -> None:
-        """Upload the events, then finish the attempt."""
-        ctx = tracked.ctx
-        assert ctx is not None
-        events = ctx.take_pending()
-        try:
-            try:
-                if events:
-                    await self.client.add_events(tracked.attempt_id, events, self.worker_id)
-            except AgentboltError as exc:
-                if not content_at_fault(exc):
-                    raise
-                status, reward, error = AttemptStatus.FAILED, None, f"the server refused the events: {exc}"
-            await self._finish(tracked, status, reward, error)
-        except (LeaseLost, NotFound) as exc:
-            log.warning("attempt %s could not be finished: %s", tracked.attempt_id, exc)
-            self.lost += 1
-
-    async def _finish(
-        self, tracked: _Tracked, status: AttemptStatus, reward: float | None, error: str | None
-    ) -> None:
-        await self.client.finish(tracked.attempt_id, status, reward, clip(error), self.worker_id)
-        if status == AttemptStatus.SUCCEEDED:
-            self.completed += 1
-        elif status == AttemptStatus.FAILED:
-            self.failed += 1
-        log.info("attempt %s %s%s", tracked.attempt_id, status.value, f": {error}" if error else "")
-
-
-# ---------------------------------------------------------------------------- reading states
-
-
-def _pods_by_job(pods: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The newest pod of each Job."""
-    out: dict[str, dict[str, Any]] = {}
-    for pod in sorted(pods, key=lambda p: str(p["metadata"].get("creationTimestamp") or "")):
-        labels = pod["metadata"].get("labels") or {}
-        job = labels.get("batch.kubernetes.io/job-name") or labels.get("job-name")
-        if job:
-            out[job] = pod
-    return out
-
-
-def _finished(job: dict[str, Any]) -> str | None:
-    """``Complete`` or ``Failed`` once the Job is over (the controller's terminal conditions)."""
-    for condition in (job.get("status") or {}).get("conditions") or []:
-        if condition.get("type") in ("Complete", "Failed") and condition.get("status") == "True":
-            return str(condition["type"])
-    return None
-
-
-def _container_state(pod: dict[str, Any] | None, container: str | None) -> dict[str, Any]:
-    statuses = ((pod or {}).get("status") or {}).get("containerStatuses") or []
-    for status in statuses:
-        if container is None or status.get("name") == container:
-            return dict(status.get("state") or {})
-    return {}
-
-
-def _image_error(pod: dict[str, Any] | None, container: str | None) -> bool:
-    waiting = _container_state(pod, container).get("waiting") or {}
-    return waiting.get("reason") in IMAGE_ERRORS
-
-
-def _failure(
-    job: dict[str, Any], pod: dict[str, Any] | None, container: str | None
-) -> tuple[str, str] | None:
-    """Why the attempt fails (kind, message), or None when the Job completed."""
-    state = _container_state(pod, container)
-    waiting = state.get("waiting") or {}
-    if waiting.get("reason") in IMAGE_ERRORS:
-        return (
-            "ImagePull",
-            f"the agent's container cannot start: {waiting['reason']}: {waiting.get('message', '')}",
-        )
-    conditions = {c.get("type"): c for c in (job.get("status") or {}).get("conditions") or []}
-    failed = conditions.get("Failed")
-    if failed is None or failed.get("status") != "True":
-        return None
-    reason, message = failed.get("reason") or "Failed", failed.get("message") or ""
-    deadline = (job.get("spec") or {}).get("activeDeadlineSeconds")
-    if reason == "DeadlineExceeded":
-        return (
-            "Timeout",
-            f"DeadlineExceeded: the Job ran past its activeDeadlineSeconds ({deadline} s): {message}",
-        )
-    terminated = state.get("terminated") or {}
-    if reason == "BackoffLimitExceeded" and terminated:
-        code, why = terminated.get("exitCode"), terminated.get("reason") or ""
-        said = f"; {terminated['message']}" if terminated.get("message") else ""
-        return (
-            "ProgramExit",
-            f"BackoffLimitExceeded: the agent's container exited with code {code} ({why}){said}",
-        )
-    return "JobFailed", f"{reason}: {message}"
+        """Upload the events (those the server refuses are dropped, and fail the attempt with
+        the reason), then finish the attempt."""
+        assert tracked.cycle is not None
+        ended = await tracked.cycle.report(status, reward, error)
+        if ended is not None:
+            said = f": {error}" if error and ended == status else ""
+            log.info("attempt %s %s%s", tracked.attempt_id, ended.value, said)
 
 
 def _check_public_url(url: str, defaulted: bool) -> None:
@@ -764,78 +494,3 @@ def _check_public_url(url: str, defaulted: bool) -> None:
             f"{hint}, which a pod cannot reach: give --public-url, the server's address inside the "
             "cluster (e.g. http://agentbolt-server.agentbolt.svc:8765)"
         )
-
-
-def launch_from_cli(
-    template_path: Path,
-    agent: str | None,
-    command: str | None,
-    server_url: str,
-    token: str | None,
-    **options: Any,
-) -> JobLauncher:
-    """What ``agentbolt runner --kubernetes`` runs: check everything (each problem one line),
-    then launch Jobs until stopped."""
-    import shlex
-
-    if agent is not None:
-        raise ConfigError(
-            "--kubernetes runs a program in each Job (--command, or the image's own entrypoint), "
-            "not an in-process --agent"
-        )
-    if options["stdin"]:
-        raise ConfigError(
-            "--stdin has no meaning in a Job (a pod has no stdin): the task is in AGENTBOLT_TASK"
-        )
-    if options["scorer"] and options["scorer_command"]:
-        raise ConfigError("give one of --scorer module:fn and --scorer-command '...', not both")
-    try:
-        import kubernetes  # noqa: F401
-    except ImportError:
-        raise _missing() from None
-    from agentbolt.runner.worker import load_object
-
-    variables = {}
-    for item in options["env"]:
-        name, sep, value = item.partition("=")
-        if not sep or not name:
-            raise ConfigError(f"--env {item!r} must look like NAME=TEMPLATE, e.g. QUESTION={{question}}")
-        variables[name] = value
-    try:
-        argv = shlex.split(command) if command else None
-        scorer_argv = shlex.split(options["scorer_command"]) if options["scorer_command"] else None
-    except ValueError as exc:
-        raise ConfigError(f"a command cannot be split into arguments: {exc}") from None
-    namespace = options["namespace"]
-    template = JobTemplate(
-        template_path,
-        namespace,
-        container=options["container"],
-        command=argv,
-        env=variables,
-        secrets=(token or "",),
-    )
-    problem = schema_problem(template.sample())
-    if problem is not None:
-        raise ConfigError(
-            f"Kubernetes template {template_path}: the Job does not fit the Kubernetes schema at {problem}"
-        )
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    launcher = JobLauncher(
-        template,
-        KubeApi(kube_api_client(), namespace),
-        server_url,
-        token=token,
-        public_url=options["public_url"],
-        name=options["name"],
-        max_jobs=options["max_jobs"],
-        timeout=options["timeout"],
-        scorer=load_object(options["scorer"], "scorer") if options["scorer"] else None,
-        scorer_command=scorer_argv,
-        reward_later=options["reward_later"],
-        output_limit=options["output_limit"],
-        lease_seconds=options["lease_seconds"],
-        max_rollouts=options["max_rollouts"],
-    )
-    launcher.run_sync()
-    return launcher

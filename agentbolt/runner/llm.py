@@ -86,7 +86,7 @@ def _lean_mounts(client_class: type) -> dict[str, Any] | None:
         return lean_mounts(transport)
     if module is None or not hasattr(module, "AsyncBaseTransport") or not hasattr(module, "Response"):
         return None
-    return lean_mounts(_in_fork(_Bridge, module, "AsyncBaseTransport")(transport, module))  # type: ignore[arg-type]
+    return lean_mounts(_in_fork(_Bridge, module, "AsyncBaseTransport")(transport, module))
 
 
 _fork_classes: dict[tuple[type, str], type] = {}
@@ -124,7 +124,7 @@ class _Bridge:
 
     def _error(self, exc: httpx.HTTPError, request: Any) -> Exception:
         kind = getattr(self._module, type(exc).__name__, None) or self._module.TransportError
-        return kind(str(exc), request=request)  # type: ignore[no-any-return]
+        return kind(str(exc), request=request)
 
     async def aclose(self) -> None:
         await self._transport.aclose()

@@ -16,32 +16,28 @@ the new process (``max_task_retries``), so a restarted actor serves again under 
 identity. Nothing here keeps count of attempts: the dead actor's attempts stay leased to it
 in the store until their leases run out, and the store retries them exactly as it retries the
 attempts of a runner process that was killed.
+
+Each actor is a :class:`~agentbolt.runner.ray_actor.RunnerActor`; ``agentbolt runner --ray``
+is :mod:`agentbolt.cli.ray`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import importlib
 import importlib.util
 import logging
-import os
-import re
-import signal
 import socket
-import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from agentbolt.errors import ConfigError, MissingExtra
-from agentbolt.runner.agent import LitAgent, as_agent
-from agentbolt.runner.worker import Runner, load_object
+from agentbolt.runner.ray_actor import STATS, RunnerActor, payload_of
 
-__all__ = ["RayRunners", "parse_memory", "serve_on_ray"]
+__all__ = ["RayRunners"]
 
 log = logging.getLogger("agentbolt.runner.ray")
 
@@ -50,8 +46,6 @@ LOCAL = "local"
 
 CONNECT_TIMEOUT = 5.0
 """Seconds to reach a cluster's address before Ray is asked to connect to it."""
-
-STATS = ("completed", "failed", "lost", "abandoned")
 
 
 def _ray() -> Any:
@@ -65,140 +59,6 @@ def _ray() -> Any:
     import ray
 
     return ray
-
-
-def parse_memory(text: str) -> int:
-    """``"2GiB"``, ``"512MB"``, ``"1.5G"`` or a number of bytes -> bytes (Ray's ``memory``)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?)b?|b?)\s*", text.lower())
-    value = 0
-    if match:
-        number, unit, binary = match.groups()
-        power = "kmgt".index(unit) + 1 if unit else 0
-        value = int(float(number) * (1024 if binary else 1000) ** power)
-    if value <= 0:
-        raise ConfigError(f"memory {text!r} must be a size above 0 such as 2GiB, 512MB or a number of bytes")
-    return value
-
-
-# ---------------------------------------------------------------------------- the actor
-
-
-def _load_payload(payload: tuple[str, Any]) -> LitAgent:
-    """The agent an actor runs: ``("spec", "module:object")``, ``("name", (module, qualname))``
-    or ``("pickle", bytes)`` (cloudpickle's, as Ray ships objects)."""
-    kind, value = payload
-    if kind == "spec":
-        return as_agent(load_object(value, "agent"))
-    if kind == "name":
-        module, qualname = value
-        obj: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-        return as_agent(obj)
-    from ray import cloudpickle
-
-    return as_agent(cloudpickle.loads(value))
-
-
-class _ActorRunner(Runner):
-    """A Runner that says when it has registered with the server."""
-
-    def __init__(self, *args: Any, on_registered: Callable[[], None], **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._on_registered = on_registered
-
-    async def _register(self) -> None:
-        await super()._register()
-        self._on_registered()
-
-
-class RunnerActor:
-    """One Ray actor (an async actor: its methods share one event loop) running one Runner.
-
-    ``run`` is the long call Ray re-issues after a restart; ``ready`` answers once the runner
-    has registered; ``stop`` stops it as a signal would and returns its counts."""
-
-    def __init__(self, index: int, url: str, token: str | None, settings: dict[str, Any]) -> None:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        self.index, self.url, self.token, self.settings = index, url, token, settings
-        self.runner: _ActorRunner | None = None
-        self.started = time.time()
-        self._registered: asyncio.Event | None = None
-        self._stopped = False
-        self._finished: asyncio.Event | None = None
-
-    def _events(self) -> tuple[asyncio.Event, asyncio.Event]:
-        if self._registered is None or self._finished is None:
-            self._registered, self._finished = asyncio.Event(), asyncio.Event()
-        return self._registered, self._finished
-
-    async def run(self, payload: tuple[str, Any]) -> dict[str, Any]:
-        registered, finished = self._events()
-        try:
-            try:
-                agent = _load_payload(payload)
-            except Exception as exc:
-                raise ConfigError(
-                    f"the agent could not be loaded in the Ray actor on {socket.gethostname()}: "
-                    f"{type(exc).__name__}: {exc} (its module must be importable on every node: "
-                    "install it there, or pass runtime_env={'working_dir': ...} or PYTHONPATH)"
-                ) from None
-            hint = f"ray{self.index}-{socket.gethostname()}-{os.getpid()}"
-            self.runner = _ActorRunner(
-                agent,
-                self.url,
-                token=self.token,
-                worker_id=hint,
-                on_registered=registered.set,
-                **self.settings,
-            )
-            if self._stopped:  # stopped before the runner existed
-                return self._counts()
-            await self.runner.run(install_signals=False)
-            if self.runner.abandoned:
-                log.warning("%d released agent thread(s) abandoned", self.runner.abandoned)
-            return self._counts()
-        finally:
-            finished.set()
-
-    async def ready(self) -> dict[str, Any]:
-        registered, _ = self._events()
-        await registered.wait()
-        return self.info()
-
-    def info(self) -> dict[str, Any]:
-        return {
-            "index": self.index,
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "worker_id": self.runner.worker_id if self.runner is not None else None,
-            "started": self.started,
-            **self._counts(),
-        }
-
-    async def stop(self, grace: float | None = None) -> dict[str, Any]:
-        """Stop claiming; running rollouts get ``grace`` seconds, then are released."""
-        self._stopped = True
-        _, finished = self._events()
-        if self.runner is not None:
-            if grace is not None:
-                self.runner.grace = grace
-            self.runner.stop()
-            if self.runner._stopping is not None:  # its loop runs: wait for it to end
-                await finished.wait()
-        return self.info()
-
-    async def release(self) -> None:
-        """Release running attempts now (as a second signal does)."""
-        runner = self.runner
-        if runner is not None and runner._stopping is not None:
-            runner._stopping.set()
-            runner._on_signal()  # with the stop already set: cancels the running rollouts
-
-    def _counts(self) -> dict[str, int]:
-        if self.runner is None:
-            return dict.fromkeys(STATS, 0)
-        return {name: int(getattr(self.runner, name)) for name in STATS}
 
 
 # ---------------------------------------------------------------------------- the driver
@@ -271,7 +131,9 @@ class RayRunners:
             wanted["memory"] = float(self.memory)
         return {**wanted, **{k: float(v) for k, v in self.resources.items()}}
 
-    def _describe_request(self) -> str:
+    def describe_request(self) -> str:
+        """Each actor's request as Ray shows it (``CPU=1, memory=2.00GiB, sandbox=1``)."""
+
         def show(name: str, amount: float) -> str:
             return f"{name}={_gib(amount)}" if name == "memory" else f"{name}={amount:g}"
 
@@ -288,7 +150,7 @@ class RayRunners:
         ``lease_seconds`` applies when this object sets none."""
         if self.actors:
             raise ConfigError("these Ray runners are already started")
-        payload = _payload(agent)
+        payload = payload_of(agent)
         ray = _ray()
         self._connect(ray)
         settings = {
@@ -318,9 +180,9 @@ class RayRunners:
         except (ValueError, TypeError) as exc:  # Ray refuses the options themselves
             self._kill_all()
             raise ConfigError(
-                f"Ray refused the runner actors' options ({self._describe_request()}): {exc}"
+                f"Ray refused the runner actors' options ({self.describe_request()}): {exc}"
             ) from None
-        log.info("started %d runner actor(s), each asking for %s", self.replicas, self._describe_request())
+        log.info("started %d runner actor(s), each asking for %s", self.replicas, self.describe_request())
         return self
 
     def _connect(self, ray: Any) -> None:
@@ -386,14 +248,14 @@ class RayRunners:
             total, free = _resources(ray)
             why = (
                 f"Ray could not place {unplaced} of {len(self.actors)} runner actor(s) within {limit:g} s: "
-                f"each asks for {self._describe_request()}; the cluster has {total} in all, {free} free. "
+                f"each asks for {self.describe_request()}; the cluster has {total} in all, {free} free. "
                 "Ask for less, or add nodes that have these resources"
             )
         elif placed is None:  # Ray's actor table could not be read: say both
             total, free = _resources(ray)
             why = (
                 f"runner actor(s) {names} of {len(self.actors)} were not placed or did not register with "
-                f"the server within {limit:g} s: each asks for {self._describe_request()}; the cluster has "
+                f"the server within {limit:g} s: each asks for {self.describe_request()}; the cluster has "
                 f"{total} in all, {free} free; the server's URL must be reachable from the Ray nodes"
             )
         else:
@@ -504,48 +366,6 @@ class RayRunners:
         self.stop()
 
 
-def _payload(agent: Any) -> tuple[str, Any]:
-    """What an actor is sent to rebuild ``agent``: a spec (a file path made absolute), a
-    module global's name, or the object pickled with cloudpickle."""
-    if isinstance(agent, str):
-        module, sep, attr = agent.partition(":")
-        if not sep or not attr:
-            raise ConfigError(f"agent {agent!r} must look like 'module:object' or 'file.py:object'")
-        if module.endswith(".py"):
-            path = Path(module).resolve()
-            if not path.exists():
-                raise ConfigError(f"agent file {module} does not exist")
-            return "spec", f"{path}:{attr}"
-        return "spec", agent
-    as_agent(agent)  # a clear error now for what is no agent at all
-    name = _global_name(agent)
-    if name is not None:
-        return "name", name
-    from ray import cloudpickle
-
-    try:
-        return "pickle", cloudpickle.dumps(agent)
-    except Exception as exc:  # noqa: BLE001 - whatever stops pickling
-        raise ConfigError(
-            f"the agent cannot be sent to Ray actors: it does not pickle ({type(exc).__name__}: {exc})"
-        ) from None
-
-
-def _global_name(agent: Any) -> tuple[str, str] | None:
-    """``(module, qualname)`` when ``agent`` is a global of an importable module (a
-    ``@rollout`` function at module level), else None."""
-    module = getattr(agent, "__module__", None)
-    qualname = vars(agent).get("__qualname__") if hasattr(agent, "__dict__") else None
-    if not isinstance(module, str) or not isinstance(qualname, str) or "<locals>" in qualname:
-        return None
-    if module == "__main__":
-        return None  # a fresh interpreter has no such module: cloudpickle sends it by value
-    obj: Any = sys.modules.get(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part, None)
-    return (module, qualname) if obj is agent else None
-
-
 def _check_reachable(address: str) -> None:
     """A clear error, within CONNECT_TIMEOUT, when the cluster's address does not answer
     (``auto`` is left to Ray: it reads the address of a cluster started on this machine)."""
@@ -597,98 +417,3 @@ def _reason(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     line = text[-1] if text else type(exc).__name__
     return line if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {line}"
-
-
-# ---------------------------------------------------------------------------- the CLI
-
-
-def serve_on_ray(runners: RayRunners, agent: Any, server_url: str, token: str | None) -> dict[str, int]:
-    """``agentbolt runner --ray``: start the actors, wait until they are ready, serve until
-    each did ``max_rollouts`` or SIGINT/SIGTERM (the first stops them gracefully, a second
-    releases running rollouts at once). Returns the summed counts."""
-    stop, release = threading.Event(), threading.Event()
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        if stop.is_set():
-            log.warning("second signal: releasing running attempts now")
-            release.set()
-        else:
-            log.info("stopping: no new rollouts; running ones get %.0f s to finish", runners.grace)
-            stop.set()
-
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        runners.start(agent, server_url, token=token)
-        for sig in previous:  # after ray.init, which sets a SIGTERM handler that exits at once
-            signal.signal(sig, on_signal)
-        infos = runners.wait_ready(stop_event=stop)
-        for info in infos:
-            log.info(
-                "Ray runner %d: %s (pid %s on %s)",
-                info["index"] + 1,
-                info["worker_id"],
-                info["pid"],
-                info["host"],
-            )
-        print(
-            f"{len(infos)} Ray runner actor(s) ready; each asks for {runners._describe_request()}", flush=True
-        )
-        runners.wait(stop_event=stop)
-        return runners.stop(release=release)
-    except BaseException:
-        runners.stop(grace=0.0, wait=False)
-        raise
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-
-
-def run_cli(
-    address: str | None,
-    agent: Any,
-    server_url: str,
-    token: str | None,
-    replicas: int | None,
-    cpus: float | None,
-    memory: str | None,
-    resources: list[str] | None,
-    ready_timeout: float,
-    concurrency: int,
-    lease_seconds: float | None,
-    max_rollouts: int | None,
-    tracing: bool | None,
-) -> None:
-    """The ``agentbolt runner --ray ...`` command's work (options checked, one-line errors)."""
-    if address is None:
-        raise ConfigError("--replicas and the --ray-* options need --ray ADDRESS (or --ray local)")
-    runners = RayRunners(
-        address=address,
-        replicas=replicas or 1,
-        num_cpus=1.0 if cpus is None else cpus,
-        memory=parse_memory(memory) if memory is not None else None,
-        resources=_parse_resources(resources or []),
-        concurrency=concurrency,
-        lease_seconds=lease_seconds,
-        max_rollouts=max_rollouts,
-        ready_timeout=ready_timeout,
-        tracing=tracing,
-    )
-    totals = serve_on_ray(runners, agent, server_url, token)
-    print("stopped: " + ", ".join(f"{totals[name]} {name}" for name in STATS), flush=True)
-
-
-def _parse_resources(items: list[str]) -> dict[str, float]:
-    """``["sandbox=1", "gpu_slot=0.5"]`` -> ``{"sandbox": 1.0, "gpu_slot": 0.5}``."""
-    out: dict[str, float] = {}
-    for item in items:
-        name, sep, amount = item.partition("=")
-        try:
-            value = float(amount)
-        except ValueError:
-            value = -1.0
-        if not sep or not name.strip() or value < 0:
-            raise ConfigError(f"--ray-resource {item!r} must look like NAME=AMOUNT, e.g. sandbox=1")
-        if name.strip() in out:
-            raise ConfigError(f"--ray-resource {name.strip()!r} is given twice")
-        out[name.strip()] = value
-    return out

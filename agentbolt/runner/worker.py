@@ -20,6 +20,9 @@ process groups get SIGTERM, then SIGKILL).
 At start the runner registers itself: the server issues a worker id and a worker token bound to
 it, used for every later call (an older server issues none: the runner goes on with its own
 token and id).
+
+What the server is told about each attempt (heartbeats, uploads, the finish) and how its
+refusals are handled is :mod:`agentbolt.runner.attempt`'s, shared with the Kubernetes launcher.
 """
 
 from __future__ import annotations
@@ -35,26 +38,19 @@ import signal
 import socket
 import sys
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from agentbolt.client import AsyncClient, RequestError, RetryPolicy
-from agentbolt.errors import (
-    AgentboltError,
-    ConfigError,
-    LeaseLost,
-    NotFound,
-    WorkerRevoked,
-    WorkerTokenExpired,
-)
+from agentbolt.errors import AgentboltError, ConfigError, WorkerRevoked, WorkerTokenExpired
 from agentbolt.runner.agent import LitAgent, RolloutContext, as_agent, emit_exception
-from agentbolt.runner.outcome import clip, content_at_fault, judge, record_failure
+from agentbolt.runner.attempt import AttemptCycle, claim
+from agentbolt.runner.outcome import judge, record_failure
 from agentbolt.runner.program import AttemptAccess, Program, ProgramFailed
 from agentbolt.runner.tracing import Tracer, tracing_enabled
-from agentbolt.schemas import AttemptStatus, Claim, EventCreate
+from agentbolt.schemas import AttemptStatus, Claim
 
 __all__ = ["Runner", "load_agent", "load_object"]
 
@@ -92,21 +88,6 @@ def load_object(spec: str, what: str = "object") -> Any:
         return getattr(module, attr)
     except AttributeError:
         raise ConfigError(f"module {module_name!r} has no attribute {attr!r}") from None
-
-
-@dataclass
-class _Watch:
-    """What the keepalive learned about one attempt while its agent ran."""
-
-    ended: asyncio.Event = field(default_factory=asyncio.Event)
-    why: str = ""
-    """The server's word when the attempt stopped being ours (e.g. it names the state)."""
-    refused: list[str] = field(default_factory=list)
-    """Why the server refused events of this attempt (they were dropped)."""
-
-    def end(self, exc: Exception) -> None:
-        self.why = str(exc)
-        self.ended.set()
 
 
 class Runner:
@@ -239,7 +220,7 @@ class Runner:
             self._secrets += (registration.worker_token,)
             self._token_ttl = registration.token_ttl_seconds
 
-    def _identity_lost(self, exc: WorkerRevoked | WorkerTokenExpired) -> None:
+    def identity_lost(self, exc: WorkerRevoked | WorkerTokenExpired) -> None:
         """The server no longer takes this runner's worker token. Revoked: stop (``run`` then
         raises the error). Expired: register again, once for all slots (``_reregister``)."""
         if isinstance(exc, WorkerRevoked):
@@ -315,7 +296,7 @@ class Runner:
             except asyncio.CancelledError:
                 raise
             except (WorkerRevoked, WorkerTokenExpired) as exc:
-                self._identity_lost(exc)
+                self.identity_lost(exc)
                 if self._reregister is not None:
                     await self._reregister
             except Exception:
@@ -335,18 +316,7 @@ class Runner:
 
     async def _claim(self) -> Claim | None:
         assert self._stopping is not None
-        dequeue = asyncio.ensure_future(
-            self.client.dequeue(self.worker_id, self.lease_seconds, self.poll_wait)
-        )
-        stop = asyncio.ensure_future(self._stopping.wait())
-        await asyncio.wait({dequeue, stop}, return_when=asyncio.FIRST_COMPLETED)
-        stop.cancel()
-        if dequeue.done():
-            return dequeue.result()
-        dequeue.cancel()  # stopping while the server is unreachable
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await dequeue
-        return None
+        return await claim(self, self.poll_wait, self._stopping)
 
     async def _sleep(self, seconds: float) -> None:
         assert self._stopping is not None
@@ -367,35 +337,30 @@ class Runner:
         return min(interval, self._token_ttl / 3) if self._token_ttl else interval
 
     async def _execute(self, claim: Claim) -> None:
+        """Run the agent on the claimed attempt while the attempt's cycle keeps its lease and
+        uploads its events; then report the outcome, unless the attempt is no longer ours."""
         ctx = RolloutContext(claim.rollout, claim.attempt, claim.resources)
-        attempt_id = claim.attempt.id
-        watch = _Watch()
+        cycle = AttemptCycle(self, ctx, flush_interval=self.flush_interval, flush_size=self.flush_size)
         work = asyncio.create_task(self._run_agent(ctx, claim))
-        self._running[attempt_id] = work
-        keepalive = [
-            asyncio.create_task(self._heartbeats(ctx, watch, self._beat_interval(claim))),
-            asyncio.create_task(self._uploads(ctx, watch)),
-        ]
+        self._running[ctx.attempt.id] = work
         try:
-            status, reward, error = await self._outcome(ctx, work, watch)
+            async with cycle.kept(self._beat_interval(claim)):
+                status, reward, error = await self._outcome(ctx, work, cycle.ended)
         finally:
-            self._running.pop(attempt_id, None)
-            for task in keepalive:
-                task.cancel()
-            await asyncio.gather(*keepalive, return_exceptions=True)
+            self._running.pop(ctx.attempt.id, None)
         if self.tracer is not None:  # the rollout's spans are in the store before it is finished
             await asyncio.to_thread(self.tracer.flush)
-        if watch.ended.is_set():
-            log.warning("attempt %s is no longer ours (%s); its result is dropped", attempt_id, watch.why)
+        if cycle.ended.is_set():
+            log.warning("attempt %s is no longer ours (%s); its result is dropped", ctx.attempt.id, cycle.why)
             self.lost += 1
             return
-        await self._report(ctx, status, reward, error, watch)
+        await cycle.report(status, reward, error)
 
     async def _outcome(
-        self, ctx: RolloutContext, work: asyncio.Task[Any], watch: _Watch
+        self, ctx: RolloutContext, work: asyncio.Task[Any], ended: asyncio.Event
     ) -> tuple[AttemptStatus, float | None, str | None]:
         try:
-            result = await self._await_agent(work, watch)
+            result = await self._await_agent(work, ended)
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if current is not None and current.cancelling():
@@ -415,23 +380,23 @@ class Runner:
             return AttemptStatus.FAILED, None, f"{type(exc).__name__}: {exc}"
         return judge(ctx, result)
 
-    async def _await_agent(self, work: asyncio.Task[Any], watch: _Watch) -> Any:
+    async def _await_agent(self, work: asyncio.Task[Any], ended: asyncio.Event) -> Any:
         """Await the agent. Once stopping, give it ``grace`` seconds, then release it; once
         the attempt is no longer ours, cancel it at once."""
         assert self._stopping is not None
         stop = asyncio.ensure_future(self._stopping.wait())
-        ended = asyncio.ensure_future(watch.ended.wait())
+        lost = asyncio.ensure_future(ended.wait())
         try:
-            await asyncio.wait({work, stop, ended}, return_when=asyncio.FIRST_COMPLETED)
-            if not work.done() and not ended.done():
-                await asyncio.wait({work, ended}, timeout=self.grace, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({work, stop, lost}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done() and not lost.done():
+                await asyncio.wait({work, lost}, timeout=self.grace, return_when=asyncio.FIRST_COMPLETED)
             if not work.done():
                 await self._cancel(work)
                 raise asyncio.CancelledError
             return work.result()
         finally:
             stop.cancel()
-            ended.cancel()
+            lost.cancel()
 
     async def _cancel(self, work: asyncio.Task[Any]) -> None:
         """Cancel the agent and give it a moment to unwind; one that ignores the cancellation
@@ -451,7 +416,8 @@ class Runner:
                     return await self.agent.run_attempt(ctx, self._access(claim))
                 if self.agent.is_async:
                     with ctx.running():
-                        return await self.agent.execute_rollout(ctx.task)  # type: ignore[misc]
+                        # an async agent's execute_rollout returns a coroutine
+                        return await cast(Awaitable[Any], self.agent.execute_rollout(ctx.task))
                 return await self._run_in_thread(ctx)
         finally:
             token.var.reset(token)
@@ -472,138 +438,6 @@ class Runner:
     def _call_agent(self, ctx: RolloutContext) -> Any:
         with ctx.running():  # until the thread returns, even after its result was dropped
             return self.agent.execute_rollout(ctx.task)
-
-    # ------------------------------------------------------------------ talking to the server
-
-    async def _heartbeats(self, ctx: RolloutContext, watch: _Watch, interval: float) -> None:
-        """Keep the lease until cancelled; stop when the attempt is no longer ours."""
-        delay = interval
-        while True:
-            await asyncio.sleep(delay)
-            try:
-                await self.client.heartbeat(ctx.attempt.id, self.worker_id, self.lease_seconds)
-                delay = interval
-            except (LeaseLost, NotFound) as exc:
-                watch.end(exc)
-                return
-            except (WorkerRevoked, WorkerTokenExpired) as exc:  # the attempt went with the identity
-                self._identity_lost(exc)
-                watch.end(exc)
-                return
-            except AgentboltError:
-                log.exception("heartbeat for %s failed; trying again", ctx.attempt.id)
-                delay = min(interval, self.flush_interval)  # soon, not a whole interval later
-
-    async def _uploads(self, ctx: RolloutContext, watch: _Watch) -> None:
-        """Upload events while the agent runs (apart from heartbeats: a slow or failing upload
-        never delays one); stop when the attempt is no longer ours."""
-        while True:
-            await asyncio.sleep(self.flush_interval)
-            if not ctx.pending_count:
-                continue
-            try:
-                await self._flush(ctx, watch)
-            except (LeaseLost, NotFound) as exc:
-                watch.end(exc)
-                return
-            except (WorkerRevoked, WorkerTokenExpired) as exc:
-                self._identity_lost(exc)
-                watch.end(exc)
-                return
-            except AgentboltError:
-                log.exception("uploading events of %s failed; they go with the next batch", ctx.attempt.id)
-
-    async def _flush(self, ctx: RolloutContext, watch: _Watch) -> None:
-        pending = ctx.take_pending()
-        chunk = self.flush_size * 16
-        for start in range(0, len(pending), chunk):
-            try:
-                await self._upload(ctx, pending[start : start + chunk], watch)
-            except BaseException:
-                ctx.put_back(pending[start:])  # sequence numbers make re-sending harmless
-                raise
-
-    async def _upload(self, ctx: RolloutContext, events: list[EventCreate], watch: _Watch) -> None:
-        """Send events; of a batch the server refuses, halve until the refused ones are found,
-        send the rest, and drop those (recording why: the attempt will fail with it)."""
-        try:
-            await self.client.add_events(ctx.attempt.id, events, self.worker_id)
-        except Exception as exc:
-            if not content_at_fault(exc):
-                raise
-            if len(events) > 1:
-                half = len(events) // 2
-                await self._upload(ctx, events[:half], watch)
-                await self._upload(ctx, events[half:], watch)
-                return
-            who = "the server refused" if isinstance(exc, AgentboltError) else "could not encode"
-            reason = f"{who} event {events[0].sequence} ({events[0].type}): {exc}"
-            log.warning("attempt %s: %s", ctx.attempt.id, reason)
-            watch.refused.append(reason)
-            record_failure(ctx, "EventRefused", reason)
-
-    async def _report(
-        self,
-        ctx: RolloutContext,
-        status: AttemptStatus,
-        reward: float | None,
-        error: str | None,
-        watch: _Watch,
-    ) -> None:
-        try:
-            status, reward, error = await self._last_upload(ctx, watch, status, reward, error)
-            status = await self._finish(ctx, status, reward, error)
-        except (LeaseLost, NotFound, WorkerRevoked, WorkerTokenExpired) as exc:
-            log.warning("attempt %s could not be finished: %s", ctx.attempt.id, exc)
-            self.lost += 1
-            if isinstance(exc, WorkerRevoked | WorkerTokenExpired):
-                self._identity_lost(exc)
-            return
-        except AgentboltError as exc:
-            # Nothing more this runner can say (e.g. its token is refused): the lease runs out.
-            log.error("attempt %s could not be finished: %s", ctx.attempt.id, exc)
-            status = AttemptStatus.FAILED
-        if status == AttemptStatus.SUCCEEDED:
-            self.completed += 1
-        elif status == AttemptStatus.FAILED:
-            self.failed += 1
-
-    async def _last_upload(
-        self,
-        ctx: RolloutContext,
-        watch: _Watch,
-        status: AttemptStatus,
-        reward: float | None,
-        error: str | None,
-    ) -> tuple[AttemptStatus, float | None, str | None]:
-        """Flush the remaining events; an attempt whose events were refused, or could not be
-        sent, fails with the reason."""
-        try:
-            await self._flush(ctx, watch)
-            if watch.refused:
-                await self._flush(ctx, watch)  # the records of what was refused
-        except (LeaseLost, NotFound, WorkerRevoked, WorkerTokenExpired):
-            raise
-        except AgentboltError as exc:
-            return AttemptStatus.FAILED, None, f"events could not be uploaded: {exc}"
-        if not watch.refused or status == AttemptStatus.RELEASED:
-            return status, reward, error
-        reasons = "; ".join(watch.refused)
-        return AttemptStatus.FAILED, None, f"{error}; {reasons}" if error else reasons
-
-    async def _finish(
-        self, ctx: RolloutContext, status: AttemptStatus, reward: float | None, error: str | None
-    ) -> AttemptStatus:
-        """Finish the attempt; if the server refuses that outcome, fail it with the reason."""
-        try:
-            await self.client.finish(ctx.attempt.id, status, reward, clip(error), self.worker_id)
-            return status
-        except AgentboltError as exc:
-            if not content_at_fault(exc) or status == AttemptStatus.FAILED:
-                raise
-            reason = f"the server refused the attempt's outcome ({status.value}): {exc}"
-        await self.client.finish(ctx.attempt.id, AttemptStatus.FAILED, None, clip(reason), self.worker_id)
-        return AttemptStatus.FAILED
 
 
 def _pidfd_watcher(loop: asyncio.AbstractEventLoop) -> Callable[[], None] | None:

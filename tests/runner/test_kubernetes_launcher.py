@@ -12,6 +12,7 @@ chosen (complete; failed by deadline, by the backoff limit; an image that cannot
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,8 +27,9 @@ from kubernetes import client as kube
 
 from agentbolt.client import Client
 from agentbolt.errors import ConfigError
+from agentbolt.runner.kube_api import KubeApi
 from agentbolt.runner.kube_template import JobTemplate, job_name, schema_problem
-from agentbolt.runner.kubernetes import JobLauncher, KubeApi
+from agentbolt.runner.kubernetes import JobLauncher
 from agentbolt.schemas import LLM, AttemptStatus, RolloutCreate, RolloutStatus, Task
 from agentbolt.server import Role, ServerConfig, ServerThread
 
@@ -219,6 +221,41 @@ def test_without_a_posted_reward_the_scorer_sees_the_pods_log_or_the_attempt_fai
         double.set_state(name, "complete")
         rollout = _final(admin, silent)
     assert rollout.status == RolloutStatus.FAILED and "no reward" in rollout.error
+
+
+def test_an_event_the_server_refuses_is_dropped_alone_and_fails_the_attempt_with_the_reason(tmp_path, double):
+    """The pod's log (150 kB) is over the server's body limit (64 KiB); the Job's other events
+    (its exit, its reward) are sent with it. Only the log is dropped, found by halving the
+    refused batch as a runner does, and the attempt fails naming it; before, the whole upload
+    was refused and the attempt's record held none of the Job's events."""
+    config = ServerConfig(
+        db=str(tmp_path / "s.db"),
+        tokens={ADMIN: Role.ADMIN, RUNNER: Role.RUNNER},
+        sweep_interval=0.1,
+        max_body_bytes=64 * 1024,
+    )
+    with ServerThread(config) as srv, Client(srv.url, ADMIN) as admin:
+        (rid,) = _enqueue(admin, ["2+2?"])
+        with running(_launcher(srv, double, tmp_path, output_limit=1_000_000)) as launcher:
+            name = job_name(_attempt(admin, rid).id)
+            wait_until(lambda: double.job(name), said="the Job")
+            job = double.job(name)
+            assert job is not None
+            _as_pod(srv, job, 0.75)
+            double.set_state(name, "complete", log="answer: 4\n" * 15_000)
+            rollout = _final(admin, rid)
+        assert launcher.failed == 1 and launcher.completed == 0
+        refused = r"the server refused event \d+ \(message\): HTTP 413"
+        assert rollout.status == RolloutStatus.FAILED and re.search(refused, rollout.error), rollout.error
+        [attempt] = admin.list_attempts(rid)
+        assert attempt.status == AttemptStatus.FAILED and re.search(refused, attempt.error or "")
+        events = admin.all_events(rid)
+        assert not [e for e in events if e.type == "message" and e.data.get("role") == "log"]
+        [exit_] = [e.data for e in events if e.type == "job_exit"]
+        assert exit_["job"] == name and exit_["condition"] == "Complete"
+        assert [e.data["value"] for e in events if e.type == "reward" and e.data.get("final")] == [0.75]
+        [record] = [e.data for e in events if e.type == "exception"]
+        assert record["type"] == "EventRefused" and re.search(refused, record["message"])
 
 
 def test_a_cancelled_rollout_has_its_job_deleted(server, double, tmp_path):

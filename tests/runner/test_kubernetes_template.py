@@ -281,7 +281,7 @@ def test_the_recorded_responses_fit_the_schema(path):
 
 
 def _cli(tmp_path: Path, agent=None, command=None, **kw):
-    from agentbolt.runner.kubernetes import launch_from_cli
+    from agentbolt.cli.kubernetes import launch_from_cli
 
     options = {"stdin": False, "env": [], "timeout": None, "scorer": None, "scorer_command": None}
     options |= {"reward_later": False, "output_limit": 1024, "namespace": "agents", "public_url": None}
@@ -303,9 +303,9 @@ def test_the_command_lines_mistakes_are_one_line_each(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="cannot be split"):
         _cli(tmp_path, command="python 'unclosed")
     with pytest.raises(ConfigError, match="a pod cannot reach"):  # checked before any cluster call
-        monkeypatch.setattr("agentbolt.runner.kubernetes.kube_api_client", lambda: None)
+        monkeypatch.setattr("agentbolt.cli.kubernetes.kube_api_client", lambda: None)
         monkeypatch.setattr(
-            "agentbolt.runner.kubernetes.KubeApi", lambda client, ns: type("A", (), {"namespace": ns})
+            "agentbolt.cli.kubernetes.KubeApi", lambda client, ns: type("A", (), {"namespace": ns})
         )
         _cli(tmp_path)
     monkeypatch.undo()

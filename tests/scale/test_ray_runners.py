@@ -378,7 +378,8 @@ def test_an_agent_the_actors_cannot_import_is_a_clear_error(ray_cluster, store):
 
 
 def test_bad_settings_and_missing_ray(monkeypatch):
-    from agentbolt.runner.ray_runners import RayRunners, parse_memory
+    from agentbolt.cli.ray import parse_memory
+    from agentbolt.runner.ray_runners import RayRunners
 
     for bad, match in [
         ({"replicas": 0}, "replicas must be >= 1"),
