@@ -20,18 +20,14 @@ from typing import Any
 import torch
 
 from agentbolt.engine.batcher import Batcher
-from agentbolt.engine.chat_format import render_chat_prompt
 from agentbolt.engine.matmul import cpu_matmul_mode
 from agentbolt.engine.model_files import DEFAULT_MODEL, SMOLLM2_DIRNAME, ensure_model
-from agentbolt.engine.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    EngineRequestError,
-    parse_request,
-)
+from agentbolt.engine.prepare import RequestPreparer
+from agentbolt.engine.protocol import EngineRequestError
 from agentbolt.engine.responses import chat_response, completion_response
 from agentbolt.engine.sampling import SamplingParams
 from agentbolt.engine.sequence import Sequence
+from agentbolt.engine.streaming import stream_chat, stream_completion
 from agentbolt.engine.weights import WeightManager, load_tensors
 
 __all__ = ["EngineConfig", "ModelEngine"]
@@ -113,6 +109,14 @@ class ModelEngine:
         self._weights = WeightManager(model)
         self._update_lock = threading.Lock()
         self._served_names = {name}
+        self._prepare = RequestPreparer(
+            tokenizer,
+            self.max_context,
+            max_batch=self.config.max_batch,
+            default_max_tokens=self.config.default_max_tokens,
+            strict_model_name=self.config.strict_model_name,
+            served_names=self._served_names,
+        )
         self._batcher = Batcher(
             model,
             self.eos_ids,
@@ -153,8 +157,9 @@ class ModelEngine:
         path = ensure_model(path_or_name, allow_download=allow_download)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype))
-        model.to(device)  # type: ignore[arg-type]
+        # typed as the module it is used as: transformers' own ``to`` is typed through a wrapper
+        model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype))
+        model.to(device)
         served = name or (SMOLLM2_DIRNAME if path.name == SMOLLM2_DIRNAME else Path(path).name)
         return cls(model, tokenizer, name=served, config=EngineConfig(**config))
 
@@ -253,130 +258,28 @@ class ModelEngine:
     # ---------------------------------------------------------------- requests
     async def chat(self, request: Mapping[str, Any]) -> dict[str, Any]:
         """Answer an OpenAI ``/v1/chat/completions`` body (``stream`` is ignored here)."""
-        req, prompt_ids, params = self._prepare_chat(request)
+        req, prompt_ids, params = self._prepare.chat(request)
         seqs = await self._generate(prompt_ids, params, req.n)
         return chat_response(req, self.name, self.tokenizer, prompt_ids, seqs)
 
     async def complete(self, request: Mapping[str, Any]) -> dict[str, Any]:
         """Answer an OpenAI ``/v1/completions`` body (``stream`` is ignored here)."""
-        req, prompts, params = self._prepare_completion(request)
+        req, prompts, params = self._prepare.completion(request)
         runs = [self._generate(ids, p, req.n) for (_, ids), p in zip(prompts, params, strict=True)]
         seqs = [s for group in await asyncio.gather(*runs) for s in group]
         return completion_response(req, self.name, self.tokenizer, prompts, seqs)
 
     async def complete_stream(self, request: Mapping[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """The same request as ``complete``, answered as ``text_completion`` chunks."""
-        from agentbolt.engine.streaming import stream_completion
-
-        req, prompts, params = self._prepare_completion(request)
+        req, prompts, params = self._prepare.completion(request)
         async for chunk in stream_completion(self, req, prompts, params):
             yield chunk
 
-    def _prepare_completion(
-        self, request: Mapping[str, Any]
-    ) -> tuple[CompletionRequest, list[tuple[str, list[int]]], list[SamplingParams]]:
-        req = parse_request(CompletionRequest, request)
-        self._check_model(req.model)
-        prompts = self._completion_prompts(req.prompt)
-        params = [
-            self._sampling(
-                req, len(ids), req.max_tokens, top=req.logprobs or 0, logprobs=req.logprobs is not None
-            )
-            for _, ids in prompts
-        ]
-        return req, prompts, params
-
     async def chat_stream(self, request: Mapping[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """The same request as ``chat``, answered as ``chat.completion.chunk`` dicts."""
-        from agentbolt.engine.streaming import stream_chat
-
-        req, prompt_ids, params = self._prepare_chat(request)
+        req, prompt_ids, params = self._prepare.chat(request)
         async for chunk in stream_chat(self, req, prompt_ids, params):
             yield chunk
-
-    def _prepare_chat(
-        self, request: Mapping[str, Any]
-    ) -> tuple[ChatCompletionRequest, list[int], SamplingParams]:
-        req = parse_request(ChatCompletionRequest, request)
-        self._check_model(req.model)
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        prompt_ids = render_chat_prompt(
-            self.tokenizer, messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs
-        )
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        params = self._sampling(
-            req, len(prompt_ids), max_tokens, top=req.top_logprobs or 0, logprobs=req.logprobs
-        )
-        return req, prompt_ids, params
-
-    def _check_model(self, model: str | None) -> None:
-        if self.config.strict_model_name and model is not None and model not in self._served_names:
-            served = ", ".join(sorted(self._served_names))
-            raise EngineRequestError(
-                f"The model `{model}` does not exist; this engine serves: {served}",
-                status_code=404,
-                param="model",
-                code="model_not_found",
-            )
-
-    def _sampling(
-        self, req, prompt_len: int, max_tokens: int | None, top: int, logprobs: bool
-    ) -> SamplingParams:
-        self._check_limits(req, prompt_len, max_tokens)
-        room = self.max_context - prompt_len
-        return SamplingParams(
-            max_tokens=max_tokens or min(room, self.config.default_max_tokens),
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            seed=req.seed,
-            stop=req.stop_list,
-            stop_token_ids=list(req.stop_token_ids or []),
-            ignore_eos=req.ignore_eos,
-            include_stop_str_in_output=req.include_stop_str_in_output,
-            top_logprobs=top,
-            logprobs=logprobs,
-        )
-
-    def _check_limits(self, req, prompt_len: int, max_tokens: int | None) -> None:
-        room = self.max_context - prompt_len
-        if room < 1:
-            raise EngineRequestError(
-                f"the prompt is {prompt_len} tokens; this model's context is {self.max_context} tokens",
-                param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
-                code="context_length_exceeded",
-            )
-        if max_tokens is not None and max_tokens > room:
-            raise EngineRequestError(
-                f"max_tokens={max_tokens} plus the {prompt_len}-token prompt exceeds the {self.max_context}-token context",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
-        if req.n > self.config.max_batch:
-            raise EngineRequestError(f"n must be at most {self.config.max_batch}", param="n")
-        vocab = len(self.tokenizer)
-        if any(not 0 <= t < vocab for t in req.stop_token_ids or []):
-            raise EngineRequestError(
-                "stop_token_ids holds ids outside the vocabulary", param="stop_token_ids"
-            )
-
-    def _completion_prompts(self, prompt: Any) -> list[tuple[str, list[int]]]:
-        if isinstance(prompt, str):
-            prompt = [prompt]
-        elif prompt and isinstance(prompt[0], int):
-            prompt = [prompt]
-        out = []
-        vocab = len(self.tokenizer)
-        for p in prompt:
-            if isinstance(p, str):
-                out.append((p, list(self.tokenizer(p)["input_ids"])))
-            elif not p or any(not 0 <= t < vocab for t in p):
-                raise EngineRequestError(
-                    "token prompts must be non-empty and inside the vocabulary", param="prompt"
-                )
-            else:
-                out.append((self.tokenizer.decode(p), list(p)))
-        return out
 
     def make_sequences(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[Sequence]:
         tok = self.tokenizer  # decode only (stop strings): safe from the engine thread
