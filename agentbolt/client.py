@@ -73,6 +73,8 @@ def _ssl_context() -> ssl.SSLContext:
 
 
 class _Base:
+    """What both clients hold: the server, the token they act with, the timeout and retries."""
+
     def __init__(
         self,
         url: str,

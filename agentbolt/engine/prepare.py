@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from agentbolt.engine.chat_format import render_chat_prompt
+from agentbolt.engine.config import EngineConfig
 from agentbolt.engine.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -21,52 +22,49 @@ __all__ = ["RequestPreparer"]
 
 
 class RequestPreparer:
-    """Prepares the requests of one engine: its tokenizer, context and limits."""
+    """Prepares the requests of one engine: its tokenizer and context; its limits come with
+    each request (the engine's :class:`EngineConfig` as it is then)."""
 
-    def __init__(
-        self,
-        tokenizer: Any,
-        max_context: int,
-        *,
-        max_batch: int,
-        default_max_tokens: int,
-        strict_model_name: bool,
-        served_names: set[str],
-    ) -> None:
+    def __init__(self, tokenizer: Any, max_context: int, served_names: set[str]) -> None:
         """``served_names``: the engine's own set (an adapter loaded later adds to it)."""
-        self.tokenizer, self.max_context = tokenizer, max_context
-        self.max_batch, self.default_max_tokens = max_batch, default_max_tokens
-        self.strict_model_name, self.served_names = strict_model_name, served_names
+        self.tokenizer, self.max_context, self.served_names = tokenizer, max_context, served_names
 
     def completion(
-        self, request: Mapping[str, Any]
+        self, request: Mapping[str, Any], config: EngineConfig
     ) -> tuple[CompletionRequest, list[tuple[str, list[int]]], list[SamplingParams]]:
         req = parse_request(CompletionRequest, request)
-        self._check_model(req.model)
+        self._check_model(req.model, config)
         prompts = self._completion_prompts(req.prompt)
         params = [
             self._sampling(
-                req, len(ids), req.max_tokens, top=req.logprobs or 0, logprobs=req.logprobs is not None
+                config,
+                req,
+                len(ids),
+                req.max_tokens,
+                top=req.logprobs or 0,
+                logprobs=req.logprobs is not None,
             )
             for _, ids in prompts
         ]
         return req, prompts, params
 
-    def chat(self, request: Mapping[str, Any]) -> tuple[ChatCompletionRequest, list[int], SamplingParams]:
+    def chat(
+        self, request: Mapping[str, Any], config: EngineConfig
+    ) -> tuple[ChatCompletionRequest, list[int], SamplingParams]:
         req = parse_request(ChatCompletionRequest, request)
-        self._check_model(req.model)
+        self._check_model(req.model, config)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         prompt_ids = render_chat_prompt(
             self.tokenizer, messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs
         )
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = self._sampling(
-            req, len(prompt_ids), max_tokens, top=req.top_logprobs or 0, logprobs=req.logprobs
+            config, req, len(prompt_ids), max_tokens, top=req.top_logprobs or 0, logprobs=req.logprobs
         )
         return req, prompt_ids, params
 
-    def _check_model(self, model: str | None) -> None:
-        if self.strict_model_name and model is not None and model not in self.served_names:
+    def _check_model(self, model: str | None, config: EngineConfig) -> None:
+        if config.strict_model_name and model is not None and model not in self.served_names:
             served = ", ".join(sorted(self.served_names))
             raise EngineRequestError(
                 f"The model `{model}` does not exist; this engine serves: {served}",
@@ -76,12 +74,12 @@ class RequestPreparer:
             )
 
     def _sampling(
-        self, req, prompt_len: int, max_tokens: int | None, top: int, logprobs: bool
+        self, config: EngineConfig, req, prompt_len: int, max_tokens: int | None, top: int, logprobs: bool
     ) -> SamplingParams:
-        self._check_limits(req, prompt_len, max_tokens)
+        self._check_limits(config, req, prompt_len, max_tokens)
         room = self.max_context - prompt_len
         return SamplingParams(
-            max_tokens=max_tokens or min(room, self.default_max_tokens),
+            max_tokens=max_tokens or min(room, config.default_max_tokens),
             temperature=req.temperature,
             top_p=req.top_p,
             top_k=req.top_k,
@@ -94,7 +92,7 @@ class RequestPreparer:
             logprobs=logprobs,
         )
 
-    def _check_limits(self, req, prompt_len: int, max_tokens: int | None) -> None:
+    def _check_limits(self, config: EngineConfig, req, prompt_len: int, max_tokens: int | None) -> None:
         room = self.max_context - prompt_len
         if room < 1:
             raise EngineRequestError(
@@ -108,8 +106,8 @@ class RequestPreparer:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-        if req.n > self.max_batch:
-            raise EngineRequestError(f"n must be at most {self.max_batch}", param="n")
+        if req.n > config.max_batch:
+            raise EngineRequestError(f"n must be at most {config.max_batch}", param="n")
         vocab = len(self.tokenizer)
         if any(not 0 <= t < vocab for t in req.stop_token_ids or []):
             raise EngineRequestError(

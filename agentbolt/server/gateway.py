@@ -189,18 +189,9 @@ class Gateway:
             if answer is not None:
                 return answer
             server, key = passed.upstream, passed.key  # where the pass-through went
-        if asked.untranslatable is not None:
-            error = openai_error(
-                str(asked.untranslatable), "invalid_request_error", param=asked.untranslatable.param
-            )
-            return json_answer(error, 400)
-        body = asked.body
-        if responses is not None and responses.get("previous_response_id") is not None:
-            try:
-                history = await self.responses.history(target, responses["previous_response_id"])
-            except Refused as exc:
-                return exc.response()
-            body = with_history(body, responses, history)
+        body = await self._chat_body(asked, target)
+        if isinstance(body, Response):
+            return body
         rejected = self.sender.rejected(server)
         payload, wants = prepare(
             asked.endpoint, body, "return_token_ids" not in rejected, "logprobs" not in rejected
@@ -222,6 +213,23 @@ class Gateway:
             upstream=server,
         )
         return await self._send(call, payload)
+
+    async def _chat_body(self, asked: _Asked, target: Target) -> dict[str, Any] | Response:
+        """The request to send; for a Responses call its chat form, with the history its
+        ``previous_response_id`` brings (or the 400 the call gets)."""
+        if asked.untranslatable is not None:
+            error = openai_error(
+                str(asked.untranslatable), "invalid_request_error", param=asked.untranslatable.param
+            )
+            return json_answer(error, 400)
+        responses = asked.responses
+        if responses is None or responses.get("previous_response_id") is None:
+            return asked.body
+        try:
+            history = await self.responses.history(target, responses["previous_response_id"])
+        except Refused as exc:
+            return exc.response()
+        return with_history(asked.body, responses, history)
 
     async def _send(self, call: ForwardedCall, payload: dict[str, Any]) -> Response:
         """Send the call and answer the agent: its answer (streamed as it came) or its error,
