@@ -12,7 +12,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from agentbolt.engine.engine import EngineConfig, ModelEngine
+    from agentbolt.engine.config import EngineConfig
+    from agentbolt.engine.engine import ModelEngine
     from agentbolt.engine.model_files import DEFAULT_MODEL, ModelNotFoundError, ensure_model
     from agentbolt.engine.protocol import EngineRequestError
     from agentbolt.engine.server import EngineServer, create_engine_app
@@ -32,7 +33,7 @@ __all__ = [
 
 _LAZY = {
     "DEFAULT_MODEL": "agentbolt.engine.model_files",
-    "EngineConfig": "agentbolt.engine.engine",
+    "EngineConfig": "agentbolt.engine.config",
     "EngineRequestError": "agentbolt.engine.protocol",
     "EngineServer": "agentbolt.engine.server",
     "ModelEngine": "agentbolt.engine.engine",

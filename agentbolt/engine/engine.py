@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -20,74 +20,20 @@ from typing import Any
 import torch
 
 from agentbolt.engine.batcher import Batcher
-from agentbolt.engine.chat_format import render_chat_prompt
+from agentbolt.engine.config import EngineConfig
 from agentbolt.engine.matmul import cpu_matmul_mode
 from agentbolt.engine.model_files import DEFAULT_MODEL, SMOLLM2_DIRNAME, ensure_model
-from agentbolt.engine.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    EngineRequestError,
-    parse_request,
-)
+from agentbolt.engine.prepare import RequestPreparer
+from agentbolt.engine.protocol import EngineRequestError
 from agentbolt.engine.responses import chat_response, completion_response
 from agentbolt.engine.sampling import SamplingParams
 from agentbolt.engine.sequence import Sequence
+from agentbolt.engine.streaming import stream_chat, stream_completion
 from agentbolt.engine.weights import WeightManager, load_tensors
 
 __all__ = ["EngineConfig", "ModelEngine"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    max_batch: int = 32
-    """Most sequences decoded together (the rest wait their turn)."""
-    max_context: int | None = None
-    """Longest prompt + completion; None: the model's max_position_embeddings, capped at 8192."""
-    default_max_tokens: int = 1024
-    """Completion length for chat requests that give no max_tokens."""
-    prefill_tokens: int = 4096
-    """Padded prompt tokens prefilled in one step (bounds the pause new requests cause)."""
-    drain_timeout_s: float = 60.0
-    """How long a weight update waits for running sequences to finish on the old weights."""
-    strict_model_name: bool = False
-    """Refuse requests whose `model` is not a served name (404) instead of serving them anyway."""
-    cpu_matmul: str = "auto"
-    """How a bfloat16 model on the CPU multiplies matrices: "native" (PyTorch's bfloat16 kernels),
-    "packed" (the same oneDNN kernels with weights packed once instead of at every product;
-    identical products, one more copy of the linear weights in memory; the q/k/v and gate/up
-    projections of a layer as one product each, see :mod:`agentbolt.engine.matmul`), "float32" (bfloat16 weights
-    converted block by block and multiplied in float32, result rounded to bfloat16; see
-    :mod:`agentbolt.engine.matmul`) or "auto": packed when the CPU has bfloat16 instructions
-    (AVX512-BF16/AMX), float32 when it lacks them, where PyTorch's bfloat16 kernels are 4-5x
-    slower. Other dtypes and devices ignore it."""
-    forward: str = "auto"
-    """Whose forward pass serves prefills and decode steps: "engine" (the engine's own for Llama
-    models, :mod:`agentbolt.engine.forward`: less per-step work outside the matrix products),
-    "transformers" (the model's own ``forward``) or "auto" (the default): the engine's where the
-    model is supported, transformers' otherwise (``stats()["forward"]`` says which,
-    ``"forward_note"`` why). Served by ``agentbolt model serve`` (32 chats x 64 tokens, SmolLM2,
-    bfloat16, quiet 2-core AVX512-BF16 machine, two runs of 3 and 4 rounds), the engine's own gave
-    342-508 tokens/s against 301-353 for transformers', faster in every round. It used to measure
-    slower served (0.84-0.96x) while faster step by step in one process: the server then ran the
-    engine's loop in a second thread, where OpenMP's workers are throttled
-    (:meth:`ModelEngine.run_here`) and the cheaper forward lost its lead."""
-    release_idle_memory: bool = True
-    """Hand the heap's free pages back to the system (glibc's ``malloc_trim``) each time the batch
-    empties: the freed key-value caches and activations otherwise stay mapped, and a long-running
-    server's memory follows the largest batches it ever served (figures at ``Batcher._idle``)."""
-    gather_s: float = 0.004
-    """An idle engine that receives a request waits until none has arrived for this long (at
-    most ten times it in all) before prefilling, so a burst of requests is prefilled together
-    rather than one request first (``Batcher.gather_s``); 0: start at once."""
-    kernels: bool = True
-    """Run the work around the matrix products in the engine's C kernels
-    (:mod:`agentbolt.engine.kernels`, built on first use with the system's C compiler) for a
-    bfloat16 or float32 model on the CPU: each step's logprobs and greedy tokens, and with the
-    engine's own forward a decode step's attention, RoPE and cache write, norms and activation.
-    PyTorch's ops otherwise, or where the kernels cannot be built (``stats()["attention"]`` says
-    which attention serves, ``"attention_note"`` why)."""
 
 
 class ModelEngine:
@@ -113,6 +59,7 @@ class ModelEngine:
         self._weights = WeightManager(model)
         self._update_lock = threading.Lock()
         self._served_names = {name}
+        self._prepare = RequestPreparer(tokenizer, self.max_context, self._served_names)
         self._batcher = Batcher(
             model,
             self.eos_ids,
@@ -153,8 +100,9 @@ class ModelEngine:
         path = ensure_model(path_or_name, allow_download=allow_download)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype))
-        model.to(device)  # type: ignore[arg-type]
+        # typed as the module it is used as: transformers' own ``to`` is typed through a wrapper
+        model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype))
+        model.to(device)
         served = name or (SMOLLM2_DIRNAME if path.name == SMOLLM2_DIRNAME else Path(path).name)
         return cls(model, tokenizer, name=served, config=EngineConfig(**config))
 
@@ -253,130 +201,28 @@ class ModelEngine:
     # ---------------------------------------------------------------- requests
     async def chat(self, request: Mapping[str, Any]) -> dict[str, Any]:
         """Answer an OpenAI ``/v1/chat/completions`` body (``stream`` is ignored here)."""
-        req, prompt_ids, params = self._prepare_chat(request)
+        req, prompt_ids, params = self._prepare.chat(request, self.config)
         seqs = await self._generate(prompt_ids, params, req.n)
         return chat_response(req, self.name, self.tokenizer, prompt_ids, seqs)
 
     async def complete(self, request: Mapping[str, Any]) -> dict[str, Any]:
         """Answer an OpenAI ``/v1/completions`` body (``stream`` is ignored here)."""
-        req, prompts, params = self._prepare_completion(request)
+        req, prompts, params = self._prepare.completion(request, self.config)
         runs = [self._generate(ids, p, req.n) for (_, ids), p in zip(prompts, params, strict=True)]
         seqs = [s for group in await asyncio.gather(*runs) for s in group]
         return completion_response(req, self.name, self.tokenizer, prompts, seqs)
 
     async def complete_stream(self, request: Mapping[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """The same request as ``complete``, answered as ``text_completion`` chunks."""
-        from agentbolt.engine.streaming import stream_completion
-
-        req, prompts, params = self._prepare_completion(request)
+        req, prompts, params = self._prepare.completion(request, self.config)
         async for chunk in stream_completion(self, req, prompts, params):
             yield chunk
 
-    def _prepare_completion(
-        self, request: Mapping[str, Any]
-    ) -> tuple[CompletionRequest, list[tuple[str, list[int]]], list[SamplingParams]]:
-        req = parse_request(CompletionRequest, request)
-        self._check_model(req.model)
-        prompts = self._completion_prompts(req.prompt)
-        params = [
-            self._sampling(
-                req, len(ids), req.max_tokens, top=req.logprobs or 0, logprobs=req.logprobs is not None
-            )
-            for _, ids in prompts
-        ]
-        return req, prompts, params
-
     async def chat_stream(self, request: Mapping[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """The same request as ``chat``, answered as ``chat.completion.chunk`` dicts."""
-        from agentbolt.engine.streaming import stream_chat
-
-        req, prompt_ids, params = self._prepare_chat(request)
+        req, prompt_ids, params = self._prepare.chat(request, self.config)
         async for chunk in stream_chat(self, req, prompt_ids, params):
             yield chunk
-
-    def _prepare_chat(
-        self, request: Mapping[str, Any]
-    ) -> tuple[ChatCompletionRequest, list[int], SamplingParams]:
-        req = parse_request(ChatCompletionRequest, request)
-        self._check_model(req.model)
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        prompt_ids = render_chat_prompt(
-            self.tokenizer, messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs
-        )
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        params = self._sampling(
-            req, len(prompt_ids), max_tokens, top=req.top_logprobs or 0, logprobs=req.logprobs
-        )
-        return req, prompt_ids, params
-
-    def _check_model(self, model: str | None) -> None:
-        if self.config.strict_model_name and model is not None and model not in self._served_names:
-            served = ", ".join(sorted(self._served_names))
-            raise EngineRequestError(
-                f"The model `{model}` does not exist; this engine serves: {served}",
-                status_code=404,
-                param="model",
-                code="model_not_found",
-            )
-
-    def _sampling(
-        self, req, prompt_len: int, max_tokens: int | None, top: int, logprobs: bool
-    ) -> SamplingParams:
-        self._check_limits(req, prompt_len, max_tokens)
-        room = self.max_context - prompt_len
-        return SamplingParams(
-            max_tokens=max_tokens or min(room, self.config.default_max_tokens),
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            seed=req.seed,
-            stop=req.stop_list,
-            stop_token_ids=list(req.stop_token_ids or []),
-            ignore_eos=req.ignore_eos,
-            include_stop_str_in_output=req.include_stop_str_in_output,
-            top_logprobs=top,
-            logprobs=logprobs,
-        )
-
-    def _check_limits(self, req, prompt_len: int, max_tokens: int | None) -> None:
-        room = self.max_context - prompt_len
-        if room < 1:
-            raise EngineRequestError(
-                f"the prompt is {prompt_len} tokens; this model's context is {self.max_context} tokens",
-                param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
-                code="context_length_exceeded",
-            )
-        if max_tokens is not None and max_tokens > room:
-            raise EngineRequestError(
-                f"max_tokens={max_tokens} plus the {prompt_len}-token prompt exceeds the {self.max_context}-token context",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
-        if req.n > self.config.max_batch:
-            raise EngineRequestError(f"n must be at most {self.config.max_batch}", param="n")
-        vocab = len(self.tokenizer)
-        if any(not 0 <= t < vocab for t in req.stop_token_ids or []):
-            raise EngineRequestError(
-                "stop_token_ids holds ids outside the vocabulary", param="stop_token_ids"
-            )
-
-    def _completion_prompts(self, prompt: Any) -> list[tuple[str, list[int]]]:
-        if isinstance(prompt, str):
-            prompt = [prompt]
-        elif prompt and isinstance(prompt[0], int):
-            prompt = [prompt]
-        out = []
-        vocab = len(self.tokenizer)
-        for p in prompt:
-            if isinstance(p, str):
-                out.append((p, list(self.tokenizer(p)["input_ids"])))
-            elif not p or any(not 0 <= t < vocab for t in p):
-                raise EngineRequestError(
-                    "token prompts must be non-empty and inside the vocabulary", param="prompt"
-                )
-            else:
-                out.append((self.tokenizer.decode(p), list(p)))
-        return out
 
     def make_sequences(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[Sequence]:
         tok = self.tokenizer  # decode only (stop strings): safe from the engine thread

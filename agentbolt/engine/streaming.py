@@ -14,17 +14,30 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from agentbolt.engine.protocol import ChatCompletionRequest, CompletionRequest
 from agentbolt.engine.responses import chat_logprobs, chat_message, completion_logprobs, usage
 from agentbolt.engine.sampling import SamplingParams
 from agentbolt.engine.sequence import Sequence
 
-if TYPE_CHECKING:
-    from agentbolt.engine.engine import ModelEngine
+__all__ = ["Generator", "stream_chat", "stream_completion"]
 
-__all__ = ["stream_chat", "stream_completion"]
+
+class Generator(Protocol):
+    """What a stream needs of the engine (:class:`~agentbolt.engine.engine.ModelEngine`): its
+    served name and weights version for the chunks, its tokenizer for logprobs, and a way to
+    make and submit sequences."""
+
+    name: str
+    tokenizer: Any
+
+    @property
+    def version(self) -> int | str: ...
+
+    def make_sequences(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[Sequence]: ...
+
+    def submit(self, seqs: list[Sequence]) -> None: ...
 
 
 class _Choice:
@@ -34,7 +47,7 @@ class _Choice:
 
 
 async def stream_chat(
-    engine: ModelEngine, req: ChatCompletionRequest, prompt_ids: list[int], params: SamplingParams
+    engine: Generator, req: ChatCompletionRequest, prompt_ids: list[int], params: SamplingParams
 ) -> AsyncIterator[dict[str, Any]]:
     head = {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
@@ -62,7 +75,7 @@ async def stream_chat(
 
 
 async def stream_completion(
-    engine: ModelEngine,
+    engine: Generator,
     req: CompletionRequest,
     prompts: list[tuple[str, list[int]]],
     params: list[SamplingParams],
@@ -105,7 +118,7 @@ async def stream_completion(
 
 
 async def _stream(
-    engine: ModelEngine,
+    engine: Generator,
     head: dict[str, Any],
     groups: list[list[Sequence]],
     opening: Callable[[_Choice], dict[str, Any]],
@@ -140,7 +153,7 @@ async def _stream(
 
 
 def _text_chunk(
-    engine: ModelEngine, req: CompletionRequest, choice: _Choice, final: bool, with_ids: bool
+    engine: Generator, req: CompletionRequest, choice: _Choice, final: bool, with_ids: bool
 ) -> dict[str, Any] | None:
     seq = choice.seq
     if seq.error is not None:
@@ -167,7 +180,7 @@ def _text_chunk(
 
 
 def _chunk(
-    engine: ModelEngine, req: ChatCompletionRequest, choice: _Choice, final: bool
+    engine: Generator, req: ChatCompletionRequest, choice: _Choice, final: bool
 ) -> dict[str, Any] | None:
     seq = choice.seq
     if seq.error is not None:

@@ -2,8 +2,9 @@
 
 Routes are thin: parse, call the store, serialise. One module per resource under
 :mod:`agentbolt.server.routes` builds each router; this module puts them together with the
-error handlers, the middleware (auth, body limit, the gateway's fast path, CORS when asked) and
-the lease sweep that runs while the app does.
+error handlers, the one middleware chain every request goes through (CORS when asked, body
+limit, auth, the fast paths of the gateway's and the runner's POSTs) and the lease sweep that
+runs while the app does.
 """
 
 from __future__ import annotations
@@ -82,42 +83,35 @@ def create_app(config: ServerConfig | None = None, store: SqlStore | None = None
     install_error_handlers(app)
     _include_routes(app, call, wake, gateway, config, issued)
     document(app, auth=bool(config.tokens))
-    _add_middleware(app, gateway, call, wake, config, issued)
-    if not config.cors_origins:  # with CORS, every request takes the whole stack
-        app.front = _front(app, gateway, call, wake, config, issued)
+    app.chain = _chain(app, gateway, call, wake, config, issued)
     return app
 
 
-# the POSTs the fast paths serve (the gateway's; the runner's dequeue, events and finish)
-_FAST = ("/gateway/", "/api/dequeue", "/api/attempts/")
+# the POSTs the fast paths serve, past auth: the gateway's, and the runner's dequeue, events
+# and finish (each fast path passes on what it does not serve)
+_GATEWAY, _RUNNER = "/gateway/", ("/api/dequeue", "/api/attempts/")
+_IN_STACK = "agentbolt.in_stack"  # scope key: the request reached Starlette's own stack
 
 
 class _App(FastAPI):
-    """The app, with the hot POSTs (``_FAST``) taken in front of Starlette's middleware stack:
-    the same body limit, auth and fast paths as in the stack, without the layers between
-    (error, telemetry and body-limit middleware, each a coroutine per request). What a fast
-    path passes on (a body FastAPI should answer) takes the whole stack."""
+    """The app: every HTTP request goes through one middleware chain (:func:`_chain`), whose
+    innermost step hands what no fast path serves to Starlette's stack (:meth:`stack`: its
+    error handling and the router, no middleware of its own)."""
 
-    front: Any = None
+    chain: Any = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if self.front is None or scope["type"] != "http" or scope["method"] != "POST":
-            return await super().__call__(scope, receive, send)
-        if not scope["path"].startswith(_FAST):
+        if self.chain is None or scope["type"] != "http":
             return await super().__call__(scope, receive, send)
         scope["app"] = self
-        try:
-            await self.front(scope, receive, send)
-        except Exception:  # as the stack's error middleware does (a started answer: uvicorn's)
-            log.exception("unhandled error on %s %s", scope["method"], scope["path"])
-            answer = error_response(500, "internal server error (see the server log)", "internal_error")
-            await answer(scope, receive, send)
+        await self.chain(scope, receive, send)
 
     async def stack(self, scope: Any, receive: Any, send: Any) -> None:
+        scope[_IN_STACK] = True
         await super().__call__(scope, receive, send)
 
 
-def _front(
+def _chain(
     app: _App,
     gateway: Gateway,
     call: StoreCaller,
@@ -125,18 +119,48 @@ def _front(
     config: ServerConfig,
     issued: IssuedCredentials,
 ) -> Any:
-    """The middleware of ``_add_middleware``, in the same order, over the whole stack; past
-    auth, a gateway call goes straight to the gateway's fast path and any other to the
-    runner's (neither serves the other's paths, so neither need pass them on)."""
+    """The one chain, outermost first: CORS (only when ``cors_origins`` names origins), the
+    500 answer to an unhandled error, the body limit, auth, then a gateway POST to the
+    gateway's fast path, a runner POST to the runner's and anything else to the stack, so
+    every route is limited and authenticated alike. The fast paths sit in front of FastAPI's
+    routing because routing costs more than the rest of such a call."""
     runner: Any = runner_fast.RunnerFastPath(app.stack, call=call, wake=wake)
     gateway_path: Any = gateway_routes.GatewayFastPath(app.stack, gateway=gateway)
 
-    async def either(scope: Any, receive: Any, send: Any) -> None:
-        fast = gateway_path if scope["path"].startswith("/gateway/") else runner
-        await fast(scope, receive, send)
+    async def route(scope: Any, receive: Any, send: Any) -> None:
+        if scope["method"] == "POST":
+            path = scope["path"]
+            if path.startswith(_GATEWAY):
+                return await gateway_path(scope, receive, send)
+            if path.startswith(_RUNNER):
+                return await runner(scope, receive, send)
+        await app.stack(scope, receive, send)
 
-    auth = AuthMiddleware(either, **_auth_settings(gateway, config, issued))
-    return BodyLimitMiddleware(auth, max_bytes=config.max_body_bytes)
+    auth = AuthMiddleware(route, **_auth_settings(gateway, config, issued))
+    chain: Any = _Unhandled(BodyLimitMiddleware(auth, max_bytes=config.max_body_bytes))
+    if config.cors_origins:
+        chain = CORSMiddleware(
+            chain, allow_origins=list(config.cors_origins), allow_headers=["*"], allow_methods=["*"]
+        )
+    return chain
+
+
+class _Unhandled:
+    """An error the stack did not answer (one from auth or a fast path) is logged and
+    answered 500, as the stack's own error middleware answers the rest."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await self.app(scope, receive, send)
+        except Exception:
+            if scope.get(_IN_STACK):  # the stack's error middleware answered and logged it
+                raise
+            log.exception("unhandled error on %s %s", scope["method"], scope["path"])
+            answer = error_response(500, "internal server error (see the server log)", "internal_error")
+            await answer(scope, receive, send)  # a started answer: uvicorn's
 
 
 def _auth_settings(gateway: Gateway, config: ServerConfig, issued: IssuedCredentials) -> dict[str, Any]:
@@ -179,27 +203,6 @@ def _include_routes(
     app.state.routes = [route for router in routers for route in router.routes]  # for 405 answers
     if config.dashboard:
         app.mount("/static", dashboard.static_files(), name="static")
-
-
-def _add_middleware(
-    app: FastAPI,
-    gateway: Gateway,
-    call: StoreCaller,
-    wake: WakeUp,
-    config: ServerConfig,
-    issued: IssuedCredentials,
-) -> None:
-    """Innermost first: a request passes CORS, the body limit, auth, then the fast paths of
-    the runner's calls and the gateway's, so those are limited and authenticated like every
-    route."""
-    app.add_middleware(runner_fast.RunnerFastPath, call=call, wake=wake)
-    app.add_middleware(gateway_routes.GatewayFastPath, gateway=gateway)
-    app.add_middleware(AuthMiddleware, **_auth_settings(gateway, config, issued))
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
-    if config.cors_origins:
-        app.add_middleware(
-            CORSMiddleware, allow_origins=list(config.cors_origins), allow_headers=["*"], allow_methods=["*"]
-        )
 
 
 async def _sweep(call: StoreCaller, wake: WakeUp, interval: float) -> None:

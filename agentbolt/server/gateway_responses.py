@@ -6,10 +6,9 @@ through to an upstream that serves ``/responses``, and the conversation behind a
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import httpx
@@ -18,13 +17,13 @@ from fastapi.responses import Response, StreamingResponse
 
 from agentbolt.schemas import EventType
 from agentbolt.server.gateway_call import ForwardedCall, Refused, Target, json_answer, with_call_id
+from agentbolt.server.gateway_record import CallRecorder
+from agentbolt.server.gateway_send import UpstreamSender
 from agentbolt.server.openai_format import RESPONSES, Wants, openai_error
 from agentbolt.server.responses import Untranslatable, chat_choice, chat_usage, history_of, to_chat
+from agentbolt.server.store_caller import StoreCaller
 
-if TYPE_CHECKING:
-    from agentbolt.server.gateway import Gateway
-
-__all__ = ["PASSED", "ResponsesUpstream", "chat_for", "sse"]
+__all__ = ["PASSED", "ResponsesUpstream", "chat_for"]
 
 log = logging.getLogger("agentbolt.gateway")
 
@@ -36,8 +35,8 @@ class ResponsesUpstream:
     """Which upstreams serve ``/responses`` (learnt from their first answer), the calls passed
     to them, and the stored conversations of translated calls."""
 
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
+    def __init__(self, sender: UpstreamSender, recorder: CallRecorder, call: StoreCaller) -> None:
+        self.sender, self.recorder, self.call = sender, recorder, call
         self.serves: dict[str, bool] = {}  # base URL -> whether it has /responses
 
     def may_serve(self, base_url: str) -> bool:
@@ -47,28 +46,22 @@ class ResponsesUpstream:
         """Send a Responses call as it is to an upstream that serves /responses; ``None`` when
         it has none (a 404 or 405, remembered): the call is then translated."""
         try:
-            upstream = await self.gateway._send(
-                functools.partial(self.gateway._upstream_request, call, call.request), call
-            )
-        except httpx.TimeoutException as exc:
-            return await self.gateway._failed(
-                call, 504, "upstream_timeout", f"the model server timed out ({type(exc).__name__})"
-            )
+            upstream = await self.sender.send_as_is(call)
         except httpx.HTTPError as exc:
-            return await self.gateway._unreachable(call, exc)
+            return await self.recorder.unsent(call, exc)
         base = call.upstream  # the server that answered (another one when the first sent nothing)
         if upstream.status_code in (404, 405):
             await upstream.aclose()
             if base not in self.serves:
                 log.info(
                     "model server %s has no /responses: Responses calls are translated",
-                    self.gateway.upstreams.public(base),
+                    self.sender.upstreams.public(base),
                 )
             self.serves[base] = False
             return None
         self.serves[base] = True
         if upstream.status_code >= 400:
-            return await self.gateway._upstream_error(call, upstream)
+            return await self.recorder.upstream_error(call, upstream)
         if call.request.get("stream"):
             return StreamingResponse(
                 self._relay(call, upstream),
@@ -78,14 +71,8 @@ class ResponsesUpstream:
         try:
             full = orjson.loads(await upstream.aread())
         except (orjson.JSONDecodeError, httpx.HTTPError) as exc:
-            return await self.gateway._failed(
-                call,
-                502,
-                "upstream_invalid_response",
-                f"unreadable model server answer: {exc}",
-                upstream.status_code,
-            )
-        call_id = await self.gateway._record(call, self._data(call, upstream.status_code, full))
+            return await self.recorder.unreadable(call, exc, upstream.status_code)
+        call_id = await self.recorder.record(call, self._data(call, upstream.status_code, full))
         return json_answer(full, upstream.status_code, call_id)
 
     async def _relay(self, call: ForwardedCall, upstream: httpx.Response) -> AsyncIterator[bytes]:
@@ -103,7 +90,7 @@ class ResponsesUpstream:
                             if isinstance(final, dict):
                                 recorded = True
                                 with anyio.CancelScope(shield=True):
-                                    call_id = await self.gateway._record(
+                                    call_id = await self.recorder.record(
                                         call, self._data(call, upstream.status_code, final)
                                     )
                                 event = {**event, "response": with_call_id(final, call_id)}
@@ -114,13 +101,13 @@ class ResponsesUpstream:
                 await upstream.aclose()
                 if not recorded:
                     error = openai_error("the stream ended without a final response", "upstream_stream_error")
-                    await self.gateway._record(
-                        call, self.gateway._error_data(call, upstream.status_code, error)
+                    await self.recorder.record(
+                        call, self.recorder.error_data(call, upstream.status_code, error)
                     )
 
     def _data(self, call: ForwardedCall, status: int, full: dict[str, Any]) -> dict[str, Any]:
         """The record of a passed-through answer: text-only unless the upstream sent ids."""
-        data = self.gateway._base_data(call, status, full)
+        data = self.recorder.base_data(call, status, full)
         choice = chat_choice(full)
         data.update(
             prompt_token_ids=full.get("prompt_token_ids"),
@@ -136,8 +123,8 @@ class ResponsesUpstream:
         call: the state lives in the store, so any replica can continue it."""
         found, cursor = None, None
         while True:
-            page = await self.gateway.call(
-                self.gateway.store.list_events,
+            page = await self.call(
+                self.call.store.list_events,
                 attempt_id=target.attempt_id,
                 types=[EventType.LLM_CALL.value],
                 limit=500,
@@ -169,8 +156,3 @@ def chat_for(body: dict[str, Any]) -> dict[str, Any]:
     if body.get("stream"):
         chat["stream"] = True
     return chat
-
-
-def sse(events: list[dict[str, Any]]) -> bytes:
-    """Responses events as server-sent events (named, as OpenAI sends them)."""
-    return b"".join(b"event: " + e["type"].encode() + b"\ndata: " + orjson.dumps(e) + b"\n\n" for e in events)

@@ -21,14 +21,10 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
-
-if TYPE_CHECKING:
-    from agentbolt.server.gateway import Gateway
 
 __all__ = ["Upstreams", "public_url", "rank_servers"]
 
@@ -61,8 +57,10 @@ class Upstreams:
     probe_timeout = 2.0
     forget_after = 600.0  # stop probing (and forget) a server no attempt was given for this long
 
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
+    def __init__(self, status_of: Callable[[str, float], Awaitable[int]]) -> None:
+        """``status_of(url, timeout)``: the status of ``GET url``, through the gateway's
+        connections (raises ``httpx.HTTPError`` or ``OSError`` where none came in time)."""
+        self._status_of = status_of
         self.down: dict[str, float] = {}  # URL -> since when (monotonic); read on every call
         self._watched: dict[str, float] = {}  # URL -> when an attempt was last given it
         self._task: asyncio.Task[None] | None = None
@@ -104,18 +102,8 @@ class Upstreams:
 
     async def probe(self, url: str) -> bool:
         """Whether the server answers ``GET {url}/models`` (any status below 500) in time."""
-        timeout = self.probe_timeout
-        target = httpx.URL(f"{url.rstrip('/')}/models")
         try:
-            if target.scheme == "http" and self.gateway._mounts is not None:
-                timeouts = {"connect": timeout, "read": timeout, "write": timeout, "pool": timeout}
-                origin = (target.host, target.port or 80)
-                answer = await self.gateway._h1.request(
-                    "GET", origin, target.raw_path, [(b"accept", b"application/json")], b"", timeouts
-                )
-                return answer.status_code < 500
-            response = await self.gateway.http.get(target, timeout=timeout)
-            return response.status_code < 500
+            return await self._status_of(f"{url.rstrip('/')}/models", self.probe_timeout) < 500
         except (httpx.HTTPError, OSError):
             return False
 

@@ -103,7 +103,7 @@ class ServerThread:
         self.config = config
         self.app = create_app(config, store=store)
         self._server = uvicorn.Server(_uvicorn_config(self.app, config, log_level))
-        self._server.install_signal_handlers = lambda: None  # type: ignore[attr-defined,method-assign]
+        # no signal handlers to keep off: uvicorn installs them only from the main thread
         self._thread = threading.Thread(target=self._server.run, name="agentbolt-server", daemon=True)
 
     @property

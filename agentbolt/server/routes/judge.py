@@ -21,8 +21,9 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import Response
 
 from agentbolt.evaluators.model import UPSTREAM_HEADER
-from agentbolt.server.gateway import Gateway, upstream_error_body
+from agentbolt.server.gateway import Gateway
 from agentbolt.server.gateway_call import json_answer
+from agentbolt.server.gateway_record import upstream_error_body
 from agentbolt.server.openai_format import CHAT, REQUEST_SCHEMAS, check_request, openai_error
 
 __all__ = ["router"]
