@@ -167,7 +167,7 @@ class _Pool:
         entry = (origin, waiter)
         self.waiters.append(entry)
         try:
-            return await _within(timeout, waiter, request, httpx.PoolTimeout)  # type: ignore[no-any-return]
+            return await _within(timeout, waiter, request, httpx.PoolTimeout)
         except BaseException:
             if waiter.done() and not waiter.cancelled():
                 self._pass_on(waiter.result())  # handed over just as this caller gave up
@@ -289,8 +289,8 @@ class _Body(httpx.AsyncByteStream):
 
     async def _read(self, awaitable: Any) -> bytes:
         if self.timeout is None:
-            return await awaitable  # type: ignore[no-any-return]
-        return await _within(self.timeout, awaitable, self.request, httpx.ReadTimeout)  # type: ignore[no-any-return]
+            return await awaitable
+        return await _within(self.timeout, awaitable, self.request, httpx.ReadTimeout)
 
     async def aclose(self) -> None:
         if self.conn is None:
@@ -364,7 +364,7 @@ class Http1Transport(httpx.AsyncBaseTransport):
             return await self._whole(origin, payload, method, resend, timeouts)
         # one deadline for the whole answer rather than one per read (each costs a timer)
         exchange = self._whole(origin, payload, method, resend, {**timeouts, "read": None})
-        return await _within(read, exchange, None, httpx.ReadTimeout)  # type: ignore[no-any-return]
+        return await _within(read, exchange, None, httpx.ReadTimeout)
 
     async def _whole(
         self, origin: Origin, payload: bytes, method: str, resendable: bool, timeouts: dict[str, Any]

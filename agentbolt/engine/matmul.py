@@ -267,7 +267,7 @@ class PackedMatmul(TorchFunctionMode):
                 w._agentbolt_packed_by = weakref.ref(self)  # type: ignore[attr-defined]
         return [w.data_ptr() for w in weights]
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _LINEAR:
             x, weight, bias = _linear_args(args, kwargs)
@@ -386,7 +386,7 @@ class Float32Matmul(TorchFunctionMode):
         self._scratch = torch.empty(0)
         self._scratch_elements = scratch_elements
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _LINEAR:
             x, weight, bias = _linear_args(args, kwargs)

@@ -17,7 +17,7 @@ def open_store(url: str = ":memory:", lease_seconds: float | None = None) -> Sql
     ``postgresql://...`` (needs the PostgreSQL backend)."""
     kwargs = {"lease_seconds": lease_seconds} if lease_seconds else {}
     if url.startswith(("postgresql://", "postgres://")):
-        from agentbolt.store.postgres import PostgresDatabase  # type: ignore[import-not-found]
+        from agentbolt.store.postgres import PostgresDatabase
 
         return SqlStore(PostgresDatabase(url), **kwargs)
     path = url.removeprefix("sqlite:///").removeprefix("sqlite://") or ":memory:"
