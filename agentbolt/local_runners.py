@@ -445,12 +445,12 @@ class LocalRunners:
 
     def stop(self, grace: float = 15.0, urgent: bool = False) -> None:
         """SIGTERM: each runner stops claiming and gets its own grace for running rollouts;
-        ``urgent`` (the Trainer was stopped by a signal) sends a second one, so they release
+        ``urgent`` (the Trainer was stopped by a signal) sends a second signal, so they release
         their attempts at once, and waits at most :data:`URGENT_GRACE` seconds. Then SIGKILL."""
         for child in self.children:
             child.signal(signal.SIGTERM)
-            if urgent:
-                child.signal(signal.SIGTERM)
+            if urgent:  # another signal: two SIGTERMs sent at once may arrive as one
+                child.signal(signal.SIGINT)
         deadline = time.monotonic() + (min(grace, URGENT_GRACE) if urgent else grace)
         for child in self.children:
             child.wait(max(0.1, deadline - time.monotonic()))
