@@ -10,6 +10,7 @@ program prints a line there, which must show once.
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -243,4 +244,41 @@ def test_runner_processes_end_with_the_trainer(tmp_path: Path, sig: signal.Signa
         for pid in [proc.pid, *started]:
             if not _gone(pid):
                 os.kill(pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+SERVER_PROCESS = """
+import time
+
+from agentbolt.server import ServerConfig, ServerProcess
+
+server = ServerProcess(ServerConfig(db=":memory:")).start()
+print("server", server.process.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_server_process_ends_with_its_parent(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVER_PROCESS], cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    pid = 0
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("server "), line
+        pid = int(line.split()[1])
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while not _gone(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _gone(pid)
+        # end of file: no child holds the parent's stdout
+        assert select.select([proc.stdout], [], [], 5)[0] and proc.stdout.read() == ""
+    finally:
+        if not _gone(pid):
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
         proc.wait(10)
