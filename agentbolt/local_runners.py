@@ -130,8 +130,8 @@ def _hints_resolved(agent: LitAgent) -> LitAgent:
     fn = getattr(agent, "fn", None)
     if type(agent) is not FunctionAgent or not isinstance(fn, types.FunctionType):
         return agent
-    if not any(isinstance(a, str) for a in fn.__annotations__.values()):
-        return agent
+    if not any(isinstance(a, str) for a in fn.__annotations__.values()) or _global_of(fn):
+        return agent  # nothing to resolve, or sent by reference (its module imported there)
     try:
         hints = typing.get_type_hints(fn, include_extras=True)
     except Exception:  # noqa: BLE001 - a name the parent cannot resolve either: sent as it is
@@ -147,14 +147,23 @@ def _hints_resolved(agent: LitAgent) -> LitAgent:
 def _by_name(agent: LitAgent) -> _AgentByName | None:
     """``agent`` as a global's name, when it is one of a module other than ``__main__``."""
     module, qualname = getattr(agent, "__module__", None), vars(agent).get("__qualname__")
+    return _AgentByName(module, qualname) if _global_of(agent) else None  # type: ignore[arg-type]
+
+
+def _global_of(obj: Any) -> bool:
+    """Whether ``obj`` is what its ``__module__`` and ``__qualname__`` name, in a module other
+    than ``__main__`` that a fresh interpreter can import."""
+    module = getattr(obj, "__module__", None)
+    qualname = vars(obj).get("__qualname__") if hasattr(obj, "__dict__") else None
+    qualname = qualname or getattr(obj, "__qualname__", None)
     if not isinstance(module, str) or not isinstance(qualname, str) or "<locals>" in qualname:
-        return None
+        return False
     if module == "__main__" or not _importable(module):
-        return None
-    obj: Any = sys.modules.get(module)
+        return False
+    found: Any = sys.modules.get(module)
     for part in qualname.split("."):
-        obj = getattr(obj, part, None)
-    return _AgentByName(module, qualname) if obj is agent else None
+        found = getattr(found, part, None)
+    return found is obj
 
 
 def _modules_of(data: bytes) -> set[str]:

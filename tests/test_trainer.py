@@ -195,6 +195,21 @@ def test_an_agent_loaded_from_a_file_path_is_sent_where_runners_cannot_import_it
     assert method == "subprocess" and pickle.loads(payload) == _AgentByName("file_agent_mod", "agent")
 
 
+def _plain(task: Task) -> float:
+    return 1.0
+
+
+renamed = rollout(_plain)  # a global under another name than its function's
+
+
+def test_a_function_of_an_importable_module_is_sent_by_reference() -> None:
+    """Its module is imported in the runner (its other globals, a client, need not pickle)."""
+    from agentbolt.local_runners import how_to_start
+
+    method, payload = how_to_start(renamed)
+    assert method == "subprocess" and pickle.loads(payload).fn is _plain
+
+
 def test_an_agent_of_the_main_script_is_sent_by_value(monkeypatch: pytest.MonkeyPatch) -> None:
     """A runner is never handed the user's main module to import (a script without an ``if
     __name__ == "__main__":`` guard would train again there): what the agent needs of
