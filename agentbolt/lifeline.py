@@ -13,6 +13,9 @@ parent's terminal output open. Two safeguards, both set up by the child:
   watchdog thread cannot run. The kernel sends it when the *thread* that started the child
   ends: only for children whose starting thread outlives them (the Trainer's runners, started
   and stopped by the thread in ``fit``).
+
+The parent's side, :func:`stop_on_signals`: SIGTERM and SIGHUP, which would end it at once,
+become an exception, so that it stops its children first, as Ctrl-C does.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["die_with_parent", "watch_pipe", "watch_sentinel"]
+__all__ = ["die_with_parent", "stop_on_signals", "stopped_by_signal", "watch_pipe", "watch_sentinel"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -71,3 +75,47 @@ def watch_sentinel() -> None:
         os._exit(1)
 
     threading.Thread(target=wait, name="agentbolt-lifeline", daemon=True).start()
+
+
+class _Stopped(BaseException):
+    """Raised in the main thread by a SIGTERM or SIGHUP while :func:`stop_on_signals` is active."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """Turn SIGTERM and SIGHUP into an exception in the main thread (where they would kill the
+    process at once), so the ``finally`` of the block stops what it started; afterwards the
+    signal is raised again with its default action, and the process ends as it would have.
+    Signals with a handler of the program's own, and other threads, are left alone; SIGINT
+    already raises KeyboardInterrupt."""
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for name in ("SIGTERM", "SIGHUP"):
+            sig = getattr(signal, name, None)
+            if sig is not None and signal.getsignal(sig) == signal.SIG_DFL:
+                previous[sig] = signal.signal(sig, _raise_stopped)
+    try:
+        yield
+    except _Stopped as stopped:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        previous.clear()
+        signal.raise_signal(stopped.signum)
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _raise_stopped(signum: int, frame: Any) -> None:
+    signal.signal(signum, signal.SIG_IGN)  # once: a second one must not cut the cleanup short
+    raise _Stopped(signum)
+
+
+def stopped_by_signal(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (the exception leaving ``fit``) is a stop asked by a signal."""
+    return isinstance(exc, _Stopped | KeyboardInterrupt)

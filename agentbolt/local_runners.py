@@ -35,7 +35,7 @@ import threading
 import time
 import types
 import typing
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,7 +44,7 @@ from agentbolt.errors import ConfigError
 from agentbolt.lifeline import die_with_parent, watch_pipe
 from agentbolt.runner.agent import FunctionAgent, LitAgent, as_agent
 
-__all__ = ["LocalRunners", "child_main", "how_to_start", "stop_on_signals"]
+__all__ = ["LocalRunners", "child_main", "how_to_start"]
 
 log = logging.getLogger("agentbolt.trainer")
 
@@ -489,47 +489,3 @@ def _send(proc: subprocess.Popen[bytes], data: bytes) -> None:
 def _interpreter_flags() -> list[str]:
     """This interpreter's options (``-X``, ``-W``, ``-O``...), as multiprocessing passes them."""
     return list(subprocess._args_from_interpreter_flags())  # type: ignore[attr-defined]
-
-
-class _Stopped(BaseException):
-    """Raised in the main thread by a SIGTERM or SIGHUP while :func:`stop_on_signals` is active."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-@contextlib.contextmanager
-def stop_on_signals() -> Iterator[None]:
-    """Turn SIGTERM and SIGHUP into an exception in the main thread (where they would kill the
-    process at once), so the ``finally`` of the block stops what it started; afterwards the
-    signal is raised again with its default action, and the process ends as it would have.
-    Signals with a handler of the program's own, and other threads, are left alone; SIGINT
-    already raises KeyboardInterrupt."""
-    previous: dict[int, Any] = {}
-    if threading.current_thread() is threading.main_thread():
-        for name in ("SIGTERM", "SIGHUP"):
-            sig = getattr(signal, name, None)
-            if sig is not None and signal.getsignal(sig) == signal.SIG_DFL:
-                previous[sig] = signal.signal(sig, _raise_stopped)
-    try:
-        yield
-    except _Stopped as stopped:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        previous.clear()
-        signal.raise_signal(stopped.signum)
-        raise
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _raise_stopped(signum: int, frame: Any) -> None:
-    signal.signal(signum, signal.SIG_IGN)  # once: a second one must not cut the cleanup short
-    raise _Stopped(signum)
-
-
-def stopped_by_signal(exc: BaseException | None) -> bool:
-    """Whether ``exc`` (the exception leaving ``fit``) is a stop asked by a signal."""
-    return isinstance(exc, _Stopped | KeyboardInterrupt)

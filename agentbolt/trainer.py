@@ -41,7 +41,8 @@ from agentbolt.console import make_console
 from agentbolt.errors import ConfigError
 from agentbolt.evaluators.base import Evaluator
 from agentbolt.extras import needs_extra
-from agentbolt.local_runners import LocalRunners, stop_on_signals, stopped_by_signal
+from agentbolt.lifeline import stop_on_signals, stopped_by_signal
+from agentbolt.local_runners import LocalRunners
 from agentbolt.runner.agent import LitAgent, as_agent
 from agentbolt.runner.ray_runners import RayRunners  # imports ray only when actors start
 from agentbolt.schemas import Resource, Task
