@@ -2,9 +2,9 @@
 without changing the agent's code.
 
 ``pip install agentbolt`` is what a runner host needs: the client, the runner and the agent API,
-imported here at once. The server and the trainer come with extras (``agentbolt[server]``,
-``[train]``, ``[all]``); their names are imported on first use, so ``import agentbolt`` never
-loads FastAPI or torch, and on a light install they raise one
+imported here at once, and the Trainer given a ``server_url``. The server and training come
+with extras (``agentbolt[server]``, ``[train]``, ``[all]``); their names are imported on first
+use, so ``import agentbolt`` never loads FastAPI or torch, and on a light install they raise one
 :class:`~agentbolt.errors.MissingExtra` naming the extra to install.
 """
 
@@ -96,7 +96,7 @@ _LAZY: dict[str, tuple[str, tuple[str, ...]]] = {
     "Algorithm": ("agentbolt.algorithms", ()),
     "Evaluate": ("agentbolt.algorithms", ()),
     "TrainContext": ("agentbolt.algorithms", ()),
-    "Trainer": ("agentbolt.trainer", ("server",)),
+    "Trainer": ("agentbolt.trainer", ()),  # its embedded server asks for the server extra itself
     "ServerConfig": ("agentbolt.server", ("server",)),
     "create_app": ("agentbolt.server", ("server",)),
 }

@@ -2,7 +2,8 @@
 # CI: the light install works. `pip install agentbolt` (no extras, built from this checkout, not
 # editable) goes into a fresh virtualenv, which must hold neither torch nor FastAPI; its runner
 # then runs N rollouts, with tracing on, against a server started from the full .venv, and every
-# rollout must succeed with its reward, its events and its spans. Needs .venv (scripts/install.sh).
+# rollout must succeed with its reward, its events and its spans; then Trainer(server_url=...)
+# and `agentbolt eval --server` run against that server. Needs .venv (scripts/install.sh).
 #   bash scripts/light_install_check.sh        # N=8 rollouts (LIGHT_CHECK_ROLLOUTS=N to change)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -50,8 +51,6 @@ extras = ["torch", "transformers", "fastapi", "uvicorn", "starlette", "psycopg",
 installed = [m for m in extras if importlib.util.find_spec(m) is not None]
 assert not installed, f"installed without extras: {installed}"
 EOF
-light "$LIGHT/python" -c "from agentbolt import Trainer" 2>"$WORK/trainer.err" && fail "Trainer imported without the server extra"
-grep -q "Trainer needs the 'server' extra" "$WORK/trainer.err" || fail "Trainer's error does not name the extra: $(cat "$WORK/trainer.err")"
 # Every name agentbolt.algorithms exports imports, but GRPO and SFT, which name the train extra.
 light "$LIGHT/python" - <<'EOF' || fail "agentbolt.algorithms does not import on the light install as documented"
 import agentbolt.algorithms as algorithms
@@ -132,4 +131,47 @@ with Client(url) as client:
         assert {"agentbolt.rollout", "think"} <= spans, (rollout_id, spans)
 print(f"{len(ids)} rollouts succeeded")
 EOF
-step "passed: $N rollouts run by the light install"
+# ---- Trainer(server_url=...) and `agentbolt eval --server` (no server extra needed) ----
+# The Trainer given a server_url only talks to that server: it and its runner processes run on
+# the light install; without one, its embedded server says which extra it needs.
+step "Trainer(server_url=...).fit on the light install"
+light "$LIGHT/python" - "$URL" >"$WORK/trainer.log" 2>&1 <<'EOF' || { cat "$WORK/trainer.log" >&2; fail "Trainer(server_url=...) failed on the light install"; }
+import sys
+
+from agentbolt import Evaluate, Trainer, rollout
+from agentbolt.errors import MissingExtra
+
+
+@rollout
+def doubler(task):
+    return 1.0 if task.data["x"] * 2 == task.data["y"] else 0.0
+
+
+tasks = [{"id": f"trainer-{i}", "x": i, "y": 2 * i if i % 2 else 0} for i in range(4)]
+trainer = Trainer(Evaluate(timeout=60), server_url=sys.argv[1], n_runners=2, run_dir="trainer-run")
+summary = trainer.fit(doubler, tasks)
+assert (summary.count, summary.succeeded, summary.mean_reward) == (4, 4, 0.75), summary
+loaded = {name.partition(".")[0] for name in sys.modules} & {"fastapi", "starlette", "uvicorn", "torch"}
+assert not loaded, f"the Trainer loaded {loaded}"
+try:
+    Trainer(Evaluate(), n_runners=0, run_dir="trainer-run").fit(doubler, tasks)
+    raise AssertionError("an embedded server started without the server extra")
+except MissingExtra as exc:
+    assert "needs the 'server' extra" in str(exc), exc
+EOF
+step "agentbolt eval --server on the light install"
+printf '[{"id": "eval-a", "i": 1}, {"id": "eval-b", "i": 3}]' >"$WORK/eval_tasks.json"
+light timeout 120 "$LIGHT/agentbolt" eval --agent agent.py:agent --val eval_tasks.json --server "$URL" \
+  --runners 1 >"$WORK/eval.log" 2>&1 || { cat "$WORK/eval.log" >&2; fail "agentbolt eval --server failed"; }
+"$FULL/python" - "$URL" <<'EOF' || { cat "$WORK/eval.log" >&2; fail "agentbolt eval --server did not run its rollouts"; }
+import sys
+
+from agentbolt.client import Client
+
+with Client(sys.argv[1]) as client:
+    ended = {r.task.id: (r.status.value, r.reward) for r in client.list_rollouts(limit=1000).items}
+assert ended["eval-a"] == ("succeeded", 0.1) and ended["eval-b"] == ("succeeded", 0.3), ended
+EOF
+# ---- end of the Trainer block ----
+
+step "passed: $N rollouts, Trainer(server_url=...) and agentbolt eval --server run by the light install"

@@ -100,7 +100,7 @@ def test_the_light_install_imports_the_runner_api(tmp_path):
 
 @pytest.mark.parametrize(
     ("name", "extra"),
-    [("Trainer", "server"), ("create_app", "server"), ("ServerConfig", "server")],
+    [("create_app", "server"), ("ServerConfig", "server")],
 )
 def test_a_name_that_needs_an_extra_raises_one_clear_error(tmp_path, name, extra):
     code = (
@@ -174,6 +174,100 @@ def test_a_training_algorithm_with_the_train_extra_imports(tmp_path):
     done = python("-c", f"from agentbolt.algorithms import {', '.join(TRAIN_ALGORITHMS)}; print('ok')")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+LIGHT_TRAINER = """
+import sys
+
+from agentbolt import Evaluate, Trainer, rollout
+
+
+@rollout
+def doubler(task):
+    return 1.0 if task.data["x"] * 2 == task.data["y"] else 0.0
+
+
+tasks = [{"id": f"t{i}", "x": i, "y": 2 * i if i % 2 else 0} for i in range(4)]
+trainer = Trainer(Evaluate(timeout=60), server_url=sys.argv[1], n_runners=2, run_dir="run")
+summary = trainer.fit(doubler, tasks)
+print("result", summary.count, summary.succeeded, summary.mean_reward)
+print("loaded", sorted({name.partition(".")[0] for name in sys.modules} & set(sys.argv[2:])))
+"""
+
+
+def test_the_light_install_trains_against_a_server_of_its_own(tmp_path, server):
+    """``Trainer(server_url=...)`` only talks to that server: its runner processes (which get
+    the same refusing import hook) run every rollout, and no server code is loaded."""
+    (tmp_path / "train.py").write_text(LIGHT_TRAINER)
+    env = environment(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "train.py", server.url, *EXTRA_MODULES],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    assert "result 4 4 0.75" in done.stdout.splitlines(), done.stdout
+    assert "loaded []" in done.stdout.splitlines(), done.stdout
+
+
+def test_the_light_install_says_the_embedded_server_needs_the_server_extra(tmp_path):
+    code = (
+        "from agentbolt import Evaluate, Trainer\n"
+        "from agentbolt.errors import MissingExtra\n"
+        "try:\n"
+        "    Trainer(Evaluate(), n_runners=0, run_dir='run').fit(lambda task: 1.0, [{'id': 't'}])\n"
+        "except MissingExtra as exc:\n"
+        "    print(exc)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=environment(tmp_path),
+    )
+    assert done.returncode == 0, done.stderr
+    assert "the Trainer's embedded server (no server_url given) needs the 'server' extra" in done.stdout
+    assert "pip install 'agentbolt[server]'" in done.stdout
+
+
+def test_agentbolt_eval_with_a_server_runs_on_the_light_install(tmp_path, server):
+    (tmp_path / "agent.py").write_text(
+        "from agentbolt import rollout\n\n\n@rollout\ndef agent(task):\n    return task.data['i'] / 10\n"
+    )
+    (tmp_path / "tasks.json").write_text('[{"id": "a", "i": 1}, {"id": "b", "i": 3}]')
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "agentbolt",
+            "eval",
+            "--agent",
+            "agent.py:agent",
+            "--val",
+            "tasks.json",
+            "--server",
+            server.url,
+            "--runners",
+            "1",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=environment(tmp_path),
+    )
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    with Client(server.url) as client:
+        rollouts = client.list_rollouts().items
+    assert sorted((r.task.id, r.status.value, r.reward) for r in rollouts) == [
+        ("a", "succeeded", 0.1),
+        ("b", "succeeded", 0.3),
+    ]
 
 
 @pytest.mark.parametrize(

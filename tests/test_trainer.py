@@ -1,7 +1,11 @@
-"""The Trainer's wiring: its embedded server, forked runners and the token they share."""
+"""The Trainer's wiring: its embedded server, its runner processes and the token they share.
+(tests/test_trainer_scripts.py: fit from every kind of main program, and runners that end with
+their parent.)"""
 
 from __future__ import annotations
 
+import pickle
+import re
 import sys
 import threading
 import time
@@ -11,11 +15,12 @@ from typing import Any
 
 import pytest
 
-from agentbolt import Task, Trainer, rollout
+from agentbolt import LitAgent, Task, Trainer, rollout
 from agentbolt.algorithms.base import Algorithm, TrainContext
 from agentbolt.algorithms.evaluate import EvalSummary, Evaluate
 from agentbolt.client import Client, RequestError
 from agentbolt.errors import ConfigError
+from agentbolt.local_runners import _AgentByName
 
 
 @rollout
@@ -73,8 +78,8 @@ def _hang() -> None:
 
 
 def test_runners_start_while_another_thread_of_the_process_is_alive(tmp_path: Path) -> None:
-    """A forked runner hung when another thread of the parent was alive; a module-level agent
-    now starts its runners with forkserver, whatever threads the parent has."""
+    """A forked runner hung when another thread of the parent was alive; runners are fresh
+    interpreters sent the agent, whatever threads the parent has."""
     release = threading.Event()
     bystander = threading.Thread(target=release.wait, name="bystander")
     bystander.start()
@@ -86,11 +91,11 @@ def test_runners_start_while_another_thread_of_the_process_is_alive(tmp_path: Pa
     finally:
         release.set()
         bystander.join()
-    assert trainer.start_method == "forkserver"
+    assert trainer.start_method == "subprocess"
     assert (summary.count, summary.succeeded, summary.mean_reward) == (4, 4, 1.0)
 
 
-def test_agents_that_do_not_pickle_fall_back_to_fork(tmp_path: Path) -> None:
+def test_closures_are_sent_by_value(tmp_path: Path) -> None:
     factor = 2
 
     @rollout
@@ -99,6 +104,28 @@ def test_agents_that_do_not_pickle_fall_back_to_fork(tmp_path: Path) -> None:
 
     trainer = Trainer(Evaluate(timeout=60), n_runners=1, run_dir=tmp_path)
     summary = trainer.fit(closure, [{"id": "a", "x": 1, "y": 2}, {"id": "b", "x": 1, "y": 3}])
+    assert trainer.start_method == "subprocess"
+    assert (summary.count, summary.succeeded, summary.mean_reward) == (2, 2, 0.5)
+
+
+class _HoldsALock(LitAgent):
+    """An agent that does not pickle, even with cloudpickle (it holds a lock)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+
+    def execute_rollout(self, task: Task) -> float:
+        with self.lock:
+            return 1.0 if task.data["x"] * 2 == task.data["y"] else 0.0
+
+
+def test_agents_that_do_not_pickle_fall_back_to_fork(tmp_path: Path) -> None:
+    from agentbolt.local_runners import how_to_start
+
+    assert how_to_start(_HoldsALock())[0] == "fork"
+    trainer = Trainer(Evaluate(timeout=60), n_runners=1, run_dir=tmp_path)
+    summary = trainer.fit(_HoldsALock(), [{"id": "a", "x": 1, "y": 2}, {"id": "b", "x": 1, "y": 3}])
     assert trainer.start_method == "fork"
     assert (summary.count, summary.succeeded, summary.mean_reward) == (2, 2, 0.5)
 
@@ -106,17 +133,34 @@ def test_agents_that_do_not_pickle_fall_back_to_fork(tmp_path: Path) -> None:
 def test_a_runner_that_never_registers_is_a_clear_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import agentbolt.trainer as trainer_module
+    import agentbolt.local_runners as local_runners
 
-    monkeypatch.setattr(trainer_module, "_how_to_start", lambda agent: ("forkserver", _NeverStarts()))
+    monkeypatch.setattr(
+        local_runners, "how_to_start", lambda agent: ("subprocess", pickle.dumps(_NeverStarts()))
+    )
     trainer = Trainer(Evaluate(timeout=60), n_runners=1, run_dir=tmp_path, runner_start_timeout=1.5)
     started = time.monotonic()
     with pytest.raises(
-        ConfigError, match=r"runner 1 of 1 \(pid \d+, started with forkserver\) did not register"
-    ):
+        ConfigError, match=r"runner 1 of 1 \(pid \d+, started with subprocess\) did not register"
+    ) as raised:
         trainer.fit(doubles, [{"id": "a", "x": 1, "y": 2}])
     assert time.monotonic() - started < 30  # the timeout, plus starting and stopping the server
-    assert trainer._procs == []  # the stuck runner was stopped
+    pid = int(re.search(r"pid (\d+)", str(raised.value)).group(1))  # type: ignore[union-attr]
+    assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+    assert trainer._runners is not None and trainer._runners.children == []  # it was stopped
+
+
+def test_a_runner_that_fails_to_start_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import agentbolt.local_runners as local_runners
+
+    monkeypatch.setattr(local_runners, "how_to_start", lambda agent: ("subprocess", b"not a pickle"))
+    trainer = Trainer(Evaluate(timeout=60), n_runners=1, run_dir=tmp_path, runner_start_timeout=60)
+    with pytest.raises(
+        ConfigError, match=r"runner 1 of 1 \(pid \d+, started with subprocess\) exited with code 1 before"
+    ):
+        trainer.fit(doubles, [{"id": "a", "x": 1, "y": 2}])
 
 
 def test_runner_start_timeout_must_be_positive() -> None:
@@ -124,29 +168,53 @@ def test_runner_start_timeout_must_be_positive() -> None:
         Trainer(Evaluate(), runner_start_timeout=0)
 
 
-def test_an_agent_loaded_from_a_file_path_starts_its_runners_where_they_can_import_it(
+def test_an_agent_loaded_from_a_file_path_is_sent_where_runners_cannot_import_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``--agent path/agent.py:agent``: a child interpreter finds that module only when its folder
-    is on sys.path; otherwise the runners fork (they would fail to import it)."""
+    is on sys.path; otherwise the module's code goes with the agent, by value."""
+    from agentbolt.local_runners import _modules_of, how_to_start
     from agentbolt.runner.worker import load_agent
-    from agentbolt.trainer import _how_to_start
 
     folder = tmp_path / "agents"
     folder.mkdir()
     (folder / "file_agent_mod.py").write_text(
-        "from agentbolt import rollout\n\n\n@rollout\ndef agent(task):\n    return 1.0\n"
+        "from agentbolt import rollout\n\nFACTOR = 2\n\n\n@rollout\n"
+        "def agent(task):\n    return 1.0 if task.data['x'] * FACTOR == task.data['y'] else 0.0\n"
     )
     monkeypatch.delitem(sys.modules, "file_agent_mod", raising=False)
-    assert _how_to_start(load_agent(f"{folder}/file_agent_mod.py:agent"))[0] == "fork"
+    agent = load_agent(f"{folder}/file_agent_mod.py:agent")
+    method, payload = how_to_start(agent)
+    assert method == "subprocess" and "file_agent_mod" not in _modules_of(payload)
+    trainer = Trainer(Evaluate(timeout=60), n_runners=1, run_dir=tmp_path / "run")
+    summary = trainer.fit(agent, [{"id": "a", "x": 1, "y": 2}, {"id": "b", "x": 1, "y": 3}])
+    assert (summary.count, summary.succeeded, summary.mean_reward) == (2, 2, 0.5)
+
     monkeypatch.syspath_prepend(str(folder))
-    assert _how_to_start(load_agent(f"{folder}/file_agent_mod.py:agent"))[0] in ("forkserver", "spawn")
+    method, payload = how_to_start(load_agent(f"{folder}/file_agent_mod.py:agent"))
+    assert method == "subprocess" and pickle.loads(payload) == _AgentByName("file_agent_mod", "agent")
 
 
-def test_an_agent_of_the_main_script_forks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A fresh interpreter would run the script's top level again (an unguarded
-    ``Trainer(...).fit(...)`` as in the README's quick start would train twice): fork."""
-    from agentbolt.trainer import _how_to_start
+def _plain(task: Task) -> float:
+    return 1.0
+
+
+renamed = rollout(_plain)  # a global under another name than its function's
+
+
+def test_a_function_of_an_importable_module_is_sent_by_reference() -> None:
+    """Its module is imported in the runner (its other globals, a client, need not pickle)."""
+    from agentbolt.local_runners import how_to_start
+
+    method, payload = how_to_start(renamed)
+    assert method == "subprocess" and pickle.loads(payload).fn is _plain
+
+
+def test_an_agent_of_the_main_script_is_sent_by_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A runner is never handed the user's main module to import (a script without an ``if
+    __name__ == "__main__":`` guard would train again there): what the agent needs of
+    ``__main__`` goes by value."""
+    from agentbolt.local_runners import _modules_of, how_to_start
 
     main = sys.modules["__main__"]
 
@@ -155,9 +223,12 @@ def test_an_agent_of_the_main_script_forks(monkeypatch: pytest.MonkeyPatch) -> N
         return 1.0
 
     main_agent.__module__ = "__main__"  # type: ignore[attr-defined]
+    main_agent.fn.__module__ = "__main__"
     vars(main_agent)["__qualname__"] = "main_agent"
     monkeypatch.setattr(main, "main_agent", main_agent, raising=False)
-    assert _how_to_start(main_agent)[0] == "fork"
+    method, payload = how_to_start(main_agent)
+    assert method == "subprocess" and "__main__" not in _modules_of(payload)
+    assert pickle.loads(payload).fn(None) == 1.0
 
 
 # ---------------------------------------------------------------------------- runner start-up imports

@@ -307,7 +307,6 @@ def runner(
 
 
 @app.command("eval")
-@needs_extra("agentbolt eval", "server")
 def eval_(
     agent: Annotated[str, typer.Option("--agent", "-a", help="module:object or file.py:object.")],
     val_file: Annotated[Path, typer.Option("--val", help="Tasks: a JSON list or JSON-lines file.")],
@@ -324,6 +323,8 @@ def eval_(
     from agentbolt.schemas import PromptTemplate
     from agentbolt.trainer import Trainer
 
+    with needs_extra("agentbolt eval", *(() if server else ("server",))):  # checked before any work
+        pass  # with --server, only a client and runners: the light install runs it
     sys.path.insert(0, os.getcwd())
     loaded = load_agent(agent)
     resources: dict[str, Any] | None = {"system_prompt": PromptTemplate(template=prompt)} if prompt else None

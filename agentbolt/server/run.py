@@ -131,6 +131,9 @@ class ServerThread:
 
 
 def _process_main(config: ServerConfig, log_level: str, profile: str | None = None) -> None:
+    from agentbolt.lifeline import watch_sentinel
+
+    watch_sentinel()  # ends with its parent, even one killed with SIGKILL
     logging.basicConfig(level=log_level.upper())
     if profile is None:
         serve(config, log_level)
