@@ -204,7 +204,7 @@ def _importable(module: str) -> bool:
     if top in sys.builtin_module_names:
         return True
     return any(
-        getattr(finder, "find_spec", None) and finder.find_spec(top, None) is not None  # type: ignore[union-attr]
+        getattr(finder, "find_spec", None) and finder.find_spec(top, None) is not None
         for finder in sys.meta_path
     )
 
@@ -315,7 +315,7 @@ class _Child:
     def exitcode(self) -> int | None:
         if isinstance(self.handle, subprocess.Popen):
             return self.handle.poll()
-        return self.handle.exitcode  # type: ignore[no-any-return]
+        return self.handle.exitcode
 
     def wait(self, timeout: float) -> None:
         if isinstance(self.handle, subprocess.Popen):
