@@ -12,4 +12,5 @@ if [ "${1:-}" = "--lint" ]; then
   .venv/bin/ruff format --check agentbolt tests benchmarks examples
   .venv/bin/mypy agentbolt
 fi
-exec .venv/bin/python -m pytest -q "$@"
+# 4 workers on 2 cores: most of the suite waits on servers, subprocesses and sockets
+exec .venv/bin/python -m pytest -q -n 4 --dist load "$@"

@@ -110,3 +110,36 @@ def serve_smollm2(**engine_options: Any) -> Iterator[Any]:
             yield served
     finally:
         engine.close()
+
+
+# The suite runs on pytest-xdist's workers (scripts/test.sh). The longest tests, measured with
+# --durations, are handed out first, so no worker starts a minute-long test near the end while
+# the others stand idle. Only the order changes: every test still runs.
+LONG_FIRST = (
+    "tests/tasks/test_chain_with_smollm2.py",
+    "tests/evaluators/test_judge_smollm2.py",
+    "tests/examples/test_program_examples.py",
+    "tests/algorithms/test_distributed_fsdp.py",
+    "tests/algorithms/test_distributed.py",
+    "tests/engine/test_engine_idle_memory.py",
+    "tests/scale/test_fuzz.py",
+    "tests/server/test_agents_sdk_smollm2.py",
+    "tests/engine/test_engine_smollm2.py",
+    "tests/engine/test_engine_serve_command.py",
+    "tests/evaluators/test_evaluator_worker.py",
+    "tests/examples/test_program_grpo.py",
+    "tests/scale/test_ray_runners.py",
+    "tests/scale/test_chaos.py",
+    "tests/scale/test_scale_sim.py",
+    "tests/runner/test_kubernetes_launcher.py",
+    "tests/cli/test_train.py",
+    "tests/test_trainer_scripts.py",
+    "tests/cli/test_demo.py",
+    "tests/algorithms/test_apo.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(LONG_FIRST)}
+    root = config.rootpath
+    items.sort(key=lambda item: rank.get(str(item.path.relative_to(root)), len(rank)))

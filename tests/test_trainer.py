@@ -20,7 +20,7 @@ from agentbolt.algorithms.base import Algorithm, TrainContext
 from agentbolt.algorithms.evaluate import EvalSummary, Evaluate
 from agentbolt.client import Client, RequestError
 from agentbolt.errors import ConfigError
-from agentbolt.local_runners import _AgentByName
+from agentbolt.runner.travel import AgentByName
 
 
 @rollout
@@ -121,7 +121,7 @@ class _HoldsALock(LitAgent):
 
 
 def test_agents_that_do_not_pickle_fall_back_to_fork(tmp_path: Path) -> None:
-    from agentbolt.local_runners import how_to_start
+    from agentbolt.runner.travel import how_to_start
 
     assert how_to_start(_HoldsALock())[0] == "fork"
     trainer = Trainer(Evaluate(timeout=60), n_runners=1, run_dir=tmp_path)
@@ -173,7 +173,7 @@ def test_an_agent_loaded_from_a_file_path_is_sent_where_runners_cannot_import_it
 ) -> None:
     """``--agent path/agent.py:agent``: a child interpreter finds that module only when its folder
     is on sys.path; otherwise the module's code goes with the agent, by value."""
-    from agentbolt.local_runners import _modules_of, how_to_start
+    from agentbolt.runner.travel import how_to_start, modules_of
     from agentbolt.runner.worker import load_agent
 
     folder = tmp_path / "agents"
@@ -185,14 +185,14 @@ def test_an_agent_loaded_from_a_file_path_is_sent_where_runners_cannot_import_it
     monkeypatch.delitem(sys.modules, "file_agent_mod", raising=False)
     agent = load_agent(f"{folder}/file_agent_mod.py:agent")
     method, payload = how_to_start(agent)
-    assert method == "subprocess" and "file_agent_mod" not in _modules_of(payload)
+    assert method == "subprocess" and "file_agent_mod" not in modules_of(payload)
     trainer = Trainer(Evaluate(timeout=60), n_runners=1, run_dir=tmp_path / "run")
     summary = trainer.fit(agent, [{"id": "a", "x": 1, "y": 2}, {"id": "b", "x": 1, "y": 3}])
     assert (summary.count, summary.succeeded, summary.mean_reward) == (2, 2, 0.5)
 
     monkeypatch.syspath_prepend(str(folder))
     method, payload = how_to_start(load_agent(f"{folder}/file_agent_mod.py:agent"))
-    assert method == "subprocess" and pickle.loads(payload) == _AgentByName("file_agent_mod", "agent")
+    assert method == "subprocess" and pickle.loads(payload) == AgentByName("file_agent_mod", "agent")
 
 
 def _plain(task: Task) -> float:
@@ -204,7 +204,7 @@ renamed = rollout(_plain)  # a global under another name than its function's
 
 def test_a_function_of_an_importable_module_is_sent_by_reference() -> None:
     """Its module is imported in the runner (its other globals, a client, need not pickle)."""
-    from agentbolt.local_runners import how_to_start
+    from agentbolt.runner.travel import how_to_start
 
     method, payload = how_to_start(renamed)
     assert method == "subprocess" and pickle.loads(payload).fn is _plain
@@ -214,7 +214,7 @@ def test_an_agent_of_the_main_script_is_sent_by_value(monkeypatch: pytest.Monkey
     """A runner is never handed the user's main module to import (a script without an ``if
     __name__ == "__main__":`` guard would train again there): what the agent needs of
     ``__main__`` goes by value."""
-    from agentbolt.local_runners import _modules_of, how_to_start
+    from agentbolt.runner.travel import how_to_start, modules_of
 
     main = sys.modules["__main__"]
 
@@ -227,7 +227,7 @@ def test_an_agent_of_the_main_script_is_sent_by_value(monkeypatch: pytest.Monkey
     vars(main_agent)["__qualname__"] = "main_agent"
     monkeypatch.setattr(main, "main_agent", main_agent, raising=False)
     method, payload = how_to_start(main_agent)
-    assert method == "subprocess" and "__main__" not in _modules_of(payload)
+    assert method == "subprocess" and "__main__" not in modules_of(payload)
     assert pickle.loads(payload).fn(None) == 1.0
 
 

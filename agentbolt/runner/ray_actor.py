@@ -3,17 +3,16 @@
 :class:`RunnerActor` runs the ordinary :class:`~agentbolt.runner.worker.Runner` loop in a Ray
 actor's event loop (the driver, :class:`~agentbolt.runner.ray_runners.RayRunners`, starts and
 stops them). The agent crosses to the actor's process as :func:`payload_of` makes it: a
-``module:object`` spec, a module global's name, or the object pickled with cloudpickle.
+``module:object`` spec, or the agent as :mod:`agentbolt.runner.travel` sends it to any other
+interpreter (by name when it is a module global, else by value).
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 import os
 import socket
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 
 from agentbolt.errors import ConfigError
 from agentbolt.runner.agent import LitAgent, as_agent
+from agentbolt.runner.travel import pickled, unpickled
 from agentbolt.runner.worker import Runner, load_object
 
 __all__ = ["STATS", "RunnerActor", "payload_of"]
@@ -32,20 +32,12 @@ STATS = ("completed", "failed", "lost", "abandoned")
 
 
 def _load_payload(payload: tuple[str, Any]) -> LitAgent:
-    """The agent an actor runs: ``("spec", "module:object")``, ``("name", (module, qualname))``
-    or ``("pickle", bytes)`` (cloudpickle's, as Ray ships objects)."""
+    """The agent an actor runs: ``("spec", "module:object")`` or ``("pickle", bytes)`` (as
+    :func:`~agentbolt.runner.travel.pickled` sends it: by name, or by value)."""
     kind, value = payload
     if kind == "spec":
         return as_agent(load_object(value, "agent"))
-    if kind == "name":
-        module, qualname = value
-        obj: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-        return as_agent(obj)
-    from ray import cloudpickle
-
-    return as_agent(cloudpickle.loads(value))
+    return unpickled(value)
 
 
 class _ActorRunner(Runner):
@@ -163,29 +155,10 @@ def payload_of(agent: Any) -> tuple[str, Any]:
             return "spec", f"{path}:{attr}"
         return "spec", agent
     as_agent(agent)  # a clear error now for what is no agent at all
-    name = _global_name(agent)
-    if name is not None:
-        return "name", name
-    from ray import cloudpickle
-
-    try:
-        return "pickle", cloudpickle.dumps(agent)
-    except Exception as exc:  # noqa: BLE001 - whatever stops pickling
+    data = pickled(agent)
+    if data is None:
         raise ConfigError(
-            f"the agent cannot be sent to Ray actors: it does not pickle ({type(exc).__name__}: {exc})"
-        ) from None
-
-
-def _global_name(agent: Any) -> tuple[str, str] | None:
-    """``(module, qualname)`` when ``agent`` is a global of an importable module (a
-    ``@rollout`` function at module level), else None."""
-    module = getattr(agent, "__module__", None)
-    qualname = vars(agent).get("__qualname__") if hasattr(agent, "__dict__") else None
-    if not isinstance(module, str) or not isinstance(qualname, str) or "<locals>" in qualname:
-        return None
-    if module == "__main__":
-        return None  # a fresh interpreter has no such module: cloudpickle sends it by value
-    obj: Any = sys.modules.get(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part, None)
-    return (module, qualname) if obj is agent else None
+            "the agent cannot be sent to Ray actors: it does not pickle (with cloudpickle); build "
+            "what it holds (a client, a lock) inside execute_rollout, or give it as 'module:object'"
+        )
+    return "pickle", data

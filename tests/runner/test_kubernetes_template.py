@@ -175,8 +175,8 @@ def test_a_deliberately_broken_template_fails_the_schema_and_the_launcher_says_w
         capture_output=True,
         text=True,
         timeout=60,
-        env={**os.environ, "COLUMNS": "1000"},
-    )  # fmt: skip (COLUMNS: rich wraps the message to the terminal's width)
+        env={**os.environ, "COLUMNS": "1000"},  # rich wraps the message to the terminal's width
+    )
     assert out.returncode == 1, out.stderr
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert (
