@@ -98,7 +98,7 @@ async def serve_batch(client: httpx.AsyncClient, batch: list[Chat]) -> int:
 
 def run_once(setting: str, plan: list[list[Chat]], args: argparse.Namespace) -> Run:
     port = free_port()
-    cmd = [sys.executable, "-m", "agentbolt.engine.cli", "serve", "--model", args.model, "--port", str(port)]
+    cmd = [sys.executable, "-m", "agentbolt.cli.model", "serve", "--model", args.model, "--port", str(port)]
     idle, _, kernels = setting.partition("+kernels=")
     cmd += ["--dtype", args.dtype, SETTINGS[idle]]
     run = Run(setting)

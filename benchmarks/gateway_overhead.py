@@ -261,7 +261,7 @@ def main() -> None:
             if args.upstream == "engine":
                 ups.append(
                     subprocess.Popen(
-                        [sys.executable, "-m", "agentbolt.engine.cli", "serve", "--port", str(port)]
+                        [sys.executable, "-m", "agentbolt.cli.model", "serve", "--port", str(port)]
                         + ["--name", "bench"],
                         stdout=subprocess.DEVNULL,
                     )

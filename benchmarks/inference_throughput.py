@@ -227,7 +227,7 @@ def bench_engine(
     kernels: str = "on",
 ) -> tuple[Result, int]:
     port = free_port()
-    cmd = [sys.executable, "-m", "agentbolt.engine.cli", "serve", "--model", args.model, "--port", str(port)]
+    cmd = [sys.executable, "-m", "agentbolt.cli.model", "serve", "--model", args.model, "--port", str(port)]
     cmd += ["--dtype", args.dtype, "--max-batch", str(args.max_batch), "--cpu-matmul", cpu_matmul]
     if forward != "default":
         cmd += ["--forward", forward]

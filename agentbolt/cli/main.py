@@ -18,9 +18,9 @@ from agentbolt.cli.common import DEFAULT_SERVER, ServerOpt, TokenOpt, console, e
 from agentbolt.cli.demo import demo_command
 from agentbolt.cli.export import export_app
 from agentbolt.cli.judge import judge_command
+from agentbolt.cli.model import model_app
 from agentbolt.cli.review import review_command
 from agentbolt.cli.train import train_app
-from agentbolt.engine.cli import model_app
 from agentbolt.errors import AgentboltError, ConfigError, MissingExtra
 from agentbolt.extras import needs_extra
 from agentbolt.schemas import Mode, RolloutStatus

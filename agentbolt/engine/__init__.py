@@ -3,7 +3,7 @@ OpenAI-compatibly with continuous batching, token ids and log-probabilities in e
 weights swapped in place while it serves. vLLM plays the same role at scale; both speak one dialect.
 
 The names below are imported on first use: they load torch and transformers (the ``train``
-extra), and the CLI imports :mod:`agentbolt.engine.cli` on every command.
+extra), and the CLI imports :mod:`agentbolt.cli.model` on every command.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from agentbolt.cli.model import model_app
 from agentbolt.engine import ModelNotFoundError, ensure_model, model_files
-from agentbolt.engine.cli import model_app
 from agentbolt.engine.model_files import find_gguf, unpack_wheel
 
 

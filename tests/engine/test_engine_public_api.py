@@ -23,6 +23,6 @@ def test_contract_signatures() -> None:
     assert {"state_dict", "adapter_path", "version"} <= set(update)
     assert inspect.iscoroutinefunction(engine.ModelEngine.chat)
     assert inspect.iscoroutinefunction(engine.ModelEngine.complete)
-    from agentbolt.engine.cli import model_app
+    from agentbolt.cli.model import model_app
 
     assert {c.name or c.callback.__name__ for c in model_app.registered_commands} == {"pull", "serve"}

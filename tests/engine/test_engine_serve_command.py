@@ -24,7 +24,7 @@ def _free_port() -> int:
 
 @contextmanager
 def _serve(tiny_dir: Path, port: int, *extra: str) -> Iterator[subprocess.Popen[str]]:
-    cmd = [sys.executable, "-m", "agentbolt.engine.cli", "serve", "--model", str(tiny_dir)]
+    cmd = [sys.executable, "-m", "agentbolt.cli.model", "serve", "--model", str(tiny_dir)]
     cmd += ["--port", str(port), "--dtype", "float32", "--device", "cpu", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
