@@ -143,6 +143,7 @@ def _program(
     timeout: float | None,
     scorer: str | None,
     scorer_command: str | None,
+    reward_from: str | None,
     reward_later: bool,
     output_limit: int,
 ) -> Any:
@@ -161,6 +162,7 @@ def _program(
         timeout=timeout,
         scorer=load_object(scorer, "scorer") if scorer else None,
         scorer_command=scorer_command,
+        reward_from=reward_from,
         reward_later=reward_later,
         output_limit=output_limit,
     )
@@ -192,6 +194,13 @@ def runner(
     ] = None,
     scorer_command: Annotated[
         str | None, typer.Option(help="A command that reads the run as JSON on stdin and prints a reward.")
+    ] = None,
+    reward_from: Annotated[
+        str | None,
+        typer.Option(
+            help="Sources of a program's reward, first present wins: scorer, program, result_file "
+            "(comma-separated; default: the scorer if given, else program,result_file).",
+        ),
     ] = None,
     reward_later: Annotated[
         bool, typer.Option("--reward-later", help="A program run without a reward succeeds.")
@@ -249,6 +258,7 @@ def runner(
         program: dict[str, Any] = {"stdin": stdin, "env": env or [], "timeout": timeout, "scorer": scorer}
         program |= {
             "scorer_command": scorer_command,
+            "reward_from": reward_from,
             "reward_later": reward_later,
             "output_limit": output_limit,
         }
@@ -267,7 +277,7 @@ def runner(
         )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     sys.path.insert(0, os.getcwd())
-    options = (stdin, env or [], timeout, scorer, scorer_command, reward_later, output_limit)
+    options = (stdin, env or [], timeout, scorer, scorer_command, reward_from, reward_later, output_limit)
     loaded = load_agent(agent) if agent is not None else _program(command or "", *options)
     ray_options = (replicas, ray_cpus, ray_memory, ray_resource)
     if ray is not None or any(o is not None for o in ray_options):
