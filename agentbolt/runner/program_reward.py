@@ -43,7 +43,7 @@ __all__ = [
 SOURCES = ("program", "result_file", "scorer")
 """Where a program's reward can come from: what it posted, its result file, the user's scorer."""
 
-CLAIM_EVENT = "reward_claim"
+CLAIM_EVENT: str = EventType.REWARD_CLAIM
 """The event type of a source present but not chosen: recorded and shown, never trained on."""
 
 RESULT_LIMIT = 1 << 20
