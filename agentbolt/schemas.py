@@ -487,6 +487,9 @@ class EventType(StrEnum):
     EXCEPTION = "exception"
     SPAN = "span"
     STATE = "state"  # the environment's state at a model call: {"key": str, "llm_call_id": int}
+    # a reward source the user did not choose (a program's own grade when a scorer decides):
+    # {"name": str, "value": float, "reward": float | None, "disputed": bool}; never trained on
+    REWARD_CLAIM = "reward_claim"
 
 
 class EventCreate(_Strict):

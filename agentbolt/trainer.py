@@ -131,7 +131,10 @@ class Trainer:
         self.server_url = server_url
         # Resolved here, once: the server, the runners and the algorithm's client must all hold
         # the same random token (runners that sent the literal "auto" got 401 on every call).
-        self.token = secrets.token_urlsafe(24) if token == "auto" else token
+        # The embedded server always has one: a program agent's key then holds only an agent's
+        # rights, and nothing else on this machine can write to the run.
+        embedded = server_url is None and token is None
+        self.token = secrets.token_urlsafe(24) if token == "auto" or embedded else token
         self.resources = resources
         self.run_dir = Path(run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
         self.lease_seconds = lease_seconds

@@ -57,6 +57,18 @@ def test_auto_token_is_random_and_runners_use_it(tmp_path: Path) -> None:
     assert Trainer(Evaluate(), token="auto").token != token
 
 
+def test_the_embedded_server_has_a_random_token_by_default(tmp_path: Path) -> None:
+    algo = EvaluateAndLook()
+    trainer = Trainer(algo, n_runners=1, run_dir=tmp_path, lease_seconds=10)
+    summary = trainer.fit(doubles, [{"id": "t0", "x": 1, "y": 2}])
+    token = algo.seen["token"]
+    assert isinstance(token, str) and len(token) >= 24 and token == trainer.token
+    assert algo.seen["anonymous_status"] == 401  # roles and agent keys are in force
+    assert summary.succeeded == 1
+    assert Trainer(Evaluate()).token not in (None, token)
+    assert Trainer(Evaluate(), server_url="http://127.0.0.1:9").token is None  # that server's own
+
+
 def test_auto_token_needs_the_embedded_server() -> None:
     with pytest.raises(ConfigError, match='token="auto"'):
         Trainer(Evaluate(), token="auto", server_url="http://127.0.0.1:9")

@@ -13,6 +13,7 @@ from agentbolt.algorithms.base import (
     TrainContext,
     run_sampled_and_greedy,
 )
+from agentbolt.algorithms.claims import fetch_claim_counts
 from agentbolt.algorithms.rewards import RewardOptions
 from agentbolt.schemas import Mode
 
@@ -34,9 +35,13 @@ class EvalSummary:
     """Succeeded rollouts whose chosen reward was still pending (left out of ``mean_reward``)."""
     reward_errors: int = 0
     """Succeeded rollouts whose chosen reward could not be given (left out too)."""
+    claims: int = 0
+    """Succeeded rollouts where a program claimed a reward that was not used (a scorer decided)."""
+    claims_disputed: int = 0
+    """Of those, the ones whose claim disagrees with the reward given: a reward-hacking signal."""
 
     @staticmethod
-    def of(batch: BatchResult) -> EvalSummary:
+    def of(batch: BatchResult, claims: dict[str, int] | None = None) -> EvalSummary:
         versions = {r.resources_version for r in batch.rollouts if r.resources_version is not None}
         return EvalSummary(
             count=len(batch.rollouts),
@@ -47,6 +52,8 @@ class EvalSummary:
             resources_version=max(versions) if versions else None,
             reward_pending=batch.reward_pending,
             reward_errors=batch.reward_errors,
+            claims=(claims or {}).get("claims", 0),
+            claims_disputed=(claims or {}).get("claims_disputed", 0),
         )
 
 
@@ -57,15 +64,20 @@ def summary_table(rows: dict[str, EvalSummary], title: str = "evaluation") -> Ta
     for name, s in rows.items():
         shown += [(name, s), *([(f"{name} (greedy)", s.greedy)] if s.greedy else [])]
     unscored = any(s.reward_pending or s.reward_errors for _, s in shown)
+    claimed = any(s.claims for _, s in shown)
     counts = ("pending", "errors") if unscored else ()
+    columns = ("set", "count", "succeeded", "failed", "mean reward", *counts)
+    columns += ("claims disputed",) * claimed + ("resources",)
     table = Table(title=title)
-    for column in ("set", "count", "succeeded", "failed", "mean reward", *counts, "resources"):
+    for column in columns:
         table.add_column(column, justify="left" if column == "set" else "right")
     for name, s in shown:
         reward = f"{s.mean_reward:.3f}" if s.mean_reward is not None else "-"
         version = str(s.resources_version) if s.resources_version is not None else "-"
         left_out = (str(s.reward_pending), str(s.reward_errors)) if unscored else ()
-        table.add_row(name, str(s.count), str(s.succeeded), str(s.failed), reward, *left_out, version)
+        disputed = (f"{s.claims_disputed}/{s.claims}",) if claimed else ()
+        cells = (str(s.count), str(s.succeeded), str(s.failed), reward, *left_out, *disputed, version)
+        table.add_row(name, *cells)
     return table
 
 
@@ -99,8 +111,10 @@ class Evaluate(RewardOptions, Algorithm):
             label="evaluating",
             rewards=self.reward_plan(),
         )
-        summary = EvalSummary.of(batch)
+        summary = EvalSummary.of(batch, fetch_claim_counts(ctx.client, batch.rollouts))
         if greedy is not None:
-            summary = replace(summary, greedy=EvalSummary.of(greedy))
+            summary = replace(
+                summary, greedy=EvalSummary.of(greedy, fetch_claim_counts(ctx.client, greedy.rollouts))
+            )
         ctx.console.print(summary_table({mode.value: summary}))
         return summary

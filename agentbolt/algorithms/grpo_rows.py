@@ -15,6 +15,7 @@ from agentbolt.adapters import STATE_EVENT, TrajectoryRow, latest_attempt, to_tr
 from agentbolt.algorithms.async_grpo import InFlightGroup, version_lag
 from agentbolt.algorithms.base import BatchResult
 from agentbolt.algorithms.batch import TrainRow
+from agentbolt.algorithms.claims import CLAIM_EVENTS, claim_counts
 from agentbolt.algorithms.credit import compute_advantages
 from agentbolt.algorithms.grpo_config import GRPOConfig
 from agentbolt.algorithms.importance import behaviour_version
@@ -25,7 +26,7 @@ from agentbolt.schemas import Event, Rollout, Task
 __all__ = ["StepRows", "fresh_rows", "groups", "reward_stats", "rows_of", "step_rows", "success_rate"]
 
 # the events a rollout's training rows are built from
-_TRAINING_EVENTS = ["llm_call", "reward", STATE_EVENT]
+_TRAINING_EVENTS = ["llm_call", "reward", STATE_EVENT, *CLAIM_EVENTS]
 
 
 @dataclass
@@ -83,6 +84,8 @@ def rows_of(
         "zero_spread_groups": adv.zero_spread_groups,
         "prefix_mismatches": mismatches,
         **adv.metrics(),
+        # the program's own grade against the reward trained on: a reward-hacking signal
+        **claim_counts({r.id: events[r.id] for rs in kept.values() for r in rs}),
     }
     return StepRows(train_rows, gen_tokens, data)
 

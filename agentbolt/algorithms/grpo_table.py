@@ -34,6 +34,7 @@ COLUMNS: Columns = (
     ("retried", "{}"),
     ("reward_pending", "{}"),
     ("reward_errors", "{}"),
+    ("claims_disputed", "{}"),
     ("carried_groups", "{}"),
     ("evicted_groups", "{}"),
     ("stale_dropped", "{}"),

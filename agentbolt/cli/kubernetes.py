@@ -82,7 +82,10 @@ def _launcher_options(options: dict[str, Any]) -> dict[str, Any]:
     """The :class:`JobLauncher` settings the command line gives."""
     from agentbolt.runner.worker import load_object
 
-    given = {key: options[key] for key in ("public_url", "name", "max_jobs", "timeout", "reward_later")}
+    given = {
+        key: options[key]
+        for key in ("public_url", "name", "max_jobs", "timeout", "reward_from", "reward_later")
+    }
     given |= {key: options[key] for key in ("output_limit", "lease_seconds", "max_rollouts")}
     scorer = options["scorer"]
     given["scorer"] = load_object(scorer, "scorer") if scorer else None

@@ -20,6 +20,7 @@ from agentbolt.cli.export import export_app
 from agentbolt.cli.judge import judge_command
 from agentbolt.cli.model import model_app
 from agentbolt.cli.review import review_command
+from agentbolt.cli.server_guard import exposure_problem, is_loopback, token_from_file
 from agentbolt.cli.train import train_app
 from agentbolt.errors import AgentboltError, ConfigError, MissingExtra
 from agentbolt.extras import needs_extra
@@ -51,6 +52,13 @@ def server(
     host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port.")] = 8765,
     token: Annotated[str | None, typer.Option(envvar="AGENTBOLT_TOKEN", help="Admin bearer token.")] = None,
+    token_file: Annotated[
+        Path | None,
+        typer.Option(help="Without --token: the admin token kept in this file, made (random) if missing."),
+    ] = None,
+    insecure: Annotated[
+        bool, typer.Option("--insecure", help="Serve a non-loopback --host without any token.")
+    ] = False,
     runner_token: Annotated[
         str | None, typer.Option(envvar="AGENTBOLT_RUNNER_TOKEN", help="Runner token.")
     ] = None,
@@ -95,16 +103,19 @@ def server(
     """Run the server: store API, gateway, OTLP ingest and dashboard."""
     from agentbolt.server import Role, ServerConfig, serve
 
+    if token is None and token_file is not None:
+        token = _token_file(token_file)
     named = _pairs(reviewer_token, "--reviewer-token", "NAME=TOKEN")  # name -> token
     configured = [(token, Role.ADMIN), (runner_token, Role.RUNNER), (reader_token, Role.READER)]
     configured += [(evaluator_token, Role.EVALUATOR), *((t, Role.REVIEWER) for t in named.values())]
     tokens = {t: r for t, r in configured if t}
     if len(tokens) < sum(1 for t, _ in configured if t):
         raise fail("the same token is given twice (to two roles or two reviewers): each needs its own")
-    if host not in ("127.0.0.1", "localhost", "::1") and not tokens:
-        err_console.print(
-            "[yellow]warning:[/] binding a non-loopback address without --token: anyone can write"
-        )
+    problem = exposure_problem(host, bool(tokens), insecure)
+    if problem is not None:
+        raise fail(problem)
+    if insecure and not tokens and not is_loopback(host):
+        err_console.print(f"[yellow]warning:[/] serving {escape(host)} without a token: anyone can write")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = ServerConfig(
         db=db,
@@ -119,6 +130,14 @@ def server(
     )
     banner = f"agentbolt server on http://{host}:{port}  (store: {_without_password(db)})"
     serve(config, log_level, on_ready=lambda: console.print(banner))
+
+
+def _token_file(path: Path) -> str:
+    """The admin token kept in ``path`` (made when missing, and where it is said)."""
+    token, made = token_from_file(path)
+    if made:
+        err_console.print(f"agentbolt server: a new admin token is in {escape(str(path))}")
+    return token
 
 
 def _pairs(values: list[str] | None, option: str, form: str, last: bool = False) -> dict[str, str]:
@@ -143,6 +162,7 @@ def _program(
     timeout: float | None,
     scorer: str | None,
     scorer_command: str | None,
+    reward_from: str | None,
     reward_later: bool,
     output_limit: int,
 ) -> Any:
@@ -161,6 +181,7 @@ def _program(
         timeout=timeout,
         scorer=load_object(scorer, "scorer") if scorer else None,
         scorer_command=scorer_command,
+        reward_from=reward_from,
         reward_later=reward_later,
         output_limit=output_limit,
     )
@@ -192,6 +213,13 @@ def runner(
     ] = None,
     scorer_command: Annotated[
         str | None, typer.Option(help="A command that reads the run as JSON on stdin and prints a reward.")
+    ] = None,
+    reward_from: Annotated[
+        str | None,
+        typer.Option(
+            help="Sources of a program's reward, first present wins: scorer, program, result_file "
+            "(comma-separated; default: the scorer if given, else program,result_file).",
+        ),
     ] = None,
     reward_later: Annotated[
         bool, typer.Option("--reward-later", help="A program run without a reward succeeds.")
@@ -249,6 +277,7 @@ def runner(
         program: dict[str, Any] = {"stdin": stdin, "env": env or [], "timeout": timeout, "scorer": scorer}
         program |= {
             "scorer_command": scorer_command,
+            "reward_from": reward_from,
             "reward_later": reward_later,
             "output_limit": output_limit,
         }
@@ -267,7 +296,7 @@ def runner(
         )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     sys.path.insert(0, os.getcwd())
-    options = (stdin, env or [], timeout, scorer, scorer_command, reward_later, output_limit)
+    options = (stdin, env or [], timeout, scorer, scorer_command, reward_from, reward_later, output_limit)
     loaded = load_agent(agent) if agent is not None else _program(command or "", *options)
     ray_options = (replicas, ray_cpus, ray_memory, ray_resource)
     if ray is not None or any(o is not None for o in ray_options):

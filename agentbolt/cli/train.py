@@ -64,7 +64,7 @@ TRAINER_HELP = {
     "n_runners": "Local runner processes to start (0: runners are started elsewhere).",
     "runner_concurrency": "Rollouts each local runner runs at a time.",
     "server_url": "Train against this running server instead of an embedded one.",
-    "token": "Bearer token of the server ('auto': a random one for the embedded server).",
+    "token": "Bearer token of the server (the embedded server makes a random one).",
     "resources": "Resources to publish first, as a JSON table: name -> resource.",
     "run_dir": "Folder of the run's store, metrics and checkpoints (default: runs/<time>).",
     "lease_seconds": "Lease per attempt without a heartbeat.",

@@ -44,6 +44,8 @@ class JobOutcomes:
     scorer: Scorer
     reward_later: bool
     output_limit: int
+    sources: tuple[str, ...] = ("program", "result_file")
+    """Where the reward is read from (``reward_from``)."""
 
     async def read(
         self, ctx: RolloutContext, name: str, job: dict[str, Any], pod: dict[str, Any] | None
@@ -75,7 +77,7 @@ class JobOutcomes:
             run = ProgramRun(ctx.task, output, "", exit_code, Path(scratch))
             try:
                 reward = await choose_reward(
-                    ctx, self.access, run, _NO_RESULT, self.scorer, self.reward_later
+                    ctx, self.access, run, _NO_RESULT, self.scorer, self.reward_later, self.sources
                 )
             except ProgramFailed as exc:
                 return failed(ctx, exc.kind, str(exc))

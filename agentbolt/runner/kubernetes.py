@@ -61,7 +61,7 @@ from agentbolt.runner.kube_template import (
 )
 from agentbolt.runner.program import PLACEHOLDER_KEY, llm_of
 from agentbolt.runner.program_io import OUTPUT_LIMIT, ProgramFailed
-from agentbolt.runner.program_reward import AttemptAccess, ProgramRun, Scorer
+from agentbolt.runner.program_reward import AttemptAccess, ProgramRun, Scorer, reward_sources
 from agentbolt.schemas import LLM, AttemptStatus, Claim
 
 __all__ = ["JobLauncher"]
@@ -101,7 +101,7 @@ class JobLauncher:
       the same after a restart so that it can adopt its Jobs;
     * ``max_jobs``: Jobs at a time; ``timeout``: each Job's ``activeDeadlineSeconds`` (default
       the rollout's own timeout, if it has one);
-    * ``scorer`` / ``scorer_command`` / ``reward_later``: as :class:`~agentbolt.runner.Program`;
+    * ``scorer`` / ``scorer_command`` / ``reward_from`` / ``reward_later``: as :class:`~agentbolt.runner.Program`;
     * ``resync``: seconds between reconcile passes (list Jobs and pods).
     """
 
@@ -119,6 +119,7 @@ class JobLauncher:
         timeout: float | None = None,
         scorer: Callable[[ProgramRun], Any] | None = None,
         scorer_command: Sequence[str] | None = None,
+        reward_from: str | Sequence[str] | None = None,
         reward_later: bool = False,
         output_limit: int = OUTPUT_LIMIT,
         llm: str | None = None,
@@ -147,7 +148,8 @@ class JobLauncher:
         )
         access = AttemptAccess(None, self.public_url, self.client, (token,) if token else ())
         scoring = Scorer(scorer, scorer_command, timeout)
-        self.outcomes = JobOutcomes(api, template.container_name, access, scoring, reward_later, output_limit)
+        outcomes = (scoring, reward_later, output_limit, reward_sources(reward_from, scoring.present))
+        self.outcomes = JobOutcomes(api, template.container_name, access, *outcomes)
         self._sync = Client(server_url, token, retry=RetryPolicy(attempts=5, base_delay=0.2, max_delay=5.0))
         self.tracked: dict[str, _Tracked] = {}
         self.completed = self.failed = self.lost = self.adopted = self.deleted = 0

@@ -6,10 +6,12 @@ session), in a scratch working directory, with the attempt's gateway and credent
 variables every OpenAI-compatible client reads, and the task as a JSON file (and on stdin if
 asked). The contract a program sees is written down in docs/agents.md.
 
-The reward is the first present of: the rewards the program posted to its events URL, the
-result file it wrote, the scorer the user gave; each present source is recorded as its own
-named reward event (``program``, ``result_file``, ``scorer``). With none, the attempt fails
-("no reward") unless ``reward_later``.
+The reward comes from the sources ``reward_from`` names (the rewards the program posted to its
+events URL, the result file it wrote, the scorer the user gave): by default the scorer alone
+when one is given (the program cannot grade itself), else the program's own report. A source
+present but not chosen is recorded as a claim beside the reward, never trained on
+(:mod:`agentbolt.runner.program_reward`). With no reward, the attempt fails ("no reward") unless
+``reward_later``.
 
 Isolation: the runner's token never enters the child's environment (variables named for it, or
 holding its value, are dropped); the child holds only the attempt's agent key. The process
@@ -43,7 +45,13 @@ from agentbolt.runner.program_io import (
     render,
     secret_free_environ,
 )
-from agentbolt.runner.program_reward import AttemptAccess, ProgramRun, Scorer, choose_reward
+from agentbolt.runner.program_reward import (
+    AttemptAccess,
+    ProgramRun,
+    Scorer,
+    choose_reward,
+    reward_sources,
+)
 from agentbolt.schemas import LLM, EventType, Resources, Task
 
 __all__ = ["AttemptAccess", "Program", "ProgramFailed", "ProgramRun"]
@@ -104,6 +112,9 @@ class Program(LitAgent):
     * ``timeout``: seconds before its process group is killed and the attempt fails;
     * ``scorer``: ``fn(run: ProgramRun) -> float | None`` (plain or async), or
       ``scorer_command``: a command that reads the run as JSON on stdin and prints a number;
+    * ``reward_from``: which sources make up the reward, first present wins: ``scorer``,
+      ``program`` (what it posted), ``result_file``, comma-separated or a list (default: the
+      scorer when one is given, else ``program,result_file``); the others are recorded as claims;
     * ``reward_later``: an attempt without a reward succeeds, its reward left to come later;
     * ``output_limit``: bytes of stdout and of stderr recorded (each; the cut is said);
     * ``llm``: which LLM resource the program's variables point at (default: ``llm``, else
@@ -120,6 +131,7 @@ class Program(LitAgent):
         timeout: float | None = None,
         scorer: Callable[[ProgramRun], Any] | None = None,
         scorer_command: str | Sequence[str] | None = None,
+        reward_from: str | Sequence[str] | None = None,
         reward_later: bool = False,
         output_limit: int = OUTPUT_LIMIT,
         llm: str | None = None,
@@ -140,6 +152,7 @@ class Program(LitAgent):
             raise ConfigError("scorer must be a callable, and only one of scorer and scorer_command is given")
         scorer_argv = _split(scorer_command, "scorer command") if scorer_command is not None else None
         self.scorer = Scorer(scorer, scorer_argv, timeout)
+        self.reward_from = reward_sources(reward_from, self.scorer.present)
         self.stdin, self.timeout, self.reward_later = stdin, timeout, reward_later
         self.output_limit, self.llm = output_limit, llm
         self.scratch_root = Path(scratch_root) if scratch_root is not None else None
@@ -166,7 +179,9 @@ class Program(LitAgent):
             ended = await self._run(argv, env, paths, task_json if self.stdin else None)
             _record(ctx, argv, ended)
             run = ProgramRun(ctx.task, ended.stdout.text(), ended.stderr.text(), ended.code, paths.work)
-            return await choose_reward(ctx, access, run, paths.result, self.scorer, self.reward_later)
+            return await choose_reward(
+                ctx, access, run, paths.result, self.scorer, self.reward_later, self.reward_from
+            )
         finally:
             # Synchronous on purpose: it must also happen while the task is being cancelled.
             shutil.rmtree(paths.root, ignore_errors=True)

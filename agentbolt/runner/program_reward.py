@@ -1,9 +1,14 @@
 """A program agent's reward: from the events it posted, its result file, or a scorer.
 
-Every present source is recorded as a reward event named after it (``program``,
-``result_file``, ``scorer``); the rollout's reward is the first present, in that order. A source
-that is present but malformed (a result file that is not JSON, a scorer that prints no number)
-fails the attempt: a broken reward is never read as "no reward".
+The program is untrusted: an agent under training explores, and one that can write its own
+grade (``curl $AGENTBOLT_EVENTS_URL -d '{"value": 1}'``) will. So the user says which sources
+make up the reward (``reward_from``); by default, when a scorer is given, the scorer alone.
+Each chosen source that is present is recorded as a ``reward`` event named after it
+(``program``, ``result_file``, ``scorer``) and the rollout's reward is the first present, in the
+order chosen. A source present but not chosen is a claim: recorded as a ``reward_claim`` event
+(with the reward it was set against and whether the two disagree), which no algorithm trains
+on. A source that is present but malformed (a result file that is not JSON, a scorer that prints
+no number) fails the attempt: a broken reward is never read as "no reward".
 """
 
 from __future__ import annotations
@@ -19,11 +24,27 @@ from pathlib import Path
 from typing import Any
 
 from agentbolt.client import AsyncClient
+from agentbolt.errors import ConfigError
 from agentbolt.runner.agent import RolloutContext
 from agentbolt.runner.program_io import ProgramFailed, secret_free_environ
 from agentbolt.schemas import EventType, Task
 
-__all__ = ["AttemptAccess", "ProgramRun", "Scorer", "choose_reward", "read_result"]
+__all__ = [
+    "CLAIM_EVENT",
+    "SOURCES",
+    "AttemptAccess",
+    "ProgramRun",
+    "Scorer",
+    "choose_reward",
+    "read_result",
+    "reward_sources",
+]
+
+SOURCES = ("program", "result_file", "scorer")
+"""Where a program's reward can come from: what it posted, its result file, the user's scorer."""
+
+CLAIM_EVENT: str = EventType.REWARD_CLAIM
+"""The event type of a source present but not chosen: recorded and shown, never trained on."""
 
 RESULT_LIMIT = 1 << 20
 """Bytes of a result file read; a larger one is malformed."""
@@ -182,6 +203,26 @@ async def _posted(
     return (math.fsum(present) if present else None), calls
 
 
+def reward_sources(reward_from: str | Sequence[str] | None, has_scorer: bool) -> tuple[str, ...]:
+    """The sources the reward is read from, in order of preference: ``reward_from`` checked
+    (``"scorer"``, ``"program,result_file"`` or a list), or the default: the scorer alone when
+    there is one, else the program's own report (its posted reward, then its result file)."""
+    if reward_from is None:
+        return ("scorer",) if has_scorer else ("program", "result_file")
+    names = reward_from.split(",") if isinstance(reward_from, str) else list(reward_from)
+    chosen = tuple(str(n).strip() for n in names if str(n).strip())
+    wrong = [n for n in chosen if n not in SOURCES]
+    if wrong or not chosen:
+        raise ConfigError(
+            f"reward_from: {', '.join(wrong) or 'nothing'} given; choose from {', '.join(SOURCES)}"
+        )
+    if len(set(chosen)) != len(chosen):
+        raise ConfigError(f"reward_from: a source is named twice in {', '.join(chosen)}")
+    if "scorer" in chosen and not has_scorer:
+        raise ConfigError("reward_from names the scorer, but no scorer (or scorer command) is given")
+    return chosen
+
+
 async def choose_reward(
     ctx: RolloutContext,
     access: AttemptAccess,
@@ -189,8 +230,11 @@ async def choose_reward(
     result_path: Path,
     scorer: Scorer,
     reward_later: bool,
+    sources: Sequence[str] | None = None,
 ) -> float | None:
-    """Record each present source as a named reward event; the first present is the reward."""
+    """Read every source; the first present of ``sources`` (default: :func:`reward_sources`) is
+    the reward. Chosen ones are recorded as named reward events, the others as claims."""
+    chosen = tuple(sources) if sources is not None else reward_sources(None, scorer.present)
     posted, calls = await _posted(ctx, access, scorer.present)
     from_file, content = read_result(result_path)
     if content is not None:
@@ -199,17 +243,40 @@ async def choose_reward(
     if scorer.present:
         full = ProgramRun(run.task, run.stdout, run.stderr, run.exit_code, run.workdir, calls, content)
         scored = await scorer.score(full, access.secrets)
-    sources = {"program": posted, "result_file": from_file, "scorer": scored}
-    for name, value in sources.items():
-        if value is not None:
-            ctx.emit(EventType.REWARD, {"value": value, "name": name})
-    reward = next((v for v in sources.values() if v is not None), None)
+    values = {"program": posted, "result_file": from_file, "scorer": scored}
+    reward = next((values[n] for n in chosen if values[n] is not None), None)
+    _record(ctx, values, chosen, reward)
     if reward is None and not reward_later:
-        raise ProgramFailed("NoReward", _no_reward(scorer))
+        raise ProgramFailed("NoReward", _no_reward(scorer, chosen))
     return reward
 
 
-def _no_reward(scorer: Scorer) -> str:
+def _record(
+    ctx: RolloutContext, values: dict[str, float | None], chosen: Sequence[str], reward: float | None
+) -> None:
+    """Each present source: a named reward event when chosen, else a claim set against the reward."""
+    for name, value in values.items():
+        if value is None:
+            continue
+        if name in chosen:
+            ctx.emit(EventType.REWARD, {"value": value, "name": name})
+        else:
+            ctx.emit(
+                CLAIM_EVENT,
+                {"name": name, "value": value, "reward": reward, "disputed": disputed(value, reward)},
+            )
+
+
+def disputed(claim: float, reward: float | None) -> bool:
+    """Whether a claim disagrees with the reward given (no reward: nothing to disagree with)."""
+    return reward is not None and not math.isclose(claim, reward, rel_tol=1e-9, abs_tol=1e-9)
+
+
+def _no_reward(scorer: Scorer, chosen: Sequence[str]) -> str:
+    if tuple(chosen) == ("scorer",):
+        return "no reward: the scorer gave none (or ask for the reward later)"
+    if tuple(chosen) != ("program", "result_file"):
+        return f"no reward: none of {', '.join(chosen)} (reward_from) gave one (or ask for the reward later)"
     ways = "posted no reward to AGENTBOLT_EVENTS_URL and wrote no AGENTBOLT_RESULT_FILE"
     tail = "the scorer gave none" if scorer.present else "no scorer is set"
     return f"no reward: the program {ways}, and {tail} (or ask for the reward later)"

@@ -284,7 +284,13 @@ def _cli(tmp_path: Path, agent=None, command=None, **kw):
     from agentbolt.cli.kubernetes import launch_from_cli
 
     options = {"stdin": False, "env": [], "timeout": None, "scorer": None, "scorer_command": None}
-    options |= {"reward_later": False, "output_limit": 1024, "namespace": "agents", "public_url": None}
+    options |= {
+        "reward_from": None,
+        "reward_later": False,
+        "output_limit": 1024,
+        "namespace": "agents",
+        "public_url": None,
+    }
     options |= {"max_jobs": 1, "container": None, "name": "default", "lease_seconds": None, "max_rollouts": 1}
     return launch_from_cli(
         _write(tmp_path, PLAIN), agent, command, "http://127.0.0.1:9", None, **(options | kw)

@@ -152,7 +152,7 @@ def test_the_program_holds_its_own_attempt_key(guarded, tmp_path):
 # ---------------------------------------------------------------------- where the reward comes from
 
 
-def test_each_reward_source_is_recorded_and_the_first_present_wins(server, client):
+def test_each_chosen_source_is_recorded_and_the_first_present_wins(server, client):
     seen: list[ProgramRun] = []
 
     def scorer(run: ProgramRun) -> float:
@@ -161,13 +161,37 @@ def test_each_reward_source_is_recorded_and_the_first_present_wins(server, clien
 
     script = 'echo 42; echo made > made.txt; echo \'{{"reward": 0.5}}\' > "$AGENTBOLT_RESULT_FILE"'
     [ro] = _enqueue(client, [{"x": 1}])
-    _run(_runner(Program(["sh", "-c", script], scorer=scorer), server.url, 1))
+    program = Program(["sh", "-c", script], scorer=scorer, reward_from="result_file,scorer")
+    _run(_runner(program, server.url, 1))
     rollout = client.get_rollout(ro.id)
     assert rollout.status == RolloutStatus.SUCCEEDED and rollout.reward == 0.5
     assert _named_rewards(client, ro.id) == {"result_file": 0.5, "scorer": 0.75}
+    assert _events(client, ro.id, "reward_claim") == []
     [run] = seen
     assert run.stdout == "42\n" and run.task.data == {"x": 1} and run.result == {"reward": 0.5}
     assert run.exit_code == 0 and run.llm_calls == []
+
+
+def test_with_a_scorer_the_scorer_alone_gives_the_reward_and_the_rest_is_a_claim(server, client):
+    script = 'echo \'{{"reward": 0.5}}\' > "$AGENTBOLT_RESULT_FILE"'
+    [ro] = _enqueue(client, [{"x": 1}])
+    _run(_runner(Program(["sh", "-c", script], scorer=lambda run: 0.75), server.url, 1))
+    assert client.get_rollout(ro.id).reward == 0.75
+    assert _named_rewards(client, ro.id) == {"scorer": 0.75}
+    claim = {"name": "result_file", "value": 0.5, "reward": 0.75, "disputed": True}
+    assert _events(client, ro.id, "reward_claim") == [claim]
+
+
+def test_reward_from_is_checked_when_the_program_is_made():
+    with pytest.raises(ConfigError, match="no scorer"):
+        Program("true", reward_from="scorer")
+    with pytest.raises(ConfigError, match="choose from program, result_file, scorer"):
+        Program("true", reward_from="program,grade")
+    with pytest.raises(ConfigError, match="named twice"):
+        Program("true", reward_from=["program", "program"])
+    assert Program("true", scorer=lambda run: 1).reward_from == ("scorer",)
+    assert Program("true").reward_from == ("program", "result_file")
+    assert Program("true", reward_from=" result_file , program").reward_from == ("result_file", "program")
 
 
 def test_a_scorer_command_reads_the_run_on_stdin(server, client):
@@ -187,7 +211,8 @@ def test_a_scorer_command_reads_the_run_on_stdin(server, client):
 def test_rewards_posted_to_the_events_url_come_first(server, client):
     body = json.dumps([{"reward": 0.25, "name": "mine"}, {"type": "reward", "data": {"value": 0.5}}])
     [ro] = _enqueue(client, [{"body": body}])
-    program = Program([PY, str(PROGRAMS / "post_events.py")], scorer=lambda run: 0.9)
+    chosen = "program,result_file,scorer"
+    program = Program([PY, str(PROGRAMS / "post_events.py")], scorer=lambda run: 0.9, reward_from=chosen)
     _run(_runner(program, server.url, 1))
     rollout = client.get_rollout(ro.id)
     [stdout] = [d["content"] for d in _events(client, ro.id, "message") if d["role"] == "stdout"]

@@ -110,6 +110,10 @@ export function eventSummary(e, env) {
         d.final ? h("span", { class: "muted" }, " · final") : null,
         linked ? h("span", { class: "muted" }, ` · for ${turn ? `turn ${turn.turn}, ` : ""}LLM call #${d.llm_call_id}`) : null);
     }
+    case "reward_claim":
+      return h("span", {}, h("span", { class: "strong mono" }, fmtNum(Number(d.value), 4)),
+        h("span", { class: "muted" }, ` · claimed by ${d.name}, not used`),
+        d.disputed ? h("span", { class: "error-text" }, " · disputed") : null);
     case "state": {
       const turn = env?.turns?.get(callOf(d));
       return h("span", {}, h("code", { class: "strong mono" }, truncate(String(d.key ?? ""), 80)),

@@ -63,7 +63,8 @@ function summary(d) {
     h("div", { class: "summary-reward" },
       h("div", { class: "stat-label" }, named ? "Agent's reward" : "Reward"),
       h("div", { class: "summary-reward-value", "data-testid": "rollout-reward" }, r.reward === null ? "—" : fmtNum(r.reward, 4)),
-      h("div", { class: "stat-sub" }, named ? `${sub} · ${named} named below` : sub)),
+      h("div", { class: "stat-sub" }, named ? `${sub} · ${named} named below` : sub),
+      claimsLine(d.events)),
     facts([
       ["Created", h("span", { title: fmtFull(r.created_at) }, fmtTime(r.created_at))],
       ["Started", r.started_at ? h("span", { title: fmtFull(r.started_at) }, fmtTime(r.started_at)) : "not yet"],
@@ -74,6 +75,17 @@ function summary(d) {
       ["Events", fmtInt(d.events.length)],
       ["Updated", ago(r.updated_at, d.now)],
     ], "facts-grid"));
+}
+
+/** What the program claimed but was not rewarded by (a scorer decided): a disagreement is a
+ * reward-hacking signal, so it is said beside the reward. */
+function claimsLine(events) {
+  const claims = events.filter((e) => e.type === "reward_claim").map((e) => e.data || {});
+  if (!claims.length) return null;
+  const said = claims.map((c) => `${c.name} ${fmtNum(Number(c.value), 4)}`).join(", ");
+  const disputed = claims.some((c) => c.disputed === true);
+  return h("div", { class: disputed ? "stat-sub error-text" : "stat-sub", "data-testid": "rollout-claims",
+    title: "What the program claimed; not trained on" }, `claimed ${said}${disputed ? " · disputed" : ""}`);
 }
 
 function errorBox(r) {
