@@ -1,7 +1,9 @@
 """Events of a rollout -> training rows, from the token ids the gateway recorded.
 
 Nothing here tokenizes text: every id comes from an ``llm_call`` event exactly as the model
-server returned it (see ``docs/events.md``). Three views of the same events:
+server returned it (see ``docs/events.md``), and only from one the system wrote
+(:func:`system_calls`: source ``gateway``, or ``runner`` for the runner's own tracer): a model
+call an agent posted is never a training row. Three views of the same events:
 
 - :func:`to_transitions` - one :class:`TransitionRow` per call and choice (prompt ids,
   completion ids, logprobs, reward): the single-turn view.
@@ -45,7 +47,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from agentbolt.schemas import Event, EventType
+from agentbolt.schemas import SYSTEM_SOURCES, Event, EventSource, EventType
 
 __all__ = [
     "AdapterStats",
@@ -58,6 +60,7 @@ __all__ = [
     "latest_attempt",
     "rollout_reward",
     "split_attempts",
+    "system_calls",
     "to_chat_rows",
     "to_trajectories",
     "to_transitions",
@@ -209,8 +212,15 @@ def _parse_call(event: Event, call_index: int) -> _CallTokens | str:
     return _CallTokens(event=event, call_index=call_index, prompt_ids=prompt_ids, choices=choices)
 
 
+def system_calls(events: Sequence[Event]) -> list[Event]:
+    """The ``llm_call`` events the system wrote (:data:`~agentbolt.schemas.SYSTEM_SOURCES`), the
+    only ones training reads: an agent's post, or a row stored before sources were kept whose
+    writer is unknown, could carry token ids the model never produced."""
+    return [e for e in events if e.type == EventType.LLM_CALL and e.source in SYSTEM_SOURCES]
+
+
 def _parse_calls(events: Sequence[Event]) -> tuple[list[_CallTokens], AdapterStats]:
-    llm_events = [e for e in events if e.type == EventType.LLM_CALL]
+    llm_events = system_calls(events)
     parsed = [_parse_call(e, i) for i, e in enumerate(llm_events)]
     calls = [p for p in parsed if isinstance(p, _CallTokens)]
     stats = AdapterStats(
@@ -236,16 +246,16 @@ def rollout_reward(events: Sequence[Event], reward: float | None = None) -> floa
     if reward is not None:
         return reward
     rollout_level = [
-        (e.data.get("final") is True, value)
+        (e.data.get("final") is True, value, e.source)
         for e in events
         if e.type == EventType.REWARD
         and e.data.get("llm_call_id") is None
         and (value := _reward_value(e)) is not None
     ]
-    finals = [value for is_final, value in rollout_level if is_final]
+    finals = [value for is_final, value, source in rollout_level if is_final and source != EventSource.AGENT]
     if finals:
         return finals[-1]
-    return sum(value for _, value in rollout_level) if rollout_level else None
+    return sum(value for _, value, _ in rollout_level) if rollout_level else None
 
 
 def call_rewards(events: Sequence[Event]) -> dict[int, float]:
@@ -473,7 +483,7 @@ def to_chat_rows(events: Sequence[Event]) -> list[dict[str, Any]]:
     response message (choice 0), for every chat call whose conversation no later call continues
     - for a linear agent that is just the last call. Keys are normalized, so identical
     conversations give identical rows; dedupe across rollouts with :func:`chat_row_key`."""
-    rows = [row for e in events if e.type == EventType.LLM_CALL and (row := _chat_row(e)) is not None]
+    rows = [row for e in system_calls(events) if (row := _chat_row(e)) is not None]
     return [row for i, row in enumerate(rows) if not any(_continues(row, later) for later in rows[i + 1 :])]
 
 

@@ -31,7 +31,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from agentbolt.adapters import AdapterStats, chat_row_key, latest_attempt, to_chat_rows, to_trajectories
+from agentbolt.adapters import (
+    AdapterStats,
+    chat_row_key,
+    latest_attempt,
+    system_calls,
+    to_chat_rows,
+    to_trajectories,
+)
 from agentbolt.client import Client
 from agentbolt.errors import ConfigError
 from agentbolt.schemas import Event, EventType, Mode, ModelWeights, Rollout, RolloutStatus
@@ -300,7 +307,7 @@ def _rows_of(
     chats = chat_rows(events)
     keys = [chat_row_key(r) for r in chats]
     rows = [hf_row(r, rollout) for r in chats] if fmt == "hf" else chats
-    return rows, keys, AdapterStats(calls=sum(e.type == EventType.LLM_CALL for e in events))
+    return rows, keys, AdapterStats(calls=len(system_calls(events)))
 
 
 def export_dataset(

@@ -64,6 +64,7 @@ __all__ = [
     "Claim",
     "Event",
     "EventCreate",
+    "EventSource",
     "EventType",
     "Mode",
     "ModelWeights",
@@ -75,6 +76,7 @@ __all__ = [
     "Rollout",
     "RolloutCreate",
     "RolloutStatus",
+    "SYSTEM_SOURCES",
     "Task",
     "Trajectory",
     "Worker",
@@ -492,6 +494,26 @@ class EventType(StrEnum):
     REWARD_CLAIM = "reward_claim"
 
 
+class EventSource(StrEnum):
+    """Who wrote an event. The server sets it from the credential that posted the event (and
+    the route: the gateway's recorder writes ``gateway``), never from the request, so an agent
+    cannot pass its own records off as the system's: training reads model calls only from
+    :data:`SYSTEM_SOURCES`."""
+
+    GATEWAY = "gateway"  # the gateway's recorder: one llm_call per model call
+    RUNNER = "runner"  # a runner or worker token: the runner's events, OTLP spans
+    AGENT = "agent"  # an attempt's agent key, on its events URL
+    SCORER = "scorer"  # reserved: a reward a program computed from the run, not the agent
+    EVALUATOR = "evaluator"  # an evaluator token
+    REVIEWER = "reviewer"  # a reviewer token
+    TRAINER = "trainer"  # reserved: records a trainer adds
+    ADMIN = "admin"  # an admin token (tools, tests)
+
+
+SYSTEM_SOURCES = frozenset({EventSource.GATEWAY, EventSource.RUNNER})
+"""The sources whose ``llm_call`` events (token ids, logprobs, prompts, answers) training reads."""
+
+
 class EventCreate(_Strict):
     """An append-only record. ``sequence`` is per attempt; re-sending one is a no-op.
     Events recorded by the server itself (the gateway, OTLP ingest) carry no sequence."""
@@ -511,6 +533,9 @@ class Event(BaseModel):
     type: str
     timestamp: float
     data: dict[str, Any]
+    source: EventSource | None = Field(
+        default=None, description="who wrote it, set by the server; null: stored before sources were kept"
+    )
 
 
 # ---------------------------------------------------------------------------- resources

@@ -14,7 +14,7 @@ from agentbolt.adapters import (
     to_trajectories,
     to_transitions,
 )
-from agentbolt.schemas import Event
+from agentbolt.schemas import Event, EventSource
 
 _ids = itertools.count(1)
 
@@ -28,6 +28,7 @@ def event(type_: str, data: dict[str, Any], attempt: str = "at-1") -> Event:
         type=type_,
         timestamp=0.0,
         data=data,
+        source=EventSource.GATEWAY,  # the gateway's record: what training reads
     )
 
 

@@ -26,6 +26,7 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
+from agentbolt.adapters import system_calls
 from agentbolt.schemas import Event
 
 __all__ = ["IMPORTANCE_MODES", "ImportanceMode", "behaviour_version", "importance_weights", "version_number"]
@@ -77,9 +78,7 @@ def behaviour_version(events: Sequence[Event]) -> int | None:
     """The oldest model version among the ``llm_call`` events of one attempt (a call generated
     across a weight swap counts its oldest token's); None when no call reported a version."""
     found: list[int] = []
-    for event in events:
-        if event.type != "llm_call":
-            continue
+    for event in system_calls(events):
         data = event.data or {}
         versions: list[object] = [data.get("model_version")]
         for choice in data.get("choices") or []:

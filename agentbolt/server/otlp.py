@@ -24,7 +24,7 @@ from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from agentbolt.errors import NotFound
-from agentbolt.schemas import Attempt, EventCreate, EventType
+from agentbolt.schemas import Attempt, EventCreate, EventSource, EventType
 from agentbolt.server.config import ServerConfig
 from agentbolt.server.store_caller import StoreCaller
 
@@ -221,10 +221,15 @@ class OtlpIngest:
         return None
 
     async def ingest(
-        self, body: dict[str, Any], from_protobuf: bool, worker_id: str | None = None
+        self,
+        body: dict[str, Any],
+        from_protobuf: bool,
+        worker_id: str | None = None,
+        source: EventSource = EventSource.RUNNER,
     ) -> tuple[int, str]:
         """Record the spans; return (rejected count, why). ``worker_id``: the worker a worker
-        token binds the caller to (its spans land only in that worker's attempts)."""
+        token binds the caller to (its spans land only in that worker's attempts); ``source``:
+        who posted them."""
         by_attempt: dict[str, list[EventCreate]] = defaultdict(list)
         keys: dict[str, list[str | None]] = defaultdict(list)
         cache: dict[tuple[Any, Any], Attempt | None] = {}
@@ -246,7 +251,7 @@ class OtlpIngest:
             )
             keys[attempt_id].append(span_key(data))
         for attempt_id, events in by_attempt.items():
-            await self.call(self.store.record_events, attempt_id, events, keys[attempt_id])
+            await self.call(self.store.record_events, attempt_id, events, keys[attempt_id], source)
         why = []
         if unrouted:
             why.append(f"{unrouted} span(s) carry no {ATTEMPT_ATTR} / {ROLLOUT_ATTR} attribute")

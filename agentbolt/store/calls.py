@@ -120,8 +120,8 @@ def record_call(
     waiting = key is None and retry is not None and retry > 0
     data = {**event.data, "retries": 0, "tries": [retry or 0]}
     added = tx.one(
-        "INSERT INTO events (rollout_id, attempt_id, type, timestamp, data, call_key) "
-        "SELECT rollout_id, id, ?, ?, ?, ? FROM attempts WHERE id = ? RETURNING id",
+        "INSERT INTO events (rollout_id, attempt_id, type, timestamp, data, call_key, source) "
+        "SELECT rollout_id, id, ?, ?, ?, ?, 'gateway' FROM attempts WHERE id = ? RETURNING id",
         (
             event.type,
             event.timestamp,
@@ -157,8 +157,8 @@ def record_new_call(
     where = where if joins else ""
     data = {**event.data, "retries": 0, "tries": [retry or 0]}
     added = tx.one(
-        "INSERT INTO events (rollout_id, attempt_id, type, timestamp, data, call_key) "
-        f"SELECT rollout_id, id, ?, ?, ?, ? FROM attempts WHERE id = ?{where} RETURNING id",
+        "INSERT INTO events (rollout_id, attempt_id, type, timestamp, data, call_key, source) "
+        f"SELECT rollout_id, id, ?, ?, ?, ?, 'gateway' FROM attempts WHERE id = ?{where} RETURNING id",
         (
             event.type,
             event.timestamp,

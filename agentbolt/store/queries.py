@@ -93,7 +93,7 @@ class Queries:
             where.append("(timestamp > ? OR (timestamp = ? AND id > ?))")
             params.extend([ts, ts, last_id])
         limit = page_limit(limit)
-        sql = "SELECT rollout_id, attempt_id, sequence, type, timestamp, data, id FROM events"
+        sql = "SELECT rollout_id, attempt_id, sequence, type, timestamp, data, id, source FROM events"
         if where:
             sql += " WHERE " + " AND ".join(where)
         sql += " ORDER BY timestamp, id LIMIT ?"

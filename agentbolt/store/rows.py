@@ -123,8 +123,8 @@ def keyed_event_rows(events: Sequence[EventCreate], keys: Sequence[str | None]) 
 
 
 def event_from_row(row: tuple[Any, ...]) -> Event:
-    """An event from ``rollout_id, attempt_id, sequence, type, timestamp, data, id``."""
-    rollout_id, attempt_id, seq, kind, ts, data, event_id = row
+    """An event from ``rollout_id, attempt_id, sequence, type, timestamp, data, id, source``."""
+    rollout_id, attempt_id, seq, kind, ts, data, event_id, source = row
     return Event(
         id=event_id,
         rollout_id=rollout_id,
@@ -133,6 +133,7 @@ def event_from_row(row: tuple[Any, ...]) -> Event:
         type=kind,
         timestamp=ts,
         data=from_json(data),
+        source=source,
     )
 
 

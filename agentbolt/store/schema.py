@@ -106,6 +106,20 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
         5,
         ["ALTER TABLE workers ADD COLUMN revoked_at {real}"],
     ),
+    (
+        # Issue 37: who wrote each event, set by the server from the credential (EventSource).
+        # Existing rows get it where the row tells: a sequence is the runner's numbering, an
+        # "agent:" key an agent's post, a key or body hash on an llm_call the gateway's recorder.
+        # The rest stay NULL (unknown), and training does not read their model calls.
+        6,
+        [
+            "ALTER TABLE events ADD COLUMN source TEXT",
+            "UPDATE events SET source = 'runner' WHERE sequence IS NOT NULL",
+            "UPDATE events SET source = 'agent' WHERE sequence IS NULL AND call_key LIKE 'agent:%'",
+            "UPDATE events SET source = 'gateway' WHERE sequence IS NULL AND type = 'llm_call' "
+            "AND (call_key LIKE 'key:%' OR call_key LIKE 'sha256:%')",
+        ],
+    ),
 ]
 
 _APPLIED = (

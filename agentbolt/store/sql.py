@@ -35,6 +35,7 @@ from agentbolt.schemas import (
     AttemptStatus,
     Claim,
     EventCreate,
+    EventSource,
     Resources,
     ResourcesCreate,
     RewardCreate,
@@ -59,7 +60,6 @@ from agentbolt.store.rows import (
     event_rows,
     keyed_event_rows,
     rollout_from_row,
-    to_json,
 )
 from agentbolt.store.schema import migrate
 from agentbolt.store.statements import (
@@ -70,6 +70,7 @@ from agentbolt.store.statements import (
     RUNNING,
     attempt_row,
     cancel_running,
+    check_call_refs,
     claim_made,
     end_attempt,
     expire_lapsed,
@@ -77,6 +78,7 @@ from agentbolt.store.statements import (
     insert_events,
     insert_keyed_events,
     insert_rollout,
+    insert_version,
     rollouts_by_id,
     touch_worker,
 )
@@ -321,36 +323,46 @@ class SqlStore(Queries):
 
     # ------------------------------------------------------------------ events
 
-    def add_events(self, attempt_id: str, events: Sequence[EventCreate], worker_id: str | None = None) -> int:
+    def add_events(
+        self,
+        attempt_id: str,
+        events: Sequence[EventCreate],
+        worker_id: str | None = None,
+        source: EventSource = EventSource.RUNNER,
+    ) -> int:
         """Append events to a running attempt; a (attempt, sequence) already stored is skipped.
-        Returns how many were new."""
+        Returns how many were new. ``source``: who posts them (the route says, from the credential)."""
         rows = event_rows(events)
         with self._events_tx(rows) as tx:
-            new = insert_events(tx, attempt_id, rows, running=True, worker_id=worker_id)
+            new = insert_events(tx, attempt_id, rows, running=True, worker_id=worker_id, source=source)
             if new == 0:  # nothing stored: not held (say why), or every event a repeat
                 held(tx, attempt_id, worker_id)
             return new
 
     def record_events(
-        self, attempt_id: str, events: Sequence[EventCreate], keys: Sequence[str | None] | None = None
+        self,
+        attempt_id: str,
+        events: Sequence[EventCreate],
+        keys: Sequence[str | None] | None = None,
+        source: EventSource = EventSource.RUNNER,
     ) -> int:
         """Append events the server observed itself (gateway calls, OTLP spans). Unlike
         :meth:`add_events` the attempt may have ended: a span can arrive after the finish.
         ``keys`` (one per event, or None): an event whose key the attempt holds already is a
         repeat and skipped (a span's trace and span id)."""
         if keys is not None:
-            return self._record_keyed(attempt_id, keyed_event_rows(events, keys))
+            return self._record_keyed(attempt_id, keyed_event_rows(events, keys), source)
         rows = event_rows(events)
         with self._events_tx(rows) as tx:
-            new = insert_events(tx, attempt_id, rows, running=False, worker_id=None)
+            new = insert_events(tx, attempt_id, rows, running=False, worker_id=None, source=source)
             if new == 0:
                 attempt_row(tx, attempt_id)  # NotFound when there is no such attempt
             return new
 
-    def _record_keyed(self, attempt_id: str, rows: list[tuple[Any, ...]]) -> int:
+    def _record_keyed(self, attempt_id: str, rows: list[tuple[Any, ...]], source: EventSource) -> int:
         with self._tx() as tx:
             self.db.serialize(tx, CALLS_LOCK, attempt_id)
-            new = insert_keyed_events(tx, attempt_id, rows)
+            new = insert_keyed_events(tx, attempt_id, rows, source)
             if new == 0:
                 attempt_row(tx, attempt_id)
             return new
@@ -370,19 +382,26 @@ class SqlStore(Queries):
             return record_call(tx, self.db, attempt_id, event, key, body_sha256, retry)
 
     def add_agent_events(
-        self, attempt_id: str, events: Sequence[EventCreate], key: str | None, worker_id: str | None = None
+        self,
+        attempt_id: str,
+        events: Sequence[EventCreate],
+        key: str | None,
+        worker_id: str | None = None,
+        source: EventSource = EventSource.AGENT,
     ) -> int:
-        """Append events an agent posted to its events URL while its attempt runs. They carry
-        no sequence (the runner numbers its own events; the store's order is theirs); with
-        ``key`` (the request's idempotency key) a repeat of the request stores nothing new.
-        An ended attempt is :class:`~agentbolt.errors.AttemptEnded` naming its state."""
+        """Append events posted to an attempt's events URL while it runs. They carry no
+        sequence (the runner numbers its own events; the store's order is theirs); with ``key``
+        (the request's idempotency key) a repeat of the request stores nothing new. An ended
+        attempt is :class:`~agentbolt.errors.AttemptEnded` naming its state; a per-call reward
+        or state naming no model call of this attempt :class:`~agentbolt.errors.InvalidInput`."""
         keys = [f"agent:{key}:{i}" if key is not None else None for i in range(len(events))]
         rows = keyed_event_rows(events, keys)
         with self._tx() as tx:
             self.db.serialize(tx, CALLS_LOCK, attempt_id)
             if worker_id is not None:  # a worker token posts only to attempts its worker holds
                 held(tx, attempt_id, worker_id)
-            new = insert_keyed_events(tx, attempt_id, rows, running=True)
+            check_call_refs(tx, attempt_id, events)
+            new = insert_keyed_events(tx, attempt_id, rows, source, running=True)
             if new == 0:  # nothing stored: not running (say why), or a repeat
                 held(tx, attempt_id, worker_id)
             return new
@@ -468,20 +487,8 @@ class SqlStore(Queries):
             ):
                 version = first[0]
             else:
-                version = self._insert_version(tx, create, key, ts)
+                version = insert_version(tx, create, key, ts)
         return self.get_resources(version)
-
-    @staticmethod
-    def _insert_version(tx: Tx, create: ResourcesCreate, key: str | None, ts: float) -> int:
-        row = tx.one("SELECT MAX(version) FROM resources")
-        version = (row[0] if row and row[0] is not None else 0) + 1
-        body = to_json({k: v.model_dump(mode="json") for k, v in create.resources.items()})
-        tx.run(
-            "INSERT INTO resources (version, resources, metadata, created_at, request_key, trial) "
-            "VALUES (?, ?, ?, ?, ?, ?)",
-            (version, body, to_json(create.metadata), ts, key, int(create.trial)),
-        )
-        return int(version)
 
 
 def _one_rollout(tx: Tx, rollout_id: str) -> Rollout:

@@ -12,12 +12,15 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from agentbolt.errors import AttemptEnded, Conflict, LeaseLost, NotFound, WorkerRevoked
+from agentbolt.errors import AttemptEnded, Conflict, InvalidInput, LeaseLost, NotFound, WorkerRevoked
 from agentbolt.schemas import (
     Attempt,
     AttemptFinish,
     AttemptStatus,
+    EventCreate,
+    EventType,
     Mode,
+    ResourcesCreate,
     Rollout,
     RolloutCreate,
     RolloutStatus,
@@ -47,6 +50,7 @@ __all__ = [
     "RUNNING",
     "attempt_row",
     "cancel_running",
+    "check_call_refs",
     "claim_made",
     "end_attempt",
     "expire_lapsed",
@@ -54,6 +58,7 @@ __all__ = [
     "insert_events",
     "insert_keyed_events",
     "insert_rollout",
+    "insert_version",
     "rollouts_by_id",
     "sql_literal",
     "touch_worker",
@@ -302,7 +307,12 @@ def cancel_running(tx: Tx, rollout_id: str, ts: float) -> int:
 
 
 def insert_events(
-    tx: Tx, attempt_id: str, rows: list[tuple[Any, ...]], running: bool, worker_id: str | None
+    tx: Tx,
+    attempt_id: str,
+    rows: list[tuple[Any, ...]],
+    running: bool,
+    worker_id: str | None,
+    source: str = "runner",
 ) -> int:
     """Insert ``rows`` for the attempt, in statements that each check the attempt exists
     (and, with ``running``, that it is running and held by ``worker_id`` if given): an
@@ -317,16 +327,18 @@ def insert_events(
         chunk = rows[start : start + EVENTS_PER_INSERT]
         marks = ", ".join(["(?, ?, ?, ?)"] * len(chunk))
         new += tx.run(
-            "INSERT INTO events (rollout_id, attempt_id, sequence, type, timestamp, data) "
-            "SELECT a.rollout_id, a.id, CAST(v.column1 AS BIGINT), v.column2, v.column3, v.column4 "
-            f"FROM attempts a, (VALUES {marks}) v WHERE a.id = ?{where} "
+            "INSERT INTO events (rollout_id, attempt_id, sequence, type, timestamp, data, source) "
+            "SELECT a.rollout_id, a.id, CAST(v.column1 AS BIGINT), v.column2, v.column3, v.column4, "
+            f"CAST(? AS TEXT) FROM attempts a, (VALUES {marks}) v WHERE a.id = ?{where} "
             "ON CONFLICT (attempt_id, sequence) DO NOTHING",
-            [*itertools.chain.from_iterable(chunk), attempt_id, *extra],
+            [source, *itertools.chain.from_iterable(chunk), attempt_id, *extra],
         )
     return new
 
 
-def insert_keyed_events(tx: Tx, attempt_id: str, rows: list[tuple[Any, ...]], running: bool = False) -> int:
+def insert_keyed_events(
+    tx: Tx, attempt_id: str, rows: list[tuple[Any, ...]], source: str, running: bool = False
+) -> int:
     """Insert events the server records itself, ``(type, timestamp, data, call_key)`` each,
     skipping those whose ``call_key`` the attempt already holds (a span delivered twice); a
     ``None`` key is never skipped. With ``running``, only while the attempt runs (an agent's own
@@ -338,10 +350,43 @@ def insert_keyed_events(tx: Tx, attempt_id: str, rows: list[tuple[Any, ...]], ru
         chunk = rows[start : start + EVENTS_PER_INSERT]
         marks = ", ".join(["(?, ?, ?, ?)"] * len(chunk))
         new += tx.run(
-            "INSERT INTO events (rollout_id, attempt_id, type, timestamp, data, call_key) "
-            "SELECT a.rollout_id, a.id, v.column1, v.column2, v.column3, v.column4 "
+            "INSERT INTO events (rollout_id, attempt_id, type, timestamp, data, call_key, source) "
+            "SELECT a.rollout_id, a.id, v.column1, v.column2, v.column3, v.column4, CAST(? AS TEXT) "
             f"FROM attempts a, (VALUES {marks}) v WHERE a.id = ?{where} AND NOT EXISTS "
             "(SELECT 1 FROM events e WHERE e.attempt_id = a.id AND e.call_key = v.column4)",
-            [*itertools.chain.from_iterable(chunk), attempt_id],
+            [source, *itertools.chain.from_iterable(chunk), attempt_id],
         )
     return new
+
+
+_CALLED = (EventType.REWARD, EventType.STATE)  # the types that may name a model call
+_SYSTEM_CALL = (
+    "SELECT 1 FROM events WHERE id = ? AND attempt_id = ? AND type = 'llm_call' "
+    "AND source IN ('gateway', 'runner')"
+)
+
+
+def check_call_refs(tx: Tx, attempt_id: str, events: Sequence[EventCreate]) -> None:
+    """Each per-call reward and each state must name a model call the system recorded for this
+    attempt: an agent cannot attach rewards to another attempt's turns, nor to a call it made
+    up. :class:`InvalidInput` naming the first id that names none."""
+    named = [
+        e.data["llm_call_id"] for e in events if e.type in _CALLED and e.data.get("llm_call_id") is not None
+    ]
+    for call_id in dict.fromkeys(named):
+        valid = isinstance(call_id, int) and not isinstance(call_id, bool) and 0 <= call_id < 2**63
+        if not valid or tx.one(_SYSTEM_CALL, (call_id, attempt_id)) is None:
+            raise InvalidInput(f"llm_call_id {call_id!r} names no model call of attempt {attempt_id!r}")
+
+
+def insert_version(tx: Tx, create: ResourcesCreate, key: str | None, ts: float) -> int:
+    """Store the next resources version (the caller holds the publish lock); its number."""
+    row = tx.one("SELECT MAX(version) FROM resources")
+    version = (row[0] if row and row[0] is not None else 0) + 1
+    body = to_json({k: v.model_dump(mode="json") for k, v in create.resources.items()})
+    tx.run(
+        "INSERT INTO resources (version, resources, metadata, created_at, request_key, trial) "
+        "VALUES (?, ?, ?, ?, ?, ?)",
+        (version, body, to_json(create.metadata), ts, key, int(create.trial)),
+    )
+    return int(version)

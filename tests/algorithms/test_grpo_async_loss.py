@@ -9,7 +9,7 @@ import torch
 
 from agentbolt.algorithms.importance import behaviour_version, importance_weights, version_number
 from agentbolt.algorithms.losses import PolicyLoss, TrainRow, clipped_policy_loss, pad_batch, token_logprobs
-from agentbolt.schemas import Event
+from agentbolt.schemas import Event, EventSource
 
 LN = math.log
 
@@ -134,6 +134,7 @@ def _call(version: object, versions: list[object] | None = None) -> Event:
         type="llm_call",
         timestamp=0.0,
         data={"model_version": version, "choices": [choice]},
+        source=EventSource.GATEWAY,
     )
 
 

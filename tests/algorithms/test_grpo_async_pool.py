@@ -7,7 +7,7 @@ from typing import Any
 
 from agentbolt.algorithms.async_grpo import GroupPool
 from agentbolt.algorithms.grpo import GRPO
-from agentbolt.schemas import Event, Mode, Rollout, RolloutCreate, RolloutStatus, Task
+from agentbolt.schemas import Event, EventSource, Mode, Rollout, RolloutCreate, RolloutStatus, Task
 
 
 class ScriptedClient:
@@ -53,6 +53,7 @@ class ScriptedClient:
                 type="llm_call",
                 timestamp=0.0,
                 data=data,
+                source=EventSource.GATEWAY,
             )
         )
 

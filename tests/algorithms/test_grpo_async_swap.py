@@ -12,7 +12,7 @@ import pytest
 
 from agentbolt.algorithms.importance import behaviour_version
 from agentbolt.engine import ModelEngine, tiny_model_dir
-from agentbolt.schemas import Event
+from agentbolt.schemas import Event, EventSource
 from agentbolt.server.openai_format import CHAT, extract
 
 
@@ -64,7 +64,14 @@ def _event(body: dict[str, Any]) -> Event:
     if body.get("model_version_mixed"):
         data["model_version_mixed"] = True
     return Event(
-        id=1, rollout_id="r", attempt_id="a", sequence=None, type="llm_call", timestamp=0.0, data=data
+        id=1,
+        rollout_id="r",
+        attempt_id="a",
+        sequence=None,
+        type="llm_call",
+        timestamp=0.0,
+        data=data,
+        source=EventSource.GATEWAY,
     )
 
 

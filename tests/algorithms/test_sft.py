@@ -22,7 +22,7 @@ from agentbolt.algorithms.sft import SFT, eval_loss, select_rollouts, sft_rows, 
 from agentbolt.algorithms.train_state import TrainConfig, make_train_state
 from agentbolt.client import Client
 from agentbolt.runner.worker import Runner
-from agentbolt.schemas import LLM, Event, Mode, ModelWeights, Rollout, RolloutStatus
+from agentbolt.schemas import LLM, Event, EventSource, Mode, ModelWeights, Rollout, RolloutStatus
 from agentbolt.trainer import Trainer
 from tests.conftest import finished_rollout
 
@@ -47,6 +47,7 @@ def event(type_: str, data: dict[str, Any], attempt: str = "at-1", rollout_id: s
         type=type_,
         timestamp=0.0,
         data=data,
+        source=EventSource.GATEWAY,  # the gateway's record: what training reads
     )
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from agentbolt.client import Client
 from agentbolt.runner.worker import Runner, load_agent
-from agentbolt.schemas import AttemptStatus, PromptTemplate, RolloutCreate, RolloutStatus, Task
+from agentbolt.schemas import AttemptStatus, EventSource, PromptTemplate, RolloutCreate, RolloutStatus, Task
 from agentbolt.server import ServerConfig, ServerProcess
 
 AGENTS = str(Path(__file__).parents[1] / "sample_agents.py")
@@ -186,12 +186,12 @@ class _FailingEventsStore:
     def __getattr__(self, name):
         return getattr(self._store, name)
 
-    def add_events(self, attempt_id, events, worker_id=None):
+    def add_events(self, attempt_id, events, worker_id=None, source=EventSource.RUNNER):
         attempt = self._store.get_attempt(attempt_id)
         if self._store.get_rollout(attempt.rollout_id).task.data.get("poison"):
             self.refused += 1
             raise RuntimeError("the store cannot take these events")
-        return self._store.add_events(attempt_id, events, worker_id)
+        return self._store.add_events(attempt_id, events, worker_id, source)
 
 
 def test_a_request_the_server_fails_on_ends_the_attempt_with_the_reason(tmp_path, caplog):

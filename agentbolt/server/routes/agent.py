@@ -12,6 +12,13 @@ header, or ``agentbolt.call_id`` in its body) the reward is that call's. A turn'
 ``{"type": "state", "data": {"key": "<state>", "llm_call_id": <call id>}}``, exactly (a
 422 names what is missing). See ``docs/events.md``.
 
+An agent key may post only what an agent legitimately reports (:func:`agent_refusal`): a
+reward without ``final``, ``message``, ``state``, ``tool_call`` and its own types under
+``custom.``; anything else (``llm_call``, ``exception``, ``span``, a ``final`` reward, ...) is
+a 403 naming the type, so an agent cannot write the records training reads or its own final
+grade. A per-call reward or a state must name a model call of this attempt (422 naming the
+id). Each stored event's ``source`` comes from the credential (``agent`` for an agent key).
+
 The store orders them (they carry no sequence: the runner numbers its own events); a repeat
 with the same ``Idempotency-Key`` stores nothing new. Once the attempt ended: 409
 ``AttemptEnded`` naming its state.
@@ -22,12 +29,17 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from agentbolt.errors import NotFound
-from agentbolt.schemas import AgentEvents
-from agentbolt.server.routes.common import IdempotencyKey, caller_of, json_response
+from agentbolt.errors import Forbidden, NotFound
+from agentbolt.schemas import AgentEvents, EventCreate, EventSource, EventType
+from agentbolt.server.routes.common import IdempotencyKey, caller_of, json_response, source_of
 from agentbolt.server.store_caller import StoreCaller
 
-__all__ = ["router"]
+__all__ = ["AGENT_TYPES", "CUSTOM_PREFIX", "agent_refusal", "router"]
+
+AGENT_TYPES = frozenset({EventType.REWARD, EventType.MESSAGE, EventType.STATE, EventType.TOOL_CALL})
+"""Built-in types an agent reports itself; ``llm_call``, ``exception`` and ``span`` are the
+system's (the gateway's, the runner's)."""
+CUSTOM_PREFIX = "custom."  # an agent's own types: "custom.<name>"
 
 
 def router(call: StoreCaller) -> APIRouter:
@@ -46,7 +58,33 @@ def router(call: StoreCaller) -> APIRouter:
         caller = caller_of(request)
         worker = caller.worker_id if caller is not None else None
         events = [event.to_create() for event in body.root]
-        added = await call(store.add_agent_events, attempt_id, events, key, worker)
+        source = source_of(request, EventSource.AGENT)
+        if source == EventSource.AGENT:
+            _check_agent_types(events)
+        added = await call(store.add_agent_events, attempt_id, events, key, worker, source)
         return json_response({"added": added})
 
     return api
+
+
+def agent_refusal(event: EventCreate) -> str | None:
+    """Why an agent may not post ``event`` (None when it may): only the system writes model
+    calls, exceptions, spans and final rewards, and an agent's own types live under ``custom.``."""
+    if event.type == EventType.REWARD and "final" in event.data:
+        return "a reward with 'final' is the runner's (the attempt's own result); post it without 'final'"
+    if event.type in AGENT_TYPES or (
+        event.type.startswith(CUSTOM_PREFIX) and len(event.type) > len(CUSTOM_PREFIX)
+    ):
+        return None
+    return (
+        f"an agent key may not post events of type {event.type!r}: it may post "
+        f"{', '.join(sorted(AGENT_TYPES))} and its own types named '{CUSTOM_PREFIX}<name>'"
+    )
+
+
+def _check_agent_types(events: list[EventCreate]) -> None:
+    """403 naming the first event an agent may not post; nothing of the request is stored."""
+    for i, event in enumerate(events):
+        why = agent_refusal(event)
+        if why is not None:
+            raise Forbidden(f"event {i} (type {event.type!r}): {why}")

@@ -11,9 +11,9 @@ from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 
-from agentbolt.schemas import Attempt, EventsRequest, FinishRequest, HeartbeatRequest, Rollout
+from agentbolt.schemas import Attempt, EventSource, EventsRequest, FinishRequest, HeartbeatRequest, Rollout
 from agentbolt.server.config import Role
-from agentbolt.server.routes.common import IdempotencyKey, acting_worker, json_response
+from agentbolt.server.routes.common import IdempotencyKey, acting_worker, json_response, source_of
 from agentbolt.server.store_caller import StoreCaller, WakeUp
 
 __all__ = ["router"]
@@ -52,7 +52,8 @@ def router(call: StoreCaller, wake: WakeUp) -> APIRouter:
 async def append_events(call: StoreCaller, attempt_id: str, body: EventsRequest, request: Request) -> int:
     """The events call's work (the route's and the runner fast path's): how many were new."""
     worker = _holder_named(request, body.worker_id)
-    return await call(call.store.add_events, attempt_id, body.events, worker)
+    source = source_of(request, EventSource.RUNNER)
+    return await call(call.store.add_events, attempt_id, body.events, worker, source)
 
 
 async def finish_attempt(

@@ -14,9 +14,19 @@ from pydantic import BaseModel
 from pydantic_core import to_json
 
 from agentbolt.errors import Forbidden
+from agentbolt.schemas import EventSource
+from agentbolt.server.config import Role
 from agentbolt.server.middleware import Caller
 
-__all__ = ["INT_CURSOR", "IdempotencyKey", "acting_worker", "caller_of", "json_bytes", "json_response"]
+__all__ = [
+    "INT_CURSOR",
+    "IdempotencyKey",
+    "acting_worker",
+    "caller_of",
+    "json_bytes",
+    "json_response",
+    "source_of",
+]
 
 # Cursors as the store writes them (a queue position; "<timestamp>:<event id>" for events):
 # anything else is a 422 from validation, not a 400 from the store.
@@ -64,3 +74,21 @@ def acting_worker(request: Request, named: str | None) -> str | None:
     if named is not None and named != bound:
         raise Forbidden(f"this worker token belongs to worker {bound!r}; it cannot act for {named!r}")
     return bound
+
+
+_SOURCES = {
+    Role.ADMIN: EventSource.ADMIN,
+    Role.RUNNER: EventSource.RUNNER,  # a configured runner token or a worker token
+    Role.AGENT: EventSource.AGENT,
+    Role.REVIEWER: EventSource.REVIEWER,
+    Role.EVALUATOR: EventSource.EVALUATOR,
+}
+
+
+def source_of(request: Request, route: EventSource) -> EventSource:
+    """Who writes the events a request posts: the credential's role, never the body. A request
+    without a credential (a server with no tokens) writes as the route's own writer."""
+    caller = caller_of(request)
+    if caller is None:
+        return route
+    return _SOURCES.get(caller.role, route)

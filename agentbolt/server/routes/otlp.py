@@ -11,8 +11,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
+from agentbolt.schemas import EventSource
 from agentbolt.server.otlp import PROTOBUF, BadPayload, OtlpIngest, decode
-from agentbolt.server.routes.common import caller_of
+from agentbolt.server.routes.common import caller_of, source_of
 from agentbolt.web import error_response
 
 __all__ = ["router"]
@@ -64,7 +65,8 @@ def router(ingest: OtlpIngest, max_body_bytes: int) -> APIRouter:
             body, from_protobuf = decode(await request.body(), content_type, encoding, max_body_bytes)
             caller = caller_of(request)
             worker_id = caller.worker_id if caller is not None else None
-            rejected, why = await ingest.ingest(body, from_protobuf, worker_id)
+            source = source_of(request, EventSource.RUNNER)
+            rejected, why = await ingest.ingest(body, from_protobuf, worker_id, source)
         except (BadPayload, zlib.error) as exc:
             return error_response(400, str(exc), "bad_request")
         return _answer(rejected, why, protobuf)
