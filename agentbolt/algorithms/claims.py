@@ -2,7 +2,8 @@
 
 A program whose reward comes from the user's scorer may still post or write a grade of its own;
 the runner records it as a ``reward_claim`` event (:mod:`agentbolt.runner.program_reward`) and
-no algorithm trains on it. Counted over a batch, claims that disagree with the reward are a
+no algorithm trains on it. Only the runner's records count (an agent key may not post this type,
+and an older store's rows of unknown source are left out), so a program cannot skew the count. Counted over a batch, claims that disagree with the reward are a
 reward-hacking signal: a policy that learned to claim success it does not earn.
 """
 
@@ -12,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from agentbolt.adapters import latest_attempt
-from agentbolt.schemas import Event, EventType, Rollout, RolloutStatus
+from agentbolt.schemas import Event, EventSource, EventType, Rollout, RolloutStatus
 
 if TYPE_CHECKING:
     from agentbolt.client import Client
@@ -28,7 +29,11 @@ def claim_counts(events_of: Mapping[str, Sequence[Event]]) -> dict[str, int]:
     them with a claim that disagrees with the reward given."""
     claimed = disputed = 0
     for events in events_of.values():
-        claims = [e for e in latest_attempt(events) if e.type == EventType.REWARD_CLAIM]
+        claims = [
+            e
+            for e in latest_attempt(events)
+            if e.type == EventType.REWARD_CLAIM and e.source == EventSource.RUNNER
+        ]
         claimed += bool(claims)
         disputed += any(e.data.get("disputed") is True for e in claims)
     return {"claims": claimed, "claims_disputed": disputed}

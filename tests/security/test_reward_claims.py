@@ -79,3 +79,30 @@ def test_without_a_scorer_the_program_is_trusted_and_nothing_is_a_claim(
     rollout = client.get_rollout(rollout_id)
     assert rollout.reward == 1.0  # the posted reward comes first
     assert fetch_claim_counts(client, [rollout]) == {"claims": 0, "claims_disputed": 0}
+
+
+def test_only_the_runners_claims_are_counted() -> None:
+    """A ``reward_claim`` an agent stored (an agent key may no longer post one; an older store
+    may hold one) or one of unknown source does not move the disagreement count."""
+    from agentbolt.algorithms.claims import claim_counts
+    from agentbolt.schemas import Event, EventSource, EventType
+
+    def claim(rollout: str, source: EventSource | None, disputed: bool) -> Event:
+        return Event(
+            id=hash((rollout, source)) % 10_000,
+            rollout_id=rollout,
+            attempt_id=f"at-{rollout}",
+            sequence=None,
+            type=EventType.REWARD_CLAIM.value,
+            timestamp=1.0,
+            data={"name": "program", "value": 1.0, "reward": 0.0, "disputed": disputed},
+            source=source,
+        )
+
+    events = {
+        "a": [claim("a", EventSource.RUNNER, True)],
+        "b": [claim("b", EventSource.AGENT, True)],
+        "c": [claim("c", None, True)],
+        "d": [claim("d", EventSource.RUNNER, False)],
+    }
+    assert claim_counts(events) == {"claims": 2, "claims_disputed": 1}
