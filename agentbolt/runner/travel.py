@@ -110,8 +110,12 @@ def hints_resolved(agent: LitAgent) -> LitAgent:
 
 def by_name(agent: LitAgent) -> AgentByName | None:
     """``agent`` as a global's name, when it is one of a module other than ``__main__``."""
-    module, qualname = getattr(agent, "__module__", None), vars(agent).get("__qualname__")
-    return AgentByName(module, qualname) if global_of(agent) else None  # type: ignore[arg-type]
+    module = getattr(agent, "__module__", None)
+    qualname = (vars(agent) if hasattr(agent, "__dict__") else {}).get("__qualname__")
+    qualname = qualname or getattr(agent, "__qualname__", None)
+    if not global_of(agent) or not isinstance(module, str) or not isinstance(qualname, str):
+        return None
+    return AgentByName(module, qualname)
 
 
 def global_of(obj: Any) -> bool:
@@ -146,16 +150,23 @@ def modules_of(data: bytes) -> set[str]:
             memo[len(memo)] = top
             continue
         if op.name in ("PUT", "BINPUT", "LONG_BINPUT"):
-            memo[int(arg)] = top  # type: ignore[arg-type]
+            memo[_index(arg)] = top
             continue
         if op.name in ("GET", "BINGET", "LONG_BINGET"):
-            top = memo.get(int(arg))  # type: ignore[arg-type]
+            top = memo.get(_index(arg))
         elif op.stack_after:  # FRAME, PROTO, STOP push nothing
             top = arg if isinstance(arg, str) and ("UNICODE" in op.name or "STRING" in op.name) else None
         else:
             continue
         pushed.append(top)
     return modules
+
+
+def _index(arg: object) -> int:
+    """A memo opcode's argument: its index."""
+    if not isinstance(arg, int):
+        raise TypeError(f"a memo index, not {arg!r}")
+    return arg
 
 
 def importable(module: str) -> bool:

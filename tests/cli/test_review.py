@@ -18,7 +18,7 @@ from agentbolt.schemas import RewardCreate, RewardState
 from agentbolt.server import Role, ServerConfig, ServerThread
 from tests.server.dashboard.dashboard_data import awaiting_review
 
-TOKENS = {"admintok": Role.ADMIN, "alicetok": Role.REVIEWER, "readtok": Role.READER}
+TOKENS = {"admintok": Role.ADMIN, "alicetok": Role.REVIEWER, "readtok": Role.READER, "runnertok": Role.RUNNER}
 NAMES = {"alicetok": "alice"}
 ANSWERS = ["The product is 391.", "It is 414, I think.", "437"]
 

@@ -21,6 +21,7 @@ from agentbolt.schemas import (
     AwaitedReward,
     Event,
     EventCreate,
+    EventSource,
     RewardCreate,
     RewardScale,
     RewardSlot,
@@ -66,6 +67,7 @@ def llm_event(
         type="llm_call",
         timestamp=0.0,
         data=data,
+        source=EventSource.GATEWAY,
     )
 
 
@@ -166,13 +168,14 @@ def recorded_judge_server(*names: str) -> Iterator[_ReplayServer]:
 
 # ---------------------------------------------------------------------------- the real server
 
-ADMIN, EVALUATOR = "admin-token", "evaluator-token"
+ADMIN, EVALUATOR, RUNNER = "admin-token", "evaluator-token", "runner-token"
 
 
 @pytest.fixture
 def served(tmp_path) -> Iterator[ServerThread]:
     config = ServerConfig(
-        db=str(tmp_path / "store.db"), tokens={ADMIN: Role.ADMIN, EVALUATOR: Role.EVALUATOR}
+        db=str(tmp_path / "store.db"),
+        tokens={ADMIN: Role.ADMIN, EVALUATOR: Role.EVALUATOR, RUNNER: Role.RUNNER},
     )
     with ServerThread(config) as server:
         yield server
@@ -182,7 +185,8 @@ def run_rollouts(
     client: Client, answers: Sequence[str | None], awaited: list[AwaitedReward], group_id: str | None = None
 ) -> list[Rollout]:
     """One rollout per answer, run by hand: a model call answering it, then succeeded (None:
-    the attempt fails)."""
+    the attempt fails). The call is posted with the runner's token, as the runner's tracer
+    does: evaluators, like training, read only model calls the system wrote."""
     items = [
         RolloutCreate(
             task=Task(data={"question": "2+2?"}), await_rewards=awaited, group_id=group_id, max_attempts=1
@@ -190,17 +194,19 @@ def run_rollouts(
         for _ in answers
     ]
     rollouts = client.enqueue(items)
-    for answer in answers:
-        claim = client.dequeue("worker-1")
-        assert claim is not None
-        if answer is None:
-            client.finish(claim.attempt.id, AttemptStatus.FAILED, error="crashed")
-            continue
-        call = {
-            "endpoint": "chat.completions",
-            "request": {"messages": [{"role": "user", "content": "2+2?"}]},
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": answer}}],
-        }
-        client.add_events(claim.attempt.id, [EventCreate(sequence=0, type="llm_call", data=call)])
-        client.finish(claim.attempt.id, AttemptStatus.SUCCEEDED)
+    with Client(client.url, RUNNER) as runner:
+        for answer in answers:
+            claim = runner.dequeue("worker-1")
+            assert claim is not None
+            if answer is None:
+                runner.finish(claim.attempt.id, AttemptStatus.FAILED, error="crashed", worker_id="worker-1")
+                continue
+            call = {
+                "endpoint": "chat.completions",
+                "request": {"messages": [{"role": "user", "content": "2+2?"}]},
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": answer}}],
+            }
+            events = [EventCreate(sequence=0, type="llm_call", data=call)]
+            runner.add_events(claim.attempt.id, events, worker_id="worker-1")
+            runner.finish(claim.attempt.id, AttemptStatus.SUCCEEDED, worker_id="worker-1")
     return client.wait([r.id for r in rollouts], timeout=10).rollouts

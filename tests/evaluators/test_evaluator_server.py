@@ -14,7 +14,7 @@ from agentbolt.evaluators import (
 )
 from agentbolt.schemas import RewardSource, RewardState
 from agentbolt.server import Role, ServerConfig, ServerThread
-from tests.evaluators.conftest import ADMIN, EVALUATOR, recorded_judge_server, run_rollouts
+from tests.evaluators.conftest import ADMIN, EVALUATOR, RUNNER, recorded_judge_server, run_rollouts
 
 
 def answer_is_four(record: RolloutRecord) -> float:
@@ -74,7 +74,7 @@ def test_a_judge_via_the_server_never_holds_the_key_and_an_unlisted_model_is_ref
     with recorded_judge_server("pointwise_good") as upstream:
         config = ServerConfig(
             db=str(tmp_path / "store.db"),
-            tokens={ADMIN: Role.ADMIN, EVALUATOR: Role.EVALUATOR},
+            tokens={ADMIN: Role.ADMIN, EVALUATOR: Role.EVALUATOR, RUNNER: Role.RUNNER},
             upstream_api_keys={upstream.base_url: "sk-held-by-the-server"},
         )
         with ServerThread(config) as server, Client(server.url, ADMIN) as admin:

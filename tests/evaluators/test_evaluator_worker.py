@@ -24,7 +24,7 @@ from agentbolt.schemas import (
     RolloutCreate,
     Task,
 )
-from tests.evaluators.conftest import ADMIN, EVALUATOR, recorded_judge_server, run_rollouts
+from tests.evaluators.conftest import ADMIN, EVALUATOR, RUNNER, recorded_judge_server, run_rollouts
 
 RUBRIC = "The run answers the arithmetic question correctly."
 
@@ -67,7 +67,8 @@ def test_a_group_is_judged_once_all_its_rollouts_are_final(served) -> None:
         [straggler] = admin.enqueue(
             [RolloutCreate(task=Task(data={"q": 1}), await_rewards=awaited, group_id="g1")]
         )
-        claim = admin.dequeue("worker-1")
+        runner = Client(served.url, RUNNER)
+        claim = runner.dequeue("worker-1")
         assert claim is not None and claim.rollout.id == straggler.id
         worker = EvaluatorWorker(client, [evaluator])
         assert worker.run(once=True).scored == 0 and evaluator.seen == []  # g1 still running
@@ -76,8 +77,10 @@ def test_a_group_is_judged_once_all_its_rollouts_are_final(served) -> None:
             "request": {"messages": [{"role": "user", "content": "2+2?"}]},
             "choices": [{"index": 0, "message": {"role": "assistant", "content": "the answer is 4"}}],
         }
-        admin.add_events(claim.attempt.id, [EventCreate(sequence=0, type="llm_call", data=call)])
-        admin.finish(claim.attempt.id, AttemptStatus.SUCCEEDED)
+        # posted as the runner's tracer does: evaluators read only model calls the system wrote
+        runner.add_events(claim.attempt.id, [EventCreate(sequence=0, type="llm_call", data=call)], "worker-1")
+        runner.finish(claim.attempt.id, AttemptStatus.SUCCEEDED, worker_id="worker-1")
+        runner.close()
         assert worker.run(once=True).scored == 3
         assert evaluator.seen == [sorted([first[0].id, first[1].id, straggler.id])]
         assert admin.get_rollout(straggler.id).rewards["longest"].score == 1.0

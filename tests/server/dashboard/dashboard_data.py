@@ -311,22 +311,25 @@ def awaiting_review(
     name: str = "human",
     scale: RewardScale = HUMAN_SCALE,
     extra: list[AwaitedReward] | None = None,
+    runner_token: str = "runnertok",
 ) -> list[str]:
     """Succeeded rollouts (one per answer, in queue order) that await a reviewer's ``name``
-    score on ``scale``: enqueued with ``await_rewards``, run by a runner that records one model
-    call answering the question, finished with no reward of the agent's own."""
+    score on ``scale``: enqueued with ``await_rewards`` (``token``), run by a runner
+    (``runner_token``: what reads a run's model calls reads only those the system wrote) that
+    records one model call answering the question, finished with no reward of the agent's own."""
     awaited = [AwaitedReward(name=name, source=RewardSource.REVIEWER, scale=scale), *(extra or [])]
     ids = []
-    with Client(url, token=token) as client:
+    with Client(url, token=token) as client, Client(url, token=runner_token) as runner:
         for i, answer in enumerate(answers):
             question = f"What is {17 + i} * 23?"
             [ro] = client.enqueue(
                 [RolloutCreate(task=Task(data={"question": question}), await_rewards=awaited)]
             )
-            claim = client.dequeue("review-runner")
+            claim = runner.dequeue("review-runner")
             assert claim is not None and claim.rollout.id == ro.id
             call = llm_call(question, answer, tool=False, version=1, latency_ms=120.0)
-            client.add_events(claim.attempt.id, [EventCreate(sequence=0, type="llm_call", data=call)])
-            client.finish(claim.attempt.id, AttemptStatus.SUCCEEDED, worker_id=claim.attempt.worker_id)
+            events = [EventCreate(sequence=0, type="llm_call", data=call)]
+            runner.add_events(claim.attempt.id, events, worker_id="review-runner")
+            runner.finish(claim.attempt.id, AttemptStatus.SUCCEEDED, worker_id="review-runner")
             ids.append(ro.id)
     return ids

@@ -41,7 +41,7 @@ from agentbolt.server import Role, ServerConfig, ServerThread
 from tests.algorithms.test_reward_training import BINARY, _sft, _sft_tasks
 from tests.algorithms.test_sft import scripted
 
-TOKENS = {"admintok": Role.ADMIN, "readtok": Role.READER, "alicetok": Role.REVIEWER}
+TOKENS = {"admintok": Role.ADMIN, "readtok": Role.READER, "alicetok": Role.REVIEWER, "runnertok": Role.RUNNER}
 NAMES = {"alicetok": "alice"}
 ANSWERS = ["The product is 391.", "It is 414, I think.", "437"]
 SCORES = [5, 3, 1]  # on 1-5: values 1, 0.5 and 0 (a real 0, not a pending one)
