@@ -10,12 +10,11 @@ use, so ``import agentbolt`` never loads FastAPI or torch, and on a light instal
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from agentbolt.client import AsyncClient, Client
 from agentbolt.errors import AgentboltError, ConfigError, InvalidTransition, LeaseLost, NotFound
-from agentbolt.extras import needs_extra
+from agentbolt.extras import lazy_attributes
 from agentbolt.runner.agent import (
     LitAgent,
     RolloutContext,
@@ -102,15 +101,4 @@ _LAZY: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'agentbolt' has no attribute {name!r}")
-    module, extras = _LAZY[name]
-    with needs_extra(name, *extras):
-        value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_attributes("agentbolt", globals(), _LAZY)

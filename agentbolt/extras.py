@@ -4,13 +4,15 @@ instead of a ``ModuleNotFoundError`` from deep inside a dependency."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
 from agentbolt.errors import MissingExtra
 
-__all__ = ["EXTRA_OF", "needs_extra"]
+__all__ = ["EXTRA_OF", "lazy_attributes", "needs_extra"]
 
 # The top-level modules each extra of pyproject.toml brings, as agentbolt imports them.
 EXTRA_OF = {
@@ -58,3 +60,26 @@ def needs_extra(what: str, *extras: str) -> Iterator[None]:
         if its_extra is None:
             raise
         raise MissingExtra(what, extras if its_extra in extras else (its_extra,), missing) from None
+
+
+def lazy_attributes(
+    package: str, namespace: dict[str, Any], lazy: Mapping[str, tuple[str, tuple[str, ...]]]
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """A package's ``__getattr__`` and ``__dir__`` for names imported on first use: ``lazy``
+    maps each name to the module that defines it and the extras that module needs, so a name
+    whose extra is missing raises :class:`MissingExtra` naming it, and the package itself imports
+    without any extra. A name, once imported, is kept in ``namespace`` (the package's globals)."""
+
+    def getattr_(name: str) -> Any:
+        if name not in lazy:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        module, extras = lazy[name]
+        with needs_extra(name, *extras):
+            value = getattr(importlib.import_module(module), name)
+        namespace[name] = value
+        return value
+
+    def dir_() -> list[str]:
+        return sorted(set(namespace) | set(namespace.get("__all__", ())))
+
+    return getattr_, dir_

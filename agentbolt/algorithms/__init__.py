@@ -9,12 +9,11 @@ the rest (``APO``, ``Evaluate``, the base classes) need no extra.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from agentbolt.algorithms.base import Algorithm, BatchResult, TrainContext, run_rollouts
 from agentbolt.algorithms.evaluate import EvalSummary, Evaluate
-from agentbolt.extras import needs_extra
+from agentbolt.extras import lazy_attributes
 
 if TYPE_CHECKING:
     from agentbolt.algorithms.apo import APO
@@ -41,15 +40,4 @@ _LAZY: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'agentbolt.algorithms' has no attribute {name!r}")
-    module, extras = _LAZY[name]
-    with needs_extra(name, *extras):
-        value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_attributes("agentbolt.algorithms", globals(), _LAZY)
