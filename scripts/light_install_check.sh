@@ -68,6 +68,23 @@ for name in algorithms.__all__:
     else:
         assert name not in train, f"{name} imported without the train extra"
 EOF
+# Every import line of README.md and docs/ imports, or raises MissingExtra naming its extra.
+light "$LIGHT/python" - "$ROOT" <<'EOF' || fail "a documented import fails on the light install"
+import pathlib, re, sys
+from agentbolt.errors import MissingExtra
+
+root = pathlib.Path(sys.argv[1])
+pattern = re.compile(r"^\s*(from agentbolt[\w.]* import [\w, ]+|import agentbolt[\w.]*)\s*$", re.M)
+docs = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+lines = sorted({m.group(1).strip() for doc in docs for m in pattern.finditer(doc.read_text())})
+assert len(lines) >= 10, lines
+for line in lines:
+    try:
+        exec(line, {})
+    except MissingExtra as exc:
+        assert "pip install 'agentbolt[" in str(exc), (line, str(exc))
+print(f"{len(lines)} documented imports: each imports or names its extra")
+EOF
 step "site-packages of the light install: $(du -sh "$WORK/venv/lib/"python3*/site-packages | cut -f1)"
 
 step "starting the server from the full .venv"
