@@ -161,7 +161,7 @@ from agentbolt import Evaluate, Trainer, rollout
 
 @rollout
 def slow(task):
-    print("runner", os.getpid(), flush=True)
+    os.write(1, f"runner {os.getpid()}\\n".encode())  # one write: both runners share the pipe
     time.sleep(600)
     return 1.0
 
