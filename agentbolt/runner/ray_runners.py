@@ -246,11 +246,19 @@ class RayRunners:
         if placed is not None and set(waiting) - placed:
             unplaced = len(set(waiting) - placed)
             total, free = _resources(ray)
-            why = (
-                f"Ray could not place {unplaced} of {len(self.actors)} runner actor(s) within {limit:g} s: "
-                f"each asks for {self.describe_request()}; the cluster has {total} in all, {free} free. "
-                "Ask for less, or add nodes that have these resources"
-            )
+            if _room_for(ray, self.request):  # resources are free: the worker was slow to start
+                why = (
+                    f"Ray had not started {unplaced} of {len(self.actors)} runner actor(s) within "
+                    f"{limit:g} s though the cluster has room for them (each asks for "
+                    f"{self.describe_request()}; {free} free): a busy node can be slow to start a "
+                    "worker process. Give a longer ready timeout"
+                )
+            else:
+                why = (
+                    f"Ray could not place {unplaced} of {len(self.actors)} runner actor(s) within "
+                    f"{limit:g} s: each asks for {self.describe_request()}; the cluster has {total} in "
+                    f"all, {free} free. Ask for less, or add nodes that have these resources"
+                )
         elif placed is None:  # Ray's actor table could not be read: say both
             total, free = _resources(ray)
             why = (
@@ -400,6 +408,16 @@ def _resources(ray: Any) -> tuple[str, str]:
         return show(ray.cluster_resources()), show(ray.available_resources())
     except Exception:  # noqa: BLE001
         return "?", "?"
+
+
+def _room_for(ray: Any, request: Mapping[str, float]) -> bool:
+    """Whether the cluster's free resources, summed over its nodes, cover one actor's request
+    (a hint for the message only: one node must hold all of it)."""
+    try:
+        free = ray.available_resources()
+    except Exception:  # noqa: BLE001
+        return False
+    return all(free.get(name, 0.0) >= amount for name, amount in request.items())
 
 
 def _gib(amount: float) -> str:

@@ -48,7 +48,7 @@ spec:
         - name: agent
           image: registry.example.com/my-agent:1
 """
-LEASE = 1.5
+LEASE = 4.0  # seconds; 1.5 lapsed now and then on a loaded 2-core machine
 
 
 @pytest.fixture
