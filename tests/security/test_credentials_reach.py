@@ -226,3 +226,92 @@ def test_the_servers_token_file_is_refused(server, runner, token_file):
     report = _probe(server, "token_file", token_file)
     assert report["found"] == []
     assert report["denied"] == ["token file: PermissionError: Permission denied"]
+
+
+@pytest.fixture
+def lone_server(tmp_path, token_file: Path) -> Iterator[Any]:
+    """A server of its own: no runner of the probes above claims its rollouts."""
+    admin = token_file.read_text().strip()
+    config = ServerConfig(db=str(tmp_path / "store.db"), tokens={admin: Role.ADMIN, RUNNER: Role.RUNNER})
+    with ServerThread(config) as srv:
+        srv.admin = admin
+        yield srv
+
+
+def _runner_once(server, *args: str, env: dict[str, str]) -> subprocess.Popen[str]:
+    argv = [sys.executable, "-m", "agentbolt", "runner", "--server", server.url, *args]
+    base = {k: v for k, v in os.environ.items() if not k.startswith("AGENTBOLT_")}
+    return subprocess.Popen(
+        argv,
+        env={**base, "PYTHONPATH": str(REPO), "COLUMNS": "300", **env},
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+
+
+def test_an_in_process_agent_finds_no_token_in_the_environment(lone_server):
+    """In-process agents share the runner's memory (trusted code); what they must not find
+    lying about is the token in ``os.environ`` or in the block ``/proc/self/environ`` shows."""
+    proc = _runner_once(
+        lone_server,
+        "--agent",
+        f"{PROGRAMS / 'env_agent.py'}:env_probe",
+        "--max-rollouts",
+        "2",
+        env={"AGENTBOLT_TOKEN": RUNNER, "ALSO_HOLDS_IT": f"Bearer {RUNNER}"},
+    )
+    try:
+        rollout, stored = _run(lone_server, {"probe": "in-process"})
+        following, _ = _run(lone_server, {"probe": "in-process"})
+        assert proc.wait(60) == 0
+    finally:
+        proc.kill()
+    assert rollout.status == following.status == RolloutStatus.SUCCEEDED
+    assert RUNNER not in stored
+    with Client(lone_server.url, lone_server.admin) as client:
+        [message] = [e.data for e in client.all_events(rollout.id) if e.type == "message"]
+    report = json.loads(message["content"])
+    assert "AGENTBOLT_TOKEN" not in report["environ"] and "ALSO_HOLDS_IT" not in report["environ"]
+    # the initial block keeps its variables' names; the values are overwritten
+    assert "AGENTBOLT_TOKEN=" + "*" * len(RUNNER) in report["block"]
+    assert "ALSO_HOLDS_IT=" + "*" * len(f"Bearer {RUNNER}") in report["block"]
+
+
+def test_a_token_flag_warns_and_leaves_the_command_line(lone_server, shared):
+    """``--token`` on the command line: one warning line naming the variable to use, and the
+    value overwritten in what ``/proc/<pid>/cmdline`` (``ps``) shows once the runner runs."""
+    command = '/bin/sh -c \'tr "\\\\0" " " < /proc/$PPID/cmdline; echo 1 > $AGENTBOLT_RESULT_FILE\''
+    proc = _runner_once(
+        lone_server,
+        "--command",
+        command,
+        "--run-as",
+        "nobody",
+        "--token",
+        RUNNER,
+        "--max-rollouts",
+        "1",
+        env={},
+    )
+    try:
+        rollout, stored = _run(lone_server, {"probe": "argv"})
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert rollout.status == RolloutStatus.SUCCEEDED, stored
+    assert RUNNER not in stored
+    assert "--token " + "*" * len(RUNNER) in stored  # what the program saw of the runner's argv
+    warnings = [line for line in err.splitlines() if "shows in `ps`" in line]
+    assert warnings == [
+        "warning: --token on the command line shows in `ps` to every user of this machine; "
+        "give it in the environment variable AGENTBOLT_TOKEN instead"
+    ]
+
+
+def test_the_token_from_the_environment_gives_no_warning(lone_server):
+    proc = _runner_once(
+        lone_server, "--command", "true", "--max-rollouts", "0", env={"AGENTBOLT_TOKEN": RUNNER}
+    )
+    _, err = proc.communicate(timeout=60)
+    assert "shows in `ps`" not in err

@@ -28,7 +28,9 @@ def attempt(report, what, read):
 
 def from_environ(raw):
     entries = [e.decode(errors="replace") for e in raw.split(b"\0") if e]
-    return [e.partition("=")[2] for e in entries if "TOKEN" in e.partition("=")[0] or "KEY" in e.partition("=")[0]]
+    return [
+        e.partition("=")[2] for e in entries if "TOKEN" in e.partition("=")[0] or "KEY" in e.partition("=")[0]
+    ]
 
 
 def from_cmdline(raw):
@@ -111,7 +113,8 @@ def probe(kind, report):
     elif kind == "caps":
         status = read("/proc/self/status").decode()
         report["status"] = {
-            k: v.strip() for k, _, v in (line.partition(":") for line in status.splitlines())
+            k: v.strip()
+            for k, _, v in (line.partition(":") for line in status.splitlines())
             if k in ("Uid", "Gid", "Groups", "CapEff", "CapPrm", "CapAmb")
         }
 
