@@ -165,6 +165,7 @@ def _program(
     reward_from: str | None,
     reward_later: bool,
     output_limit: int,
+    run_as: str | None,
 ) -> Any:
     """The Program that ``agentbolt runner --command`` runs."""
     from agentbolt.cli.assignments import env_templates
@@ -184,6 +185,7 @@ def _program(
         reward_from=reward_from,
         reward_later=reward_later,
         output_limit=output_limit,
+        run_as=run_as,
     )
 
 
@@ -227,6 +229,12 @@ def runner(
     output_limit: Annotated[
         int, typer.Option(min=1, help="Bytes of a program's stdout and of its stderr recorded.")
     ] = 64 * 1024,
+    run_as: Annotated[
+        str | None,
+        typer.Option(
+            help="Run each program as this unprivileged user (name or uid[:gid]; the runner is root)."
+        ),
+    ] = None,
     server: ServerOpt = DEFAULT_SERVER,
     token: TokenOpt = None,
     concurrency: Annotated[int, typer.Option("--concurrency", "-n", min=1, help="Rollouts at a time.")] = 1,
@@ -271,6 +279,11 @@ def runner(
         raise ConfigError(
             "--kubernetes runs each rollout as a Job; it cannot be combined with --ray/--replicas"
         )
+    if run_as is not None and (kubernetes is not None or agent is not None):
+        raise ConfigError(
+            "--run-as is for programs this runner starts (--command): an --agent runs inside the "
+            "runner, and a Job's user is its template's securityContext (runAsUser)"
+        )
     if kubernetes is not None:
         from agentbolt.cli.kubernetes import launch_from_cli
 
@@ -296,7 +309,17 @@ def runner(
         )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     sys.path.insert(0, os.getcwd())
-    options = (stdin, env or [], timeout, scorer, scorer_command, reward_from, reward_later, output_limit)
+    options = (
+        stdin,
+        env or [],
+        timeout,
+        scorer,
+        scorer_command,
+        reward_from,
+        reward_later,
+        output_limit,
+        run_as,
+    )
     loaded = load_agent(agent) if agent is not None else _program(command or "", *options)
     ray_options = (replicas, ray_cpus, ray_memory, ray_resource)
     if ray is not None or any(o is not None for o in ray_options):
@@ -443,7 +466,10 @@ def _when(ts: float) -> str:
 
 
 def main() -> None:
+    from agentbolt.cli.token_flags import warn_token_flags
+
     try:
+        warn_token_flags(app, sys.argv[1:])
         app()
     except MissingExtra as exc:
         # One line (never wrapped), and "agentbolt[server]" is not rich markup.

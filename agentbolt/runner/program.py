@@ -17,7 +17,9 @@ Isolation: the runner's token never enters the child's environment (variables na
 holding its value, are dropped); the child holds only the attempt's agent key. The process
 group is killed when the program ends, times out or is stopped, so nothing it started outlives
 the rollout (a child that starts its own session escapes this: use a container for hostile
-code). The scratch directory is removed afterwards, whatever the outcome: what a run leaves
+code). With ``run_as``, the program runs as that unprivileged user, its scratch directory its
+own (:mod:`agentbolt.runner.run_as`): a program run as root could read the runner's memory.
+The scratch directory is removed afterwards, whatever the outcome: what a run leaves
 for debugging is its recorded output, exit code and result file, all in the attempt's events.
 """
 
@@ -27,7 +29,6 @@ import asyncio
 import json
 import os
 import shlex
-import shutil
 import signal
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
@@ -52,6 +53,7 @@ from agentbolt.runner.program_reward import (
     choose_reward,
     reward_sources,
 )
+from agentbolt.runner.run_as import RunAs, remove_scratch, resolve_run_as
 from agentbolt.schemas import LLM, EventType, Resources, Task
 
 __all__ = ["AttemptAccess", "Program", "ProgramFailed", "ProgramRun"]
@@ -91,6 +93,10 @@ class _Paths:
     def result(self) -> Path:
         return self.root / "result.json"
 
+    @property
+    def home(self) -> Path:
+        return self.root / "home"
+
 
 @dataclass
 class _Exit:
@@ -119,7 +125,9 @@ class Program(LitAgent):
     * ``output_limit``: bytes of stdout and of stderr recorded (each; the cut is said);
     * ``llm``: which LLM resource the program's variables point at (default: ``llm``, else
       the first);
-    * ``scratch_root``: where scratch directories are made (default: the system's temp dir).
+    * ``scratch_root``: where scratch directories are made (default: the system's temp dir);
+    * ``run_as``: run the program as this unprivileged user (a name, or ``uid[:gid]``; the
+      runner runs as root), no supplementary groups, ``HOME`` in its scratch directory.
     """
 
     def __init__(
@@ -136,6 +144,7 @@ class Program(LitAgent):
         output_limit: int = OUTPUT_LIMIT,
         llm: str | None = None,
         scratch_root: str | Path | None = None,
+        run_as: str | None = None,
     ) -> None:
         super().__init__()
         self.argv = _split(command, "command")
@@ -156,6 +165,7 @@ class Program(LitAgent):
         self.stdin, self.timeout, self.reward_later = stdin, timeout, reward_later
         self.output_limit, self.llm = output_limit, llm
         self.scratch_root = Path(scratch_root) if scratch_root is not None else None
+        self.run_as: RunAs | None = resolve_run_as(run_as)
 
     def __repr__(self) -> str:
         return f"Program({shlex.join(self.argv)!r})"
@@ -173,6 +183,9 @@ class Program(LitAgent):
         paths = _Paths(Path(tempfile.mkdtemp(prefix=f"agentbolt-{ctx.attempt.id}-", dir=self.scratch_root)))
         try:
             paths.work.mkdir()
+            if self.run_as is not None and self.run_as.switch:
+                paths.home.mkdir()
+                self.run_as.hand_over(paths.root, paths.work, paths.home)
             task_json = json.dumps(ctx.task.data).encode()
             paths.task.write_bytes(task_json)
             env = self._environment(ctx, access, paths)
@@ -184,7 +197,7 @@ class Program(LitAgent):
             )
         finally:
             # Synchronous on purpose: it must also happen while the task is being cancelled.
-            shutil.rmtree(paths.root, ignore_errors=True)
+            remove_scratch(paths.root)
 
     # ------------------------------------------------------------------ the environment
 
@@ -205,6 +218,8 @@ class Program(LitAgent):
             AGENTBOLT_EVENTS_URL=f"{access.server_url}/agent/{rollout_id}/{attempt_id}/events",
             AGENTBOLT_RESULT_FILE=str(paths.result),
         )
+        if self.run_as is not None:
+            env.update(self.run_as.environment(paths.home))
         for name, template in self.env.items():
             env[name] = render(template, ctx.task.data, f"variable {name}")
         return env
@@ -217,7 +232,8 @@ class Program(LitAgent):
     async def _run(self, argv: list[str], env: dict[str, str], paths: _Paths, stdin: bytes | None) -> _Exit:
         loop = asyncio.get_running_loop()
         started = loop.time()
-        proc = await _spawn(argv, env, paths.work, stdin is not None)
+        as_user = self.run_as.spawn_options() if self.run_as is not None else {}
+        proc = await _spawn(argv, env, paths.work, stdin is not None, as_user)
         out, err = CappedOutput(self.output_limit), CappedOutput(self.output_limit)
         assert proc.stdout is not None and proc.stderr is not None
         io = [
@@ -262,8 +278,11 @@ def _split(command: str | Sequence[str], what: str) -> list[str]:
     return argv
 
 
-async def _spawn(argv: list[str], env: dict[str, str], cwd: Path, with_stdin: bool) -> Any:
-    """Start the program in a new session (so its own process group, which it leads)."""
+async def _spawn(
+    argv: list[str], env: dict[str, str], cwd: Path, with_stdin: bool, as_user: dict[str, Any]
+) -> Any:
+    """Start the program in a new session (so its own process group, which it leads), as the
+    user ``as_user`` names (``subprocess``'s user, group and extra_groups) if any."""
     try:
         return await asyncio.create_subprocess_exec(
             *argv,
@@ -273,11 +292,13 @@ async def _spawn(argv: list[str], env: dict[str, str], cwd: Path, with_stdin: bo
             cwd=cwd,
             env=env,
             start_new_session=True,
+            **as_user,
         )
     except FileNotFoundError:
         raise ProgramFailed("CommandNotFound", f"command not found: {argv[0]!r}") from None
     except PermissionError as exc:
-        raise ProgramFailed("CommandNotFound", f"cannot execute {argv[0]!r}: {exc.strerror}") from None
+        who = f" as uid {as_user['user']} (run_as: it must be able to read and run it)" if as_user else ""
+        raise ProgramFailed("CommandNotFound", f"cannot execute {argv[0]!r}{who}: {exc.strerror}") from None
     except OSError as exc:
         raise ProgramFailed("CommandNotFound", f"cannot start {argv[0]!r}: {exc}") from None
 

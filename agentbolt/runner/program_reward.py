@@ -14,10 +14,12 @@ no number) fails the attempt: a broken reward is never read as "no reward".
 from __future__ import annotations
 
 import asyncio
+import errno
 import inspect
 import json
 import math
 import os
+import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -165,12 +167,22 @@ def _number(value: Any, said: str) -> float | None:
 def read_result(path: Path) -> tuple[float | None, Any]:
     """The result file's reward and content: ``{"reward": x, ...}`` or a bare number.
     ``(None, None)`` when the program wrote none."""
+    where = "the result file (AGENTBOLT_RESULT_FILE)"
     try:
-        with path.open("rb") as f:
-            raw = f.read(RESULT_LIMIT + 1)
+        # Never followed out of the scratch directory (a link to a file only the runner may
+        # read), never blocking (a FIFO): the program may have made it anything.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         return None, None
-    where = "the result file (AGENTBOLT_RESULT_FILE)"
+    except OSError as exc:
+        why = (
+            "is a symbolic link (never followed)" if exc.errno == errno.ELOOP else f"cannot be opened: {exc}"
+        )
+        raise ProgramFailed("MalformedResult", f"{where} {why}") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ProgramFailed("MalformedResult", f"{where} is not a regular file")
+        raw = f.read(RESULT_LIMIT + 1)
     if len(raw) > RESULT_LIMIT:
         raise ProgramFailed("MalformedResult", f"{where} is larger than {RESULT_LIMIT} bytes")
     try:

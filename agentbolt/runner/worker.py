@@ -47,6 +47,7 @@ from agentbolt.client import AsyncClient, RequestError, RetryPolicy
 from agentbolt.errors import AgentboltError, ConfigError, WorkerRevoked, WorkerTokenExpired
 from agentbolt.runner.agent import LitAgent, RolloutContext, as_agent, emit_exception
 from agentbolt.runner.attempt import AttemptCycle, claim
+from agentbolt.runner.credentials import forget_tokens, make_undumpable, unprotected_warning
 from agentbolt.runner.outcome import judge, record_failure
 from agentbolt.runner.program import AttemptAccess, Program, ProgramFailed
 from agentbolt.runner.tracing import Tracer, tracing_enabled
@@ -177,6 +178,7 @@ class Runner:
         owned = install_signals and isinstance(self.agent, Program)
         undo_watcher = _pidfd_watcher(self._loop) if owned else None
         try:
+            self._keep_tokens_from_agents()
             await self._register()
             if self._tracing and self.tracer is None:
                 # the worker token when the server issued one, else the runner's own
@@ -193,6 +195,17 @@ class Runner:
             self._executor.shutdown(wait=False, cancel_futures=True)
             if self.tracer is not None:
                 await asyncio.to_thread(self.tracer.shutdown)
+
+    def _keep_tokens_from_agents(self) -> None:
+        """The client holds the token now: it leaves the environment (and the blocks that
+        ``/proc`` shows); a runner of program agents turns away same-user ptrace, and warns
+        once when its programs run as root (:mod:`agentbolt.runner.credentials`)."""
+        forget_tokens(self._secrets)
+        if isinstance(self.agent, Program):
+            make_undumpable()
+            warning = unprotected_warning(self.agent.run_as, getattr(self.agent, "sandbox", False))
+            if warning is not None:
+                log.warning("runner %s: %s", self.worker_id, warning)
 
     async def _register(self) -> None:
         """Take the worker identity the server issues (this runner's id is the name hint);
