@@ -21,7 +21,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from agentbolt.runner.program_io import TOKEN_VARIABLES
 
@@ -115,7 +115,7 @@ def _arg_value(entry: bytes, secrets: Sequence[str]) -> slice | None:
     return None
 
 
-def _overwrite(start: int, end: int, part: object) -> None:
+def _overwrite(start: int, end: int, part: Callable[[bytes], slice | None]) -> None:
     """Overwrite, in ``[start, end)`` of this process's memory (NUL-separated strings), the part
     of each string that ``part(entry)`` names; the NULs stay, so the layout does too."""
     if not (0 < start < end):
@@ -123,7 +123,7 @@ def _overwrite(start: int, end: int, part: object) -> None:
     block = ctypes.string_at(start, end - start)
     offset = 0
     for entry in block.split(b"\0"):
-        where = part(entry)  # type: ignore[operator]
+        where = part(entry)
         if where is not None:
             first, stop, _ = where.indices(len(entry))
             ctypes.memset(start + offset + first, ord("*"), stop - first)
