@@ -179,7 +179,10 @@ class GRPO(GRPOConfig, Algorithm):
         run = _Run(ctx, policy, state, progress, version, [_served_version(policy, start)])
         run.pool = self._pool(ctx, history, progress) if self.asynchronous else None
         run.clock = _idle_clock(policy)
-        live = Live(Group(record.table, progress), console=ctx.console, refresh_per_second=4, transient=False)
+        # a console that shows nothing live (a log, CI) had each row as a line: no table at the end
+        # (printed once there, 30 columns are cut to a few characters each)
+        shows = Group(record.table, progress) if ctx.console.is_terminal else progress
+        live = Live(shows, console=ctx.console, refresh_per_second=4, transient=False)
         try:
             with run.clock or contextlib.nullcontext(), live:
                 if start == 0 and self.validate_before:
