@@ -16,6 +16,7 @@ __all__ = [
     "MissingExtra",
     "NotFound",
     "QuotaExceeded",
+    "ServerFailed",
     "ServerUnavailable",
     "StoreUnavailable",
     "WorkerRevoked",
@@ -131,6 +132,14 @@ class ServerUnavailable(AgentboltError, ConnectionError):
     """The server could not be reached after all retries."""
 
     status_code = 503
+
+
+class ServerFailed(ServerUnavailable):
+    """The server answered HTTP 500 to every try of one request (``RetryPolicy.server_errors``
+    of them): it fails on this request, so sending it again would not help. The message holds
+    the server's last answer."""
+
+    status_code = 500
 
 
 class MissingExtra(AgentboltError, ImportError):

@@ -259,7 +259,9 @@ class Queries:
         with self._read() as tx:
             return attempt_from_row(attempt_row(tx, attempt_id))
 
-    def attempt_state(self, attempt_id: str, call_key: str | None = None) -> tuple[str, str, str | None] | None:
+    def attempt_state(
+        self, attempt_id: str, call_key: str | None = None
+    ) -> tuple[str, str, str | None] | None:
         """``(rollout_id, status, body hash)`` of the attempt, if it exists: what the gateway
         checks on every call, without building the whole attempt. With ``call_key`` (a call's
         idempotency key) the hash is that of the body its record was first made with (None: no

@@ -131,9 +131,7 @@ def attach_rewards(tx: Tx, rollouts: Sequence[Rollout]) -> None:
             by_id[row[0]].rewards[row[1]] = _slot_from_row(row)
 
 
-def keyed_score(
-    tx: Tx, rollout_id: str, create: RewardCreate, key: str, sha256: str
-) -> RewardSlot | None:
+def keyed_score(tx: Tx, rollout_id: str, create: RewardCreate, key: str, sha256: str) -> RewardSlot | None:
     """The slot as the write with idempotency key ``key`` left it (its revision and the slot's
     scale), or None when no write used that key. A key used for another rollout or reward, or
     with another body (its hash is not ``sha256``), is :class:`IdempotencyKeyReused`: a key

@@ -175,9 +175,7 @@ def rollouts_by_id(tx: Tx, ids: Sequence[str]) -> list[Rollout]:
     return [found[i] for i in ids if i in found]
 
 
-def claim_made(
-    tx: Tx, worker_id: str, key: str, sha256: str
-) -> tuple[Rollout, Attempt, str | None] | None:
+def claim_made(tx: Tx, worker_id: str, key: str, sha256: str) -> tuple[Rollout, Attempt, str | None] | None:
     """The rollout (as it stands now), attempt and agent key that ``worker_id`` claimed with
     ``key``; :class:`~agentbolt.errors.IdempotencyKeyReused` when that claim's request was
     another (its hash is not ``sha256``)."""
