@@ -81,13 +81,14 @@ class EventWrites:
     ) -> int:
         scope, sha256 = f"events:{attempt_id}", request_sha256(worker_id, events)
         with self._tx() as tx:
-            first = first_answer(tx, scope, key, sha256, _BATCH)
+            # two statements: the events unless the key is known, then the key (or its first answer)
+            new = insert_events(tx, attempt_id, rows, True, worker_id, source, unless=(scope, key))
+            first = keep_answer(tx, scope, key, sha256, str(new), _BATCH)
             if first is not None:
                 return int(first)
-            new = insert_events(tx, attempt_id, rows, running=True, worker_id=worker_id, source=source)
-            if new == 0:
+            if new == 0:  # not held (say why: the key goes with the rollback), or all repeats
                 held(tx, attempt_id, worker_id)
-            return int(keep_answer(tx, scope, key, sha256, str(new), _BATCH))
+            return new
 
     def record_events(
         self,
@@ -163,8 +164,8 @@ class EventWrites:
             new = insert_keyed_events(tx, attempt_id, rows, source, running=True)
             if new == 0:  # nothing stored: not running (say why), or an empty list
                 held(tx, attempt_id, worker_id)
-            if key is not None:
-                return int(keep_answer(tx, scope, key, sha256, str(new), _BATCH))
+            if key is not None:  # checked above, under the attempt's lock: the key is new
+                keep_answer(tx, scope, key, sha256, str(new), _BATCH)
             return new
 
     def _events_tx(self, rows: list[tuple[Any, ...]]) -> Any:

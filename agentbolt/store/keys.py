@@ -16,7 +16,6 @@ run anyway; the writes that create no single row (an enqueue, a batch of events)
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -29,18 +28,19 @@ from agentbolt.store.database import Tx
 __all__ = ["check_same", "first_answer", "keep_answer", "request_sha256"]
 
 
-def _plain(value: Any) -> Any:
+def _fields(value: Any) -> Any:
+    """What JSON holds of a model: the fields its caller set (orjson's ``default``: it asks
+    only for what it cannot write itself, so plain data costs no Python code)."""
     if isinstance(value, BaseModel):
-        return value.model_dump(mode="json", exclude_unset=True)
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    return value
+        return {name: getattr(value, name) for name in value.model_fields_set}
+    raise TypeError(f"not JSON: {type(value).__name__}")
 
 
-def request_sha256(*parts: BaseModel | Sequence[BaseModel] | str | float | None) -> str:
-    """The hash a key is stored with: of ``parts`` as JSON, each model as its caller set it
-    (a default the server fills in, such as an event's timestamp, is not part of it)."""
-    text = orjson.dumps([_plain(p) for p in parts], option=orjson.OPT_SORT_KEYS)
+def request_sha256(*parts: Any) -> str:
+    """The hash a key is stored with: of ``parts`` as JSON, keys sorted, each model as its
+    caller set it (a default the server fills in, such as an event's timestamp, is not part
+    of it)."""
+    text = orjson.dumps(parts, default=_fields, option=orjson.OPT_SORT_KEYS)
     return hashlib.sha256(text).hexdigest()
 
 
@@ -64,17 +64,18 @@ def first_answer(tx: Tx, scope: str, key: str, sha256: str, what: str) -> str | 
     return str(row[1])
 
 
-def keep_answer(tx: Tx, scope: str, key: str, sha256: str, answer: str, what: str) -> str:
-    """Keep the first answer for ``key``; the answer to give. When another transaction kept
-    one meanwhile (a repeat that raced this one on another replica), that one's answer, and
-    this transaction's caller should roll back what it wrote (the answer says how)."""
+def keep_answer(tx: Tx, scope: str, key: str, sha256: str, answer: str, what: str) -> str | None:
+    """Keep ``answer`` as the first answer for ``key`` and return None; when the key has one
+    already (an earlier request, or a repeat that raced this one on another replica), return
+    that, or raise :class:`IdempotencyKeyReused` when it came with another request. The write
+    must then store nothing: a write checks the key in its own statements too (``NOT EXISTS``)."""
     added = tx.run(
         "INSERT INTO request_keys (scope, key, body_sha256, answer, created_at) VALUES (?, ?, ?, ?, ?) "
         "ON CONFLICT (scope, key) DO NOTHING",
         (scope, key, sha256, answer, now()),
     )
     if added:
-        return answer
+        return None
     first = first_answer(tx, scope, key, sha256, what)
     assert first is not None  # the conflicting row is committed: DO NOTHING waited for it
     return first

@@ -142,7 +142,8 @@ class SqlStore(EventWrites, Queries):
     def enqueue(self, items: Sequence[RolloutCreate], key: str | None = None) -> list[Rollout]:
         """Create rollouts (and their tasks). An item whose ``id`` exists already is returned as
         is; with ``key``, items without an id get ids derived from it (:func:`keyed_rollout_id`),
-        so a repeat returns the first enqueue's rollouts. A task id stored with other data or
+        so a repeat returns the first enqueue's rollouts (the key sent with other items is
+        :class:`~agentbolt.errors.IdempotencyKeyReused`). A task id stored with other data or
         metadata is a :class:`~agentbolt.errors.Conflict`."""
         ts = now()
         ids = [item.id or (keyed_rollout_id(key, i) if key else new_id("ro")) for i, item in enumerate(items)]
@@ -153,8 +154,10 @@ class SqlStore(EventWrites, Queries):
                 return rollouts_by_id(tx, from_json(first))
             for rid, item in zip(ids, items, strict=True):
                 insert_rollout(tx, rid, item, ts, fixed=item.id is not None or key is not None, tasks=tasks)
-            if key is not None:
-                ids = from_json(keep_answer(tx, "enqueue", key, sha256, to_json(ids), "enqueue"))
+            if key is not None and (
+                earlier := keep_answer(tx, "enqueue", key, sha256, to_json(ids), "enqueue")
+            ):
+                ids = from_json(earlier)  # a repeat that raced this one on another replica
             created = rollouts_by_id(tx, ids)
         self.db.inserted(("rollouts", "tasks"), len(items))
         return created

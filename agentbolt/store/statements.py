@@ -321,15 +321,20 @@ def insert_events(
     running: bool,
     worker_id: str | None,
     source: str = "runner",
+    unless: tuple[str, str] | None = None,
 ) -> int:
     """Insert ``rows`` for the attempt, in statements that each check the attempt exists
     (and, with ``running``, that it is running and held by ``worker_id`` if given): an
-    attempt ended meanwhile gets none of them. (attempt, sequence) is unique: a re-sent
+    attempt ended meanwhile gets none of them. ``unless`` (scope, idempotency key): none
+    either when ``request_keys`` holds that key (a repeat, or the key reused). (attempt, sequence) is unique: a re-sent
     batch, even one racing on another replica, inserts nothing twice; the row counts tell
     how many were new."""
     where = f" AND a.status = {RUNNING}" if running else ""
     where += " AND a.worker_id = ?" if worker_id is not None else ""
-    extra = (worker_id,) if worker_id is not None else ()
+    extra: tuple[str, ...] = (worker_id,) if worker_id is not None else ()
+    if unless is not None:
+        where += " AND NOT EXISTS (SELECT 1 FROM request_keys k WHERE k.scope = ? AND k.key = ?)"
+        extra += unless
     new = 0
     for start in range(0, len(rows), EVENTS_PER_INSERT):
         chunk = rows[start : start + EVENTS_PER_INSERT]
