@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from agentbolt.schemas import EventCreate, EventSource
+from agentbolt.schemas import EventCreate, EventSource, now
 from agentbolt.store.calls import CALLS_LOCK, CallRecord, NewEvent, record_call, record_new_call
 from agentbolt.store.database import Database
 from agentbolt.store.keys import first_answer, keep_answer, request_sha256
@@ -21,8 +21,10 @@ from agentbolt.store.quotas import EventQuota, charge_agent_events
 from agentbolt.store.rows import event_rows, keyed_event_rows
 from agentbolt.store.statements import (
     EVENTS_PER_INSERT,
+    RUNNING,
     attempt_row,
     check_call_refs,
+    events_insert,
     held,
     insert_events,
     insert_keyed_events,
@@ -80,6 +82,8 @@ class EventWrites:
         key: str,
     ) -> int:
         scope, sha256 = f"events:{attempt_id}", request_sha256(worker_id, events)
+        if self.backend == "postgres" and len(rows) <= EVENTS_PER_INSERT:
+            return self._add_keyed_batch_at_once(attempt_id, rows, worker_id, source, (scope, key), sha256)
         with self._tx() as tx:
             # two statements: the events unless the key is known, then the key (or its first answer)
             new = insert_events(tx, attempt_id, rows, True, worker_id, source, unless=(scope, key))
@@ -89,6 +93,40 @@ class EventWrites:
             if new == 0:  # not held (say why: the key goes with the rollback), or all repeats
                 held(tx, attempt_id, worker_id)
             return new
+
+    def _add_keyed_batch_at_once(
+        self,
+        attempt_id: str,
+        rows: list[tuple[Any, ...]],
+        worker_id: str | None,
+        source: EventSource,
+        scoped_key: tuple[str, str],
+        sha256: str,
+    ) -> int:
+        """:meth:`_add_keyed_batch` on PostgreSQL in one statement (no BEGIN and COMMIT round
+        trips on the runner's hot path): the events unless the key is known, and the key with
+        their count while the attempt is held. Known limit: two different batches sent under
+        one key at the same moment, to two replicas, may both store their events (the later
+        one still answers 422); a retry, which sends the same batch, never stores twice."""
+        insert, params = events_insert(attempt_id, rows, True, worker_id, source, scoped_key)
+        holder = " AND worker_id = ?" if worker_id is not None else ""
+        sql = (
+            f"WITH e AS ({insert} RETURNING 1) "
+            "INSERT INTO request_keys (scope, key, body_sha256, answer, created_at) "
+            "SELECT ?, ?, ?, CAST((SELECT COUNT(*) FROM e) AS TEXT), ? "
+            f"WHERE EXISTS (SELECT 1 FROM attempts WHERE id = ? AND status = {RUNNING}{holder}) "
+            "ON CONFLICT (scope, key) DO NOTHING RETURNING answer"
+        )
+        params += [*scoped_key, sha256, now(), attempt_id, *((worker_id,) if worker_id is not None else ())]
+        with self._read() as tx:
+            row = tx.one(sql, params)
+            if row is not None:
+                return int(row[0])
+            first = first_answer(tx, *scoped_key, sha256, _BATCH)  # a repeat, or the key reused
+            if first is not None:
+                return int(first)
+            held(tx, attempt_id, worker_id)  # why the attempt took nothing
+            return 0
 
     def record_events(
         self,

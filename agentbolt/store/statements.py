@@ -54,6 +54,7 @@ __all__ = [
     "check_call_refs",
     "claim_made",
     "end_attempt",
+    "events_insert",
     "expire_lapsed",
     "held",
     "insert_events",
@@ -326,27 +327,41 @@ def insert_events(
     """Insert ``rows`` for the attempt, in statements that each check the attempt exists
     (and, with ``running``, that it is running and held by ``worker_id`` if given): an
     attempt ended meanwhile gets none of them. ``unless`` (scope, idempotency key): none
-    either when ``request_keys`` holds that key (a repeat, or the key reused). (attempt, sequence) is unique: a re-sent
-    batch, even one racing on another replica, inserts nothing twice; the row counts tell
-    how many were new."""
+    either when ``request_keys`` holds that key (a repeat, or the key reused). (attempt,
+    sequence) is unique: a re-sent batch, even one racing on another replica, inserts nothing
+    twice; the row counts tell how many were new."""
+    new = 0
+    for start in range(0, len(rows), EVENTS_PER_INSERT):
+        chunk = rows[start : start + EVENTS_PER_INSERT]
+        sql, params = events_insert(attempt_id, chunk, running, worker_id, source, unless)
+        new += tx.run(sql, params)
+    return new
+
+
+def events_insert(
+    attempt_id: str,
+    rows: list[tuple[Any, ...]],
+    running: bool,
+    worker_id: str | None,
+    source: str,
+    unless: tuple[str, str] | None = None,
+) -> tuple[str, list[Any]]:
+    """One INSERT of at most ``EVENTS_PER_INSERT`` rows (see :func:`insert_events`), and its
+    parameters."""
     where = f" AND a.status = {RUNNING}" if running else ""
     where += " AND a.worker_id = ?" if worker_id is not None else ""
     extra: tuple[str, ...] = (worker_id,) if worker_id is not None else ()
     if unless is not None:
         where += " AND NOT EXISTS (SELECT 1 FROM request_keys k WHERE k.scope = ? AND k.key = ?)"
         extra += unless
-    new = 0
-    for start in range(0, len(rows), EVENTS_PER_INSERT):
-        chunk = rows[start : start + EVENTS_PER_INSERT]
-        marks = ", ".join(["(?, ?, ?, ?)"] * len(chunk))
-        new += tx.run(
-            "INSERT INTO events (rollout_id, attempt_id, sequence, type, timestamp, data, source) "
-            "SELECT a.rollout_id, a.id, CAST(v.column1 AS BIGINT), v.column2, v.column3, v.column4, "
-            f"CAST(? AS TEXT) FROM attempts a, (VALUES {marks}) v WHERE a.id = ?{where} "
-            "ON CONFLICT (attempt_id, sequence) DO NOTHING",
-            [source, *itertools.chain.from_iterable(chunk), attempt_id, *extra],
-        )
-    return new
+    marks = ", ".join(["(?, ?, ?, ?)"] * len(rows))
+    sql = (
+        "INSERT INTO events (rollout_id, attempt_id, sequence, type, timestamp, data, source) "
+        "SELECT a.rollout_id, a.id, CAST(v.column1 AS BIGINT), v.column2, v.column3, v.column4, "
+        f"CAST(? AS TEXT) FROM attempts a, (VALUES {marks}) v WHERE a.id = ?{where} "
+        "ON CONFLICT (attempt_id, sequence) DO NOTHING"
+    )
+    return sql, [source, *itertools.chain.from_iterable(rows), attempt_id, *extra]
 
 
 def insert_keyed_events(
