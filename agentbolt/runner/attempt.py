@@ -246,6 +246,7 @@ class AttemptCycle:
             return status
         except ServerFailed as exc:
             reason = f"the server failed on the attempt's finish ({status.value}): {exc}"
+            reason += f"; the outcome's error: {error}" if error else ""
             log.error("attempt %s: %s; failing it with that error", self.attempt_id, reason)
         except AgentboltError as exc:
             if not content_at_fault(exc) or status == AttemptStatus.FAILED:
