@@ -22,10 +22,12 @@ from agentbolt.errors import (
     AttemptEnded,
     ConfigError,
     Conflict,
+    IdempotencyKeyReused,
     InvalidInput,
     InvalidTransition,
     LeaseLost,
     NotFound,
+    QuotaExceeded,
     WorkerRevoked,
     WorkerTokenExpired,
 )
@@ -123,6 +125,8 @@ _ERRORS_BY_TYPE: dict[str, type[AgentboltError]] = {
         Conflict,
         ConfigError,
         InvalidInput,
+        IdempotencyKeyReused,
+        QuotaExceeded,
         WorkerRevoked,
         WorkerTokenExpired,
     )

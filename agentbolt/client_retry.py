@@ -6,7 +6,8 @@ An outage (no connection, 502, 503, 504) is retried up to ``RetryPolicy.attempts
 (forever for the runner); a 500 answer, the server failing on this very request, which sending
 it again usually meets again, at most ``RetryPolicy.server_errors`` times, so that one request
 the server cannot handle ends in an error its caller handles (the runner fails that attempt
-with the reason) rather than a slot retrying it forever. 4xx answers are never retried: they
+with the reason: :class:`~agentbolt.errors.ServerFailed`) rather than a slot retrying it
+forever. 4xx answers are never retried: they
 raise the error the server names (:func:`agentbolt.client_api.raise_for`).
 """
 
@@ -20,7 +21,7 @@ from typing import Any
 import httpx
 
 from agentbolt.client_api import ApiRequest, ServerError
-from agentbolt.errors import ServerUnavailable
+from agentbolt.errors import ServerFailed, ServerUnavailable
 
 __all__ = ["Retries", "RetryPolicy", "retryable"]
 
@@ -67,9 +68,10 @@ class Retries:
         policy, call = self.policy, self.call
         self.failures += 1
         if policy.gives_up(self.failures - 1, self.server_errors):
-            raise ServerUnavailable(
-                f"{call.method} {self.url}{call.path} failed after {self.failures} tries: {exc}"
-            ) from exc
+            failed = f"{call.method} {self.url}{call.path} failed after {self.failures} tries: {exc}"
+            if self.server_errors >= max(policy.server_errors, 1):  # the server fails on this request
+                raise ServerFailed(failed) from exc
+            raise ServerUnavailable(failed) from exc
         if self.failures == 3 or self.failures % 20 == 0:
             log.warning(
                 "%s %s%s has failed %d times (%s); trying again",

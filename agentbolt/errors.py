@@ -10,10 +10,13 @@ __all__ = [
     "Conflict",
     "Forbidden",
     "InvalidInput",
+    "IdempotencyKeyReused",
     "InvalidTransition",
     "LeaseLost",
     "MissingExtra",
     "NotFound",
+    "QuotaExceeded",
+    "ServerFailed",
     "ServerUnavailable",
     "StoreUnavailable",
     "WorkerRevoked",
@@ -97,6 +100,24 @@ class InvalidInput(AgentboltError, ValueError):
     status_code = 422
 
 
+class IdempotencyKeyReused(InvalidInput):
+    """An ``Idempotency-Key`` sent again with another request (another body, or another object
+    than the one it first named): a key names one logical call, so the server answers neither
+    the first call's result nor any part of it."""
+
+
+class QuotaExceeded(AgentboltError, RuntimeError):
+    """An attempt's agent went over one of its quotas (events, bytes of events, model calls):
+    429 for a count, 413 for bytes; the message names the limit and its value. The attempt
+    goes on running; only this request was refused."""
+
+    status_code = 429
+
+    def __init__(self, message: str, status_code: int = 429) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
 class ConfigError(AgentboltError, ValueError):
     status_code = 400
 
@@ -111,6 +132,14 @@ class ServerUnavailable(AgentboltError, ConnectionError):
     """The server could not be reached after all retries."""
 
     status_code = 503
+
+
+class ServerFailed(ServerUnavailable):
+    """The server answered HTTP 500 to every try of one request (``RetryPolicy.server_errors``
+    of them): it fails on this request, so sending it again would not help. The message holds
+    the server's last answer."""
+
+    status_code = 500
 
 
 class MissingExtra(AgentboltError, ImportError):

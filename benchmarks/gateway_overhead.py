@@ -277,7 +277,10 @@ def main() -> None:
             wait_healthy(f"http://127.0.0.1:{port}", timeout=300 if args.upstream == "engine" else 30)
         with tempfile.TemporaryDirectory() as tmp:
             db = str(Path(tmp) / "bench.db") if args.db == "file" else ":memory:"
-            server = ServerProcess(ServerConfig.with_token(token, db=db), profile=args.profile).start()
+            # the call quota counted as deployed, set past what one attempt makes here (1 in flight
+            # sends every call through one attempt)
+            config = ServerConfig.with_token(token, db=db, quota_calls=10**9)
+            server = ServerProcess(config, profile=args.profile).start()
             try:
                 targets = _gateway_targets(server.url, upstream_urls, args.concurrency, token)
                 if args.plain:

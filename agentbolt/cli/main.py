@@ -98,6 +98,21 @@ def server(
             "worker token the runner was issued (agentbolt runners register by themselves).",
         ),
     ] = False,
+    quota_events: Annotated[
+        int,
+        typer.Option(
+            min=0, help="Events an attempt's agent may post to its events URL (then 429); 0: no limit."
+        ),
+    ] = 10_000,
+    quota_event_bytes: Annotated[
+        int, typer.Option(min=0, help="Bytes of events an attempt's agent may post (then 413); 0: no limit.")
+    ] = 64 * 1024 * 1024,
+    quota_calls: Annotated[
+        int,
+        typer.Option(
+            min=0, help="Model calls per attempt through the gateway, per replica (then 429); 0: no limit."
+        ),
+    ] = 1_000,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
 ) -> None:
     """Run the server: store API, gateway, OTLP ingest and dashboard."""
@@ -127,6 +142,9 @@ def server(
         lease_seconds=lease_seconds,
         worker_token_ttl=worker_token_ttl or None,
         registered_runners_only=registered_runners_only,
+        quota_events=quota_events,
+        quota_event_bytes=quota_event_bytes,
+        quota_calls=quota_calls,
     )
     banner = f"agentbolt server on http://{host}:{port}  (store: {_without_password(db)})"
     serve(config, log_level, on_ready=lambda: console.print(banner))

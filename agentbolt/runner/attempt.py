@@ -12,7 +12,12 @@ are handled, is this module's, so that a refused event or outcome is treated ali
 * events the server refuses are found by halving the refused batch: the rest are sent, the
   refused ones dropped and recorded, and the attempt fails with the reason
   (:meth:`AttemptCycle.report`);
-* an outcome the server refuses is replaced by a failure that says why.
+* an outcome the server refuses, or fails on (HTTP 500 at every try), is replaced by a
+  failure that says why; only when the server takes no finish at all does the lease run out.
+
+Every upload and finish carries its own idempotency key (the client makes one per request and
+sends it again with each retry of it), so a retry after a lost answer stores nothing twice and
+gets the first answer; each half of a refused batch is a request of its own, with its own key.
 """
 
 from __future__ import annotations
@@ -24,7 +29,14 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from agentbolt.client import AsyncClient
-from agentbolt.errors import AgentboltError, LeaseLost, NotFound, WorkerRevoked, WorkerTokenExpired
+from agentbolt.errors import (
+    AgentboltError,
+    LeaseLost,
+    NotFound,
+    ServerFailed,
+    WorkerRevoked,
+    WorkerTokenExpired,
+)
 from agentbolt.runner.agent import RolloutContext
 from agentbolt.runner.outcome import clip, content_at_fault, record_failure
 from agentbolt.schemas import AttemptStatus, Claim, EventCreate
@@ -225,11 +237,17 @@ class AttemptCycle:
         return AttemptStatus.FAILED, None, f"{error}; {reasons}" if error else reasons
 
     async def finish(self, status: AttemptStatus, reward: float | None, error: str | None) -> AttemptStatus:
-        """Finish the attempt; if the server refuses that outcome, fail it with the reason."""
+        """Finish the attempt; if the server refuses that outcome, or fails on it (HTTP 500 at
+        every try), fail it with the reason: the attempt's record says what the server
+        answered, not that its lease expired."""
         holder = self.holder
         try:
             await holder.client.finish(self.attempt_id, status, reward, clip(error), holder.worker_id)
             return status
+        except ServerFailed as exc:
+            reason = f"the server failed on the attempt's finish ({status.value}): {exc}"
+            reason += f"; the outcome's error: {error}" if error else ""
+            log.error("attempt %s: %s; failing it with that error", self.attempt_id, reason)
         except AgentboltError as exc:
             if not content_at_fault(exc) or status == AttemptStatus.FAILED:
                 raise

@@ -42,6 +42,7 @@ from agentbolt.server.routes import gateway as gateway_routes
 from agentbolt.server.routes import otlp as otlp_routes
 from agentbolt.server.store_caller import StoreCaller, WakeUp
 from agentbolt.store import SqlStore, open_store
+from agentbolt.store.quotas import EventQuota
 from agentbolt.web import FASTAPI_TELEMETRY_OFF, error_response
 
 __all__ = ["create_app"]
@@ -188,7 +189,7 @@ def _include_routes(
         queue.router(call, wake),
         events.router(call),
         attempts.router(call, wake),
-        agent.router(call),
+        agent.router(call, EventQuota(config.quota_events, config.quota_event_bytes)),
         workers.router(call, wake, issued, config.worker_token_ttl),
         resources.router(call),
         rewards.router(call),

@@ -53,6 +53,14 @@ class ServerConfig:
     """Seconds a worker token stays valid after its worker was last seen (a dequeue, a
     heartbeat); an expired one is refused (401) and its runner registers again. None: never."""
     dashboard: bool = True
+    quota_events: int = 10_000
+    """Events an attempt's agent may post to its events URL, all posts together (then 429);
+    0: no limit. The runner's uploads and the gateway's records are not counted."""
+    quota_event_bytes: int = 64 * 1024 * 1024
+    """Bytes of events (type and data as JSON) an attempt's agent may post (then 413); 0: no limit."""
+    quota_calls: int = 1_000
+    """Model calls an attempt may make through the gateway (then 429), counted per server
+    replica; 0: no limit."""
 
     @staticmethod
     def with_token(token: str | None, **kwargs: object) -> ServerConfig:

@@ -70,6 +70,7 @@ from agentbolt.schemas import LLM, AttemptStatus
 from agentbolt.server.config import ServerConfig
 from agentbolt.server.gateway_access import UpstreamKeys
 from agentbolt.server.gateway_call import CallTry, ForwardedCall, Refused, Target, json_answer
+from agentbolt.server.gateway_quota import CallQuota, key_reused
 from agentbolt.server.gateway_record import CallRecorder
 from agentbolt.server.gateway_responses import PASSED, ResponsesUpstream, chat_for
 from agentbolt.server.gateway_send import UpstreamSender
@@ -94,6 +95,7 @@ class Gateway:
         self.recorder = CallRecorder(call, self.upstreams)
         self.responses = ResponsesUpstream(self.sender, self.recorder, call)
         self._targets: OrderedDict[str, Target] = OrderedDict()
+        self.quota = CallQuota(config.quota_calls)
 
     async def aclose(self) -> None:
         await self.sender.aclose()
@@ -104,8 +106,12 @@ class Gateway:
 
     # ------------------------------------------------------------------ resolving a call
 
-    async def target(self, rollout_id: str, attempt_id: str) -> Target:
-        state = await self.call.read(self.store.attempt_state, attempt_id)  # read on every call
+    async def target(self, rollout_id: str, attempt_id: str, try_of: CallTry | None = None) -> Target:
+        """The attempt's target, if it takes this call: running, under its quota, and (for a
+        try with an idempotency key) the key unused or sent with the same body."""
+        key = try_of.key if try_of is not None else None
+        # read on every call; with a key, the hash of the body its record was made with too
+        state = await self.call.read(self.store.attempt_state, attempt_id, key)
         if state is None:
             raise Refused(404, f"attempt {attempt_id!r} not found", "not_found_error")
         if state[0] != rollout_id:
@@ -115,6 +121,10 @@ class Gateway:
         if state[1] != AttemptStatus.RUNNING:
             message = f"attempt {attempt_id!r} is {state[1]}, not running: it takes no more calls"
             raise Refused(409, message, AttemptEnded.__name__)
+        if try_of is not None:
+            if key is not None and state[2] is not None and state[2] != try_of.body_sha256:
+                raise key_reused(key)
+            self.quota.take(attempt_id)
         found = self._targets.get(attempt_id)
         if found is None:
             found = await self._load_target(rollout_id, attempt_id)
@@ -141,10 +151,10 @@ class Gateway:
         return llm.base_url if ranked is None else self.upstreams.pick(ranked)
 
     async def _route(
-        self, rollout_id: str, attempt_id: str, model: Any
+        self, rollout_id: str, attempt_id: str, model: Any, try_of: CallTry | None = None
     ) -> tuple[Target, str, LLM, str, str | None]:
         """The attempt, the resource serving ``model``, its server and that server's key."""
-        target = await self.target(rollout_id, attempt_id)
+        target = await self.target(rollout_id, attempt_id, try_of)
         resource, llm = target.pick(model)
         server = self.server(target, resource, llm)
         return target, resource, llm, server, await self.keys.resolve(llm, target.resources_version, server)
@@ -173,13 +183,13 @@ class Gateway:
         asked = _asked(raw, endpoint)
         if isinstance(asked, Response):
             return asked
+        try_of = CallTry.of(headers, raw)
         try:
             target, resource, llm, server, key = await self._route(
-                rollout_id, attempt_id, (asked.responses or asked.body).get("model")
+                rollout_id, attempt_id, (asked.responses or asked.body).get("model"), try_of
             )
         except Refused as exc:
             return exc.response()
-        try_of = CallTry.of(headers, raw)
         responses = asked.responses
         if responses is not None and self.responses.may_serve(server):
             passed = ForwardedCall(

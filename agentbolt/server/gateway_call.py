@@ -39,12 +39,17 @@ CALL_ID_HEADER = "X-Agentbolt-Call-Id"
 class Refused(Exception):
     """A call the gateway answers itself, with an OpenAI-style error."""
 
-    def __init__(self, status: int, message: str, type: str, param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, type: str, param: str | None = None, final: bool = False
+    ) -> None:
         super().__init__(message)
-        self.status, self.type, self.param = status, type, param
+        self.status, self.type, self.param, self.final = status, type, param, final
 
     def response(self) -> Response:
-        return json_answer(openai_error(str(self), self.type, self.status, self.param), self.status)
+        answer = json_answer(openai_error(str(self), self.type, self.status, self.param), self.status)
+        if self.final:  # OpenAI's clients retry a 429 unless told not to
+            answer.raw_headers.append((b"x-should-retry", b"false"))
+        return answer
 
 
 def json_answer(body: Any, status: int = 200, call_id: int | None = None) -> Response:

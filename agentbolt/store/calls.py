@@ -4,7 +4,9 @@ OpenAI's clients retry a call that failed or timed out (twice by default), sendi
 with a growing ``x-stainless-retry-count``; other clients send an ``Idempotency-Key``. The
 gateway sees each try as a call of its own; the store keeps one record per logical call:
 
-- A try with a key joins the record of that key (``call_key`` ``key:<key>``).
+- A try with a key joins the record of that key (``call_key`` ``key:<key>``); the record keeps
+  the sha256 of the key's first body (``request_sha256``): the gateway refuses the key sent with
+  another body (422, before forwarding it; :meth:`~agentbolt.store.SqlStore.attempt_state`).
 - Without a key, a try whose retry count is above 0 joins the latest record with the same body
   (``sha256:<hash of the body>``) that lacks that retry count; when there is none (its first
   try is still running: the client timed out) it starts a record marked as waiting for its
@@ -120,13 +122,14 @@ def record_call(
     waiting = key is None and retry is not None and retry > 0
     data = {**event.data, "retries": 0, "tries": [retry or 0]}
     added = tx.one(
-        "INSERT INTO events (rollout_id, attempt_id, type, timestamp, data, call_key, source) "
-        "SELECT rollout_id, id, ?, ?, ?, ?, 'gateway' FROM attempts WHERE id = ? RETURNING id",
+        "INSERT INTO events (rollout_id, attempt_id, type, timestamp, data, call_key, source, request_sha256) "
+        "SELECT rollout_id, id, ?, ?, ?, ?, 'gateway', ? FROM attempts WHERE id = ? RETURNING id",
         (
             event.type,
             event.timestamp,
             to_json(data),
             f"{settled}:retried" if waiting else settled,
+            body_sha256 if key is not None else None,
             attempt_id,
         ),
     )
@@ -157,13 +160,14 @@ def record_new_call(
     where = where if joins else ""
     data = {**event.data, "retries": 0, "tries": [retry or 0]}
     added = tx.one(
-        "INSERT INTO events (rollout_id, attempt_id, type, timestamp, data, call_key, source) "
-        f"SELECT rollout_id, id, ?, ?, ?, ?, 'gateway' FROM attempts WHERE id = ?{where} RETURNING id",
+        "INSERT INTO events (rollout_id, attempt_id, type, timestamp, data, call_key, source, request_sha256) "
+        f"SELECT rollout_id, id, ?, ?, ?, ?, 'gateway', ? FROM attempts WHERE id = ?{where} RETURNING id",
         (
             event.type,
             event.timestamp,
             to_json(data),
             settled,
+            body_sha256 if key is not None else None,
             attempt_id,
             *((attempt_id, *joins) if joins else ()),
         ),

@@ -259,12 +259,23 @@ class Queries:
         with self._read() as tx:
             return attempt_from_row(attempt_row(tx, attempt_id))
 
-    def attempt_state(self, attempt_id: str) -> tuple[str, str] | None:
-        """``(rollout_id, status)`` of the attempt, if it exists: what the gateway checks on
-        every call, without building the whole attempt."""
+    def attempt_state(
+        self, attempt_id: str, call_key: str | None = None
+    ) -> tuple[str, str, str | None] | None:
+        """``(rollout_id, status, body hash)`` of the attempt, if it exists: what the gateway
+        checks on every call, without building the whole attempt. With ``call_key`` (a call's
+        idempotency key) the hash is that of the body its record was first made with (None: no
+        record has the key), read in the same statement."""
         with self._read() as tx:
-            row = tx.one("SELECT rollout_id, status FROM attempts WHERE id = ?", (attempt_id,))
-        return (row[0], row[1]) if row is not None else None
+            if call_key is None:
+                row = tx.one("SELECT rollout_id, status, NULL FROM attempts WHERE id = ?", (attempt_id,))
+            else:
+                row = tx.one(
+                    "SELECT rollout_id, status, (SELECT e.request_sha256 FROM events e WHERE "
+                    "e.attempt_id = a.id AND e.call_key = ? ORDER BY e.id LIMIT 1) FROM attempts a WHERE a.id = ?",
+                    (f"key:{call_key}", attempt_id),
+                )
+        return (row[0], row[1], row[2]) if row is not None else None
 
     def attempt_of_agent_key(self, agent_key: str) -> tuple[str, str] | None:
         """``(rollout_id, attempt_id)`` of the attempt this agent key was minted for, if any."""

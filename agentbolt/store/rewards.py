@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from agentbolt.errors import Conflict, Forbidden, InvalidInput
+from agentbolt.errors import Conflict, Forbidden, IdempotencyKeyReused, InvalidInput
 from agentbolt.schemas import (
     AwaitedReward,
     RewardCreate,
@@ -26,6 +26,7 @@ from agentbolt.schemas import (
     RolloutStatus,
 )
 from agentbolt.store.database import Tx
+from agentbolt.store.keys import check_same
 from agentbolt.store.rows import from_json, to_json
 
 __all__ = [
@@ -130,19 +131,21 @@ def attach_rewards(tx: Tx, rollouts: Sequence[Rollout]) -> None:
             by_id[row[0]].rewards[row[1]] = _slot_from_row(row)
 
 
-def keyed_score(tx: Tx, rollout_id: str, name: str, key: str) -> RewardSlot | None:
+def keyed_score(tx: Tx, rollout_id: str, create: RewardCreate, key: str, sha256: str) -> RewardSlot | None:
     """The slot as the write with idempotency key ``key`` left it (its revision and the slot's
-    scale), or None when no write used that key. A key used for another rollout or reward is a
-    :class:`Conflict`: a key names one request."""
-    row = tx.one(f"SELECT {SCORE_COLS} FROM reward_scores WHERE request_key = ?", (key,))
+    scale), or None when no write used that key. A key used for another rollout or reward, or
+    with another body (its hash is not ``sha256``), is :class:`IdempotencyKeyReused`: a key
+    names one request."""
+    row = tx.one(f"SELECT {SCORE_COLS}, request_sha256 FROM reward_scores WHERE request_key = ?", (key,))
     if row is None:
         return None
-    first = score_from_row(row)
+    first, name = score_from_row(row[:-1]), create.name
     if (first.rollout_id, first.name) != (rollout_id, name):
-        raise Conflict(
-            f"idempotency key {key!r} was used for reward {first.name!r} of rollout "
-            f"{first.rollout_id!r}; a key names one request"
+        raise IdempotencyKeyReused(
+            f"Idempotency-Key {key!r} was used for reward {first.name!r} of rollout "
+            f"{first.rollout_id!r}; a key names one request: make a new key for a new request"
         )
+    check_same(row[-1], sha256, key, "score")
     scale = tx.one("SELECT scale FROM reward_slots WHERE rollout_id = ? AND name = ?", (rollout_id, name))
     assert scale is not None  # a revision's slot is never deleted
     return RewardSlot(
@@ -169,6 +172,7 @@ def write_reward(
     author: str | None,
     key: str | None,
     ts: float,
+    sha256: str | None = None,
 ) -> RewardSlot:
     """Check the write against the rollout and its slot (``rollout`` as read in ``tx``, its
     rewards attached), then store it as the slot's next revision. The caller serializes writes
@@ -184,7 +188,7 @@ def write_reward(
         raise Conflict(_scored_meanwhile(rollout.id, create, slot))
     scale = slot.scale if slot is not None else (create.scale or RewardScale())
     value = _value(create, scale)
-    new_id = _insert_revision(tx, rollout.id, create, revision + 1, source, author, value, key, ts)
+    new_id = _insert_revision(tx, rollout.id, create, revision + 1, source, author, value, (key, sha256), ts)
     if slot is None:
         tx.run(
             "INSERT INTO reward_slots (rollout_id, name, source, scale, state, revision, current_id, updated_at) "
@@ -253,12 +257,14 @@ def _insert_revision(
     source: RewardSource,
     author: str | None,
     value: float | None,
-    key: str | None,
+    key: tuple[str | None, str | None],
     ts: float,
 ) -> int:
+    """Insert the revision; ``key``: the request's idempotency key and its request's hash."""
     row = tx.one(
         "INSERT INTO reward_scores (rollout_id, name, revision, source, author, state, score, value, "
-        "error, comment, data, created_at, request_key) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+        "error, comment, data, created_at, request_key, request_sha256) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
         "RETURNING id",
         (
             rollout_id,
@@ -273,7 +279,7 @@ def _insert_revision(
             create.comment,
             to_json(create.data),
             ts,
-            key,
+            *key,
         ),
     )
     assert row is not None

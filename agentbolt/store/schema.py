@@ -120,6 +120,24 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             "AND (call_key LIKE 'key:%' OR call_key LIKE 'sha256:%')",
         ],
     ),
+    (
+        # Issue 37: a key reused with another request is refused (store.keys), so each key is
+        # kept with the sha256 of its request; writes that create no single row keep theirs in
+        # request_keys. An attempt counts what its agent posted to the events URL (its quotas).
+        7,
+        [
+            "ALTER TABLE attempts ADD COLUMN claim_sha256 TEXT",
+            "ALTER TABLE attempts ADD COLUMN finish_sha256 TEXT",
+            "ALTER TABLE attempts ADD COLUMN agent_events INTEGER NOT NULL DEFAULT 0",
+            "ALTER TABLE attempts ADD COLUMN agent_bytes BIGINT NOT NULL DEFAULT 0",
+            "ALTER TABLE resources ADD COLUMN request_sha256 TEXT",
+            "ALTER TABLE reward_scores ADD COLUMN request_sha256 TEXT",
+            "ALTER TABLE events ADD COLUMN request_sha256 TEXT",
+            """CREATE TABLE request_keys (scope TEXT NOT NULL, key TEXT NOT NULL,
+                body_sha256 TEXT NOT NULL, answer TEXT NOT NULL, created_at {real} NOT NULL,
+                PRIMARY KEY (scope, key))""",
+        ],
+    ),
 ]
 
 _APPLIED = (

@@ -34,8 +34,6 @@ from agentbolt.schemas import (
     AttemptFinish,
     AttemptStatus,
     Claim,
-    EventCreate,
-    EventSource,
     Resources,
     ResourcesCreate,
     RewardCreate,
@@ -50,33 +48,29 @@ from agentbolt.schemas import (
     new_id,
     now,
 )
-from agentbolt.store.calls import CALLS_LOCK, CallRecord, NewEvent, record_call, record_new_call
 from agentbolt.store.database import Database, Tx
+from agentbolt.store.event_writes import EventWrites
+from agentbolt.store.keys import check_same, first_answer, keep_answer, request_sha256
 from agentbolt.store.queries import Queries
 from agentbolt.store.rewards import keyed_score, write_reward
 from agentbolt.store.rows import (
     ATTEMPT_COLS,
     RETURNED_ROLLOUT,
-    event_rows,
-    keyed_event_rows,
+    from_json,
     rollout_from_row,
+    to_json,
 )
 from agentbolt.store.schema import migrate
 from agentbolt.store.statements import (
     CLAIMED_WITH,
-    EVENTS_PER_INSERT,
     LATEST_VERSION,
     NEXT_QUEUED,
     RUNNING,
-    attempt_row,
     cancel_running,
-    check_call_refs,
     claim_made,
     end_attempt,
     expire_lapsed,
     held,
-    insert_events,
-    insert_keyed_events,
     insert_rollout,
     insert_version,
     rollouts_by_id,
@@ -123,7 +117,7 @@ def keyed_rollout_id(key: str, index: int) -> str:
     return "ro-" + hashlib.sha256(f"{key}:{index}".encode()).hexdigest()[:24]
 
 
-class SqlStore(Queries):
+class SqlStore(EventWrites, Queries):
     """Queue with leases, attempts, events and versioned resources over a :class:`Database`."""
 
     def __init__(self, db: Database, lease_seconds: float = DEFAULT_LEASE_SECONDS) -> None:
@@ -148,14 +142,22 @@ class SqlStore(Queries):
     def enqueue(self, items: Sequence[RolloutCreate], key: str | None = None) -> list[Rollout]:
         """Create rollouts (and their tasks). An item whose ``id`` exists already is returned as
         is; with ``key``, items without an id get ids derived from it (:func:`keyed_rollout_id`),
-        so a repeat returns the first enqueue's rollouts. A task id stored with other data or
+        so a repeat returns the first enqueue's rollouts (the key sent with other items is
+        :class:`~agentbolt.errors.IdempotencyKeyReused`). A task id stored with other data or
         metadata is a :class:`~agentbolt.errors.Conflict`."""
         ts = now()
         ids = [item.id or (keyed_rollout_id(key, i) if key else new_id("ro")) for i, item in enumerate(items)]
         tasks: dict[str, Task] = {}
+        sha256 = request_sha256(items) if key is not None else ""
         with self._tx() as tx:
+            if key is not None and (first := first_answer(tx, "enqueue", key, sha256, "enqueue")):
+                return rollouts_by_id(tx, from_json(first))
             for rid, item in zip(ids, items, strict=True):
                 insert_rollout(tx, rid, item, ts, fixed=item.id is not None or key is not None, tasks=tasks)
+            if key is not None and (
+                earlier := keep_answer(tx, "enqueue", key, sha256, to_json(ids), "enqueue")
+            ):
+                ids = from_json(earlier)  # a repeat that raced this one on another replica
             created = rollouts_by_id(tx, ids)
         self.db.inserted(("rollouts", "tasks"), len(items))
         return created
@@ -185,10 +187,11 @@ class SqlStore(Queries):
             if ts - self._expired_at >= EXPIRE_EVERY or ts < self._expired_at:
                 expire_lapsed(tx, ts)
                 self._expired_at = ts
-            claimed = self._claim(tx, worker_id, ts, lease, key)
+            sha256 = request_sha256(worker_id, lease_seconds) if key is not None else None
+            claimed = self._claim(tx, worker_id, ts, lease, key, sha256)
             touch_worker(tx, worker_id, ts, claimed=int(claimed is not None))
-            if claimed is None and key is not None:
-                claimed = claim_made(tx, worker_id, key)  # a repeat: the first one's claim
+            if claimed is None and key is not None and sha256 is not None:
+                claimed = claim_made(tx, worker_id, key, sha256)  # a repeat: the first one's claim
         return self._as_claim(*claimed, lease) if claimed is not None else None
 
     def _as_claim(self, rollout: Rollout, attempt: Attempt, agent_key: str | None, lease: float) -> Claim:
@@ -199,7 +202,7 @@ class SqlStore(Queries):
         )
 
     def _claim(
-        self, tx: Tx, worker_id: str, ts: float, lease: float, key: str | None
+        self, tx: Tx, worker_id: str, ts: float, lease: float, key: str | None, sha256: str | None
     ) -> tuple[Rollout, Attempt, str | None] | None:
         """Mark the oldest queued rollout running and insert its new attempt; with ``key``,
         only if this worker made no claim with that key yet (checked in the same statement: a
@@ -229,8 +232,8 @@ class SqlStore(Queries):
         )
         agent_key = _credential(AGENT_KEY_PREFIX)
         tx.run(
-            f"INSERT INTO attempts ({ATTEMPT_COLS}, deadline, claim_key, agent_key) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, NULL, NULL, NULL, ?, ?, ?)",
+            f"INSERT INTO attempts ({ATTEMPT_COLS}, deadline, claim_key, agent_key, claim_sha256) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, NULL, NULL, NULL, ?, ?, ?, ?)",
             (
                 attempt.id,
                 rollout.id,
@@ -243,6 +246,7 @@ class SqlStore(Queries):
                 ts + timeout if timeout else None,
                 key,
                 agent_key,
+                sha256,
             ),
         )
         return rollout, attempt, agent_key
@@ -281,17 +285,22 @@ class SqlStore(Queries):
     ) -> Rollout:
         """End a running attempt. Success ends the rollout, failure fails it (the agent would
         fail again); ``released`` (a runner stopping) requeues it without using up an attempt.
-        A repeat of the finish that ended the attempt (same ``key``) returns the rollout."""
+        A repeat of the finish that ended the attempt (same ``key``) returns the rollout; the key
+        sent with another outcome is :class:`~agentbolt.errors.IdempotencyKeyReused`."""
         ts = now()
+        sha256 = request_sha256(finish) if key is not None else None
         with self._tx() as tx:
-            rollout = end_attempt(tx, attempt_id, finish, AttemptStatus(finish.status), ts, worker_id, key)
+            status = AttemptStatus(finish.status)
+            rollout = end_attempt(tx, attempt_id, finish, status, ts, worker_id, key, sha256)
             if rollout is not None:
                 return rollout
-            if key is not None:
+            if key is not None and sha256 is not None:
                 mine = tx.one(
-                    "SELECT rollout_id FROM attempts WHERE id = ? AND finish_key = ?", (attempt_id, key)
+                    "SELECT rollout_id, finish_sha256 FROM attempts WHERE id = ? AND finish_key = ?",
+                    (attempt_id, key),
                 )
                 if mine is not None:
+                    check_same(mine[1], sha256, key, "outcome")
                     return rollouts_by_id(tx, [mine[0]])[0]
             held(tx, attempt_id, worker_id)  # NotFound, AttemptEnded or LeaseLost, with the reason
             raise AttemptEnded(f"attempt {attempt_id!r} ended meanwhile, it is no longer running")
@@ -321,96 +330,6 @@ class SqlStore(Queries):
             cancel_running(tx, rollout_id, ts)  # claimed between the two statements above
             return _one_rollout(tx, rollout_id)
 
-    # ------------------------------------------------------------------ events
-
-    def add_events(
-        self,
-        attempt_id: str,
-        events: Sequence[EventCreate],
-        worker_id: str | None = None,
-        source: EventSource = EventSource.RUNNER,
-    ) -> int:
-        """Append events to a running attempt; a (attempt, sequence) already stored is skipped.
-        Returns how many were new. ``source``: who posts them (the route says, from the credential)."""
-        rows = event_rows(events)
-        with self._events_tx(rows) as tx:
-            new = insert_events(tx, attempt_id, rows, running=True, worker_id=worker_id, source=source)
-            if new == 0:  # nothing stored: not held (say why), or every event a repeat
-                held(tx, attempt_id, worker_id)
-            return new
-
-    def record_events(
-        self,
-        attempt_id: str,
-        events: Sequence[EventCreate],
-        keys: Sequence[str | None] | None = None,
-        source: EventSource = EventSource.RUNNER,
-    ) -> int:
-        """Append events the server observed itself (gateway calls, OTLP spans). Unlike
-        :meth:`add_events` the attempt may have ended: a span can arrive after the finish.
-        ``keys`` (one per event, or None): an event whose key the attempt holds already is a
-        repeat and skipped (a span's trace and span id)."""
-        if keys is not None:
-            return self._record_keyed(attempt_id, keyed_event_rows(events, keys), source)
-        rows = event_rows(events)
-        with self._events_tx(rows) as tx:
-            new = insert_events(tx, attempt_id, rows, running=False, worker_id=None, source=source)
-            if new == 0:
-                attempt_row(tx, attempt_id)  # NotFound when there is no such attempt
-            return new
-
-    def _record_keyed(self, attempt_id: str, rows: list[tuple[Any, ...]], source: EventSource) -> int:
-        with self._tx() as tx:
-            self.db.serialize(tx, CALLS_LOCK, attempt_id)
-            new = insert_keyed_events(tx, attempt_id, rows, source)
-            if new == 0:
-                attempt_row(tx, attempt_id)
-            return new
-
-    def record_call(
-        self, attempt_id: str, event: NewEvent, key: str | None, body_sha256: str, retry: int | None
-    ) -> CallRecord:
-        """Record one try of a model call the gateway forwarded: a new ``llm_call`` event, or
-        (false as a boolean) this try joined the record of its logical call (see :mod:`.calls`);
-        either way the record's id, the call id the gateway returns to the agent."""
-        if self.backend == "sqlite":  # one statement, no BEGIN/COMMIT, for a call's first try
-            with self.db.autocommit() as tx:
-                added = record_new_call(tx, attempt_id, event, key, body_sha256, retry)
-            if added is not None:
-                return added
-        with self._tx() as tx:
-            return record_call(tx, self.db, attempt_id, event, key, body_sha256, retry)
-
-    def add_agent_events(
-        self,
-        attempt_id: str,
-        events: Sequence[EventCreate],
-        key: str | None,
-        worker_id: str | None = None,
-        source: EventSource = EventSource.AGENT,
-    ) -> int:
-        """Append events posted to an attempt's events URL while it runs. They carry no
-        sequence (the runner numbers its own events; the store's order is theirs); with ``key``
-        (the request's idempotency key) a repeat of the request stores nothing new. An ended
-        attempt is :class:`~agentbolt.errors.AttemptEnded` naming its state; a per-call reward
-        or state naming no model call of this attempt :class:`~agentbolt.errors.InvalidInput`."""
-        keys = [f"agent:{key}:{i}" if key is not None else None for i in range(len(events))]
-        rows = keyed_event_rows(events, keys)
-        with self._tx() as tx:
-            self.db.serialize(tx, CALLS_LOCK, attempt_id)
-            if worker_id is not None:  # a worker token posts only to attempts its worker holds
-                held(tx, attempt_id, worker_id)
-            check_call_refs(tx, attempt_id, events)
-            new = insert_keyed_events(tx, attempt_id, rows, source, running=True)
-            if new == 0:  # nothing stored: not running (say why), or a repeat
-                held(tx, attempt_id, worker_id)
-            return new
-
-    def _events_tx(self, rows: list[tuple[Any, ...]]) -> Any:
-        """One INSERT commits on its own; several (a batch over ``EVENTS_PER_INSERT``) need a
-        transaction, so that an attempt ending meanwhile gets all of them or none."""
-        return self._tx() if len(rows) > EVENTS_PER_INSERT else self._read()
-
     # ------------------------------------------------------------------ named rewards
 
     def add_reward(
@@ -432,10 +351,11 @@ class SqlStore(Queries):
             if key is not None:  # the key first, the slot second: every write takes them in this order
                 self.db.serialize(tx, _REWARD_LOCK, f"key\n{key}")
             self.db.serialize(tx, _REWARD_LOCK, f"{rollout_id}\n{create.name}")
-            if key is not None and (first := keyed_score(tx, rollout_id, create.name, key)) is not None:
+            sha256 = request_sha256(create) if key is not None else None
+            if key is not None and (first := keyed_score(tx, rollout_id, create, key, sha256 or "")):
                 return first
             rollout = _one_rollout(tx, rollout_id)
-            return write_reward(tx, rollout, create, source, author, key, now())
+            return write_reward(tx, rollout, create, source, author, key, now(), sha256)
 
     # ------------------------------------------------------------------ workers
 
@@ -482,12 +402,14 @@ class SqlStore(Queries):
         with self._tx() as tx:
             # two replicas publishing at once must not both read the same MAX(version)
             self.db.serialize(tx, _PUBLISH_LOCK)
+            sha256 = request_sha256(create) if key is not None else None
             if key is not None and (
-                first := tx.one("SELECT version FROM resources WHERE request_key = ?", (key,))
+                first := tx.one("SELECT version, request_sha256 FROM resources WHERE request_key = ?", (key,))
             ):
+                check_same(first[1], sha256 or "", key, "resources")
                 version = first[0]
             else:
-                version = insert_version(tx, create, key, ts)
+                version = insert_version(tx, create, key, ts, sha256)
         return self.get_resources(version)
 
 

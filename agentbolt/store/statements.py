@@ -28,6 +28,7 @@ from agentbolt.schemas import (
     check_transition,
 )
 from agentbolt.store.database import Tx
+from agentbolt.store.keys import check_same
 from agentbolt.store.rewards import attach_rewards, insert_awaited
 from agentbolt.store.rows import (
     ATTEMPT_COLS,
@@ -53,6 +54,7 @@ __all__ = [
     "check_call_refs",
     "claim_made",
     "end_attempt",
+    "events_insert",
     "expire_lapsed",
     "held",
     "insert_events",
@@ -93,8 +95,11 @@ NEXT_QUEUED = (
     f"SELECT q.qseq FROM rollouts q WHERE q.status = {QUEUED} AND (q.resources_version IS NULL OR "
     "q.resources_version <= (SELECT MAX(version) FROM resources)) ORDER BY q.qseq LIMIT 1"
 )
-# The attempt a worker claimed with an idempotency key, and its agent key (parameters: worker, key).
-CLAIMED_WITH = f"SELECT {ATTEMPT_COLS}, agent_key FROM attempts WHERE worker_id = ? AND claim_key = ?"
+# The attempt a worker claimed with an idempotency key, its agent key and the hash of the claim's
+# request (parameters: worker, key).
+CLAIMED_WITH = (
+    f"SELECT {ATTEMPT_COLS}, agent_key, claim_sha256 FROM attempts WHERE worker_id = ? AND claim_key = ?"
+)
 # Running attempts whose lease lapsed or whose deadline passed (parameters: now, now).
 LAPSED = (
     f"SELECT id, lease_expires_at, deadline FROM attempts WHERE status = {RUNNING} "
@@ -171,14 +176,16 @@ def rollouts_by_id(tx: Tx, ids: Sequence[str]) -> list[Rollout]:
     return [found[i] for i in ids if i in found]
 
 
-def claim_made(tx: Tx, worker_id: str, key: str) -> tuple[Rollout, Attempt, str | None] | None:
+def claim_made(tx: Tx, worker_id: str, key: str, sha256: str) -> tuple[Rollout, Attempt, str | None] | None:
     """The rollout (as it stands now), attempt and agent key that ``worker_id`` claimed with
-    ``key``."""
+    ``key``; :class:`~agentbolt.errors.IdempotencyKeyReused` when that claim's request was
+    another (its hash is not ``sha256``)."""
     row = tx.one(CLAIMED_WITH, (worker_id, key))
     if row is None:
         return None
-    attempt = attempt_from_row(row[:-1])
-    return rollouts_by_id(tx, [attempt.rollout_id])[0], attempt, row[-1]
+    check_same(row[-1], sha256, key, "dequeue request")
+    attempt = attempt_from_row(row[:-2])
+    return rollouts_by_id(tx, [attempt.rollout_id])[0], attempt, row[-2]
 
 
 def touch_worker(tx: Tx, worker_id: str, ts: float, claimed: int) -> None:
@@ -236,21 +243,23 @@ def end_attempt(
     ts: float,
     worker_id: str | None = None,
     key: str | None = None,
+    sha256: str | None = None,
 ) -> Rollout | None:
     """End the attempt (if ``worker_id`` holds it) and move its rollout on; return the
     rollout. None (and nothing changed) when the attempt was not running: another replica
     ended it first, so it must not be requeued twice. ``key``: the finish request's
-    idempotency key, kept on the attempt so that a repeat of this finish is recognised."""
+    idempotency key, kept on the attempt with its request's hash ``sha256`` so that a repeat
+    of this finish is recognised (and another finish under the key refused)."""
     check_transition("attempt", attempt_id, AttemptStatus.RUNNING, status)
     by_holder = "" if worker_id is None else " AND worker_id = ?"
     row = tx.one(
-        "UPDATE attempts SET status = ?, ended_at = ?, reward = ?, error = ?, finish_key = ? "
+        "UPDATE attempts SET status = ?, ended_at = ?, reward = ?, error = ?, finish_key = ?, finish_sha256 = ? "
         "WHERE id = ? AND status = ?"
         + by_holder
         + " RETURNING rollout_id, (SELECT r.status FROM rollouts r WHERE r.id = attempts.rollout_id), "
         "(SELECT r.attempts FROM rollouts r WHERE r.id = attempts.rollout_id), "
         "(SELECT r.max_attempts FROM rollouts r WHERE r.id = attempts.rollout_id)",
-        (status.value, ts, finish.reward, finish.error, key, attempt_id, AttemptStatus.RUNNING.value)
+        (status.value, ts, finish.reward, finish.error, key, sha256, attempt_id, AttemptStatus.RUNNING.value)
         + ((worker_id,) if worker_id is not None else ()),
     )
     if row is None:
@@ -313,27 +322,46 @@ def insert_events(
     running: bool,
     worker_id: str | None,
     source: str = "runner",
+    unless: tuple[str, str] | None = None,
 ) -> int:
     """Insert ``rows`` for the attempt, in statements that each check the attempt exists
     (and, with ``running``, that it is running and held by ``worker_id`` if given): an
-    attempt ended meanwhile gets none of them. (attempt, sequence) is unique: a re-sent
-    batch, even one racing on another replica, inserts nothing twice; the row counts tell
-    how many were new."""
-    where = f" AND a.status = {RUNNING}" if running else ""
-    where += " AND a.worker_id = ?" if worker_id is not None else ""
-    extra = (worker_id,) if worker_id is not None else ()
+    attempt ended meanwhile gets none of them. ``unless`` (scope, idempotency key): none
+    either when ``request_keys`` holds that key (a repeat, or the key reused). (attempt,
+    sequence) is unique: a re-sent batch, even one racing on another replica, inserts nothing
+    twice; the row counts tell how many were new."""
     new = 0
     for start in range(0, len(rows), EVENTS_PER_INSERT):
         chunk = rows[start : start + EVENTS_PER_INSERT]
-        marks = ", ".join(["(?, ?, ?, ?)"] * len(chunk))
-        new += tx.run(
-            "INSERT INTO events (rollout_id, attempt_id, sequence, type, timestamp, data, source) "
-            "SELECT a.rollout_id, a.id, CAST(v.column1 AS BIGINT), v.column2, v.column3, v.column4, "
-            f"CAST(? AS TEXT) FROM attempts a, (VALUES {marks}) v WHERE a.id = ?{where} "
-            "ON CONFLICT (attempt_id, sequence) DO NOTHING",
-            [source, *itertools.chain.from_iterable(chunk), attempt_id, *extra],
-        )
+        sql, params = events_insert(attempt_id, chunk, running, worker_id, source, unless)
+        new += tx.run(sql, params)
     return new
+
+
+def events_insert(
+    attempt_id: str,
+    rows: list[tuple[Any, ...]],
+    running: bool,
+    worker_id: str | None,
+    source: str,
+    unless: tuple[str, str] | None = None,
+) -> tuple[str, list[Any]]:
+    """One INSERT of at most ``EVENTS_PER_INSERT`` rows (see :func:`insert_events`), and its
+    parameters."""
+    where = f" AND a.status = {RUNNING}" if running else ""
+    where += " AND a.worker_id = ?" if worker_id is not None else ""
+    extra: tuple[str, ...] = (worker_id,) if worker_id is not None else ()
+    if unless is not None:
+        where += " AND NOT EXISTS (SELECT 1 FROM request_keys k WHERE k.scope = ? AND k.key = ?)"
+        extra += unless
+    marks = ", ".join(["(?, ?, ?, ?)"] * len(rows))
+    sql = (
+        "INSERT INTO events (rollout_id, attempt_id, sequence, type, timestamp, data, source) "
+        "SELECT a.rollout_id, a.id, CAST(v.column1 AS BIGINT), v.column2, v.column3, v.column4, "
+        f"CAST(? AS TEXT) FROM attempts a, (VALUES {marks}) v WHERE a.id = ?{where} "
+        "ON CONFLICT (attempt_id, sequence) DO NOTHING"
+    )
+    return sql, [source, *itertools.chain.from_iterable(rows), attempt_id, *extra]
 
 
 def insert_keyed_events(
@@ -379,14 +407,15 @@ def check_call_refs(tx: Tx, attempt_id: str, events: Sequence[EventCreate]) -> N
             raise InvalidInput(f"llm_call_id {call_id!r} names no model call of attempt {attempt_id!r}")
 
 
-def insert_version(tx: Tx, create: ResourcesCreate, key: str | None, ts: float) -> int:
-    """Store the next resources version (the caller holds the publish lock); its number."""
+def insert_version(tx: Tx, create: ResourcesCreate, key: str | None, ts: float, sha256: str | None) -> int:
+    """Store the next resources version (the caller holds the publish lock); its number.
+    ``key``: the request's idempotency key, kept with its request's hash ``sha256``."""
     row = tx.one("SELECT MAX(version) FROM resources")
     version = (row[0] if row and row[0] is not None else 0) + 1
     body = to_json({k: v.model_dump(mode="json") for k, v in create.resources.items()})
     tx.run(
-        "INSERT INTO resources (version, resources, metadata, created_at, request_key, trial) "
-        "VALUES (?, ?, ?, ?, ?, ?)",
-        (version, body, to_json(create.metadata), ts, key, int(create.trial)),
+        "INSERT INTO resources (version, resources, metadata, created_at, request_key, trial, request_sha256) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?)",
+        (version, body, to_json(create.metadata), ts, key, int(create.trial), sha256),
     )
     return int(version)

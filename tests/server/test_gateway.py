@@ -283,13 +283,21 @@ def test_a_call_the_openai_client_retried_after_a_timeout_is_one_llm_call(rig, u
 def test_tries_with_one_idempotency_key_are_one_llm_call(rig, upstream):
     claim = rig.claim()
     url = claim.resources.resources["llm"].base_url
-    for n in range(3):
-        body = {"model": "double", "messages": [{"role": "user", "content": f"try {n}"}]}
+    before = len(upstream.calls)
+    body = {"model": "double", "messages": [{"role": "user", "content": "try"}]}
+    ids = set()
+    for _ in range(3):
         r = httpx.post(f"{url}/chat/completions", json=body, headers={"idempotency-key": "call-1"})
         assert r.status_code == 200
+        ids.add(r.headers["x-agentbolt-call-id"])
     [event] = rig.llm_calls(claim.rollout.id)
-    assert (event.data["retries"], event.data["tries"]) == (2, [0, 1, 2])
-    assert event.data["request"]["messages"][0]["content"] == "try 2"  # the latest try's data
+    assert (event.data["retries"], event.data["tries"]) == (2, [0, 1, 2]) and ids == {str(event.id)}
+    assert len(upstream.calls) - before == 3  # each try is forwarded
+    # the key with another body is another call under a reused key: refused, never forwarded
+    other = {"model": "double", "messages": [{"role": "user", "content": "another"}]}
+    r = httpx.post(f"{url}/chat/completions", json=other, headers={"idempotency-key": "call-1"})
+    assert r.status_code == 422 and r.json()["error"]["type"] == "IdempotencyKeyReused"
+    assert len(upstream.calls) - before == 3 and len(rig.llm_calls(claim.rollout.id)) == 1
 
 
 def test_upstream_error_is_returned_openai_style_and_recorded(rig, upstream, caplog):

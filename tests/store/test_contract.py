@@ -695,7 +695,7 @@ def test_agent_events_honour_their_key_and_stop_when_the_attempt_ends(store: Sql
     c = claim(store)
     reward = [EventCreate(type="reward", data={"value": 1.0}), EventCreate(type="message")]
     assert store.add_agent_events(c.attempt.id, reward, "k1") == 2
-    assert store.add_agent_events(c.attempt.id, reward, "k1") == 0  # a repeat
+    assert store.add_agent_events(c.attempt.id, reward, "k1") == 2  # a repeat: the first answer
     assert store.add_agent_events(c.attempt.id, [EventCreate(type="reward")], None) == 1
     store.add_events(c.attempt.id, [EventCreate(sequence=0, type="mine")], "w1")  # the runner's own
     events = store.list_events(c.rollout.id).items

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from agentbolt.errors import Conflict, Forbidden, InvalidInput, NotFound
+from agentbolt.errors import Conflict, Forbidden, IdempotencyKeyReused, InvalidInput, NotFound
 from agentbolt.schemas import (
     AttemptFinish,
     AttemptStatus,
@@ -178,10 +178,13 @@ def test_idempotent_repeat_stores_once(store: SqlStore) -> None:
     store.add_reward(rollout.id, star(2, replaces=1), source=REVIEWER, author="bob", key="k2")
     assert store.add_reward(rollout.id, star(4), source=REVIEWER, author="alice", key="k1") == first
     assert [h.score for h in store.reward_history(rollout.id)] == [4, 2]
-    with pytest.raises(Conflict, match="idempotency key 'k1' was used for reward 'human'"):
+    with pytest.raises(IdempotencyKeyReused, match="Idempotency-Key 'k1' was used for reward 'human'"):
         store.add_reward(
             rollout.id, RewardCreate(name="judge", score=1), source=EVALUATOR, author="j", key="k1"
         )
+    # the same reward, another score under the key: refused, never the first answer
+    with pytest.raises(IdempotencyKeyReused, match="first sent with another score"):
+        store.add_reward(rollout.id, star(5), source=REVIEWER, author="alice", key="k1")
 
 
 def test_two_scores_at_once_one_wins(store_factory) -> None:
@@ -222,11 +225,11 @@ def test_a_double_click_stores_once(store_factory) -> None:
         target = (other, first)[i]  # each with the revision it holds
         try:
             return stores[i].add_reward(target.id, star(2, replaces=i), source=REVIEWER, author="a", key="k2")
-        except Conflict as exc:
+        except IdempotencyKeyReused as exc:
             return exc
 
     results = run_threads(2, reuse)
-    assert sum(isinstance(r, Conflict) for r in results) == 1, results
+    assert sum(isinstance(r, IdempotencyKeyReused) for r in results) == 1, results
     assert len(stores[0].reward_history(first.id)) + len(stores[0].reward_history(other.id)) == 2
 
 

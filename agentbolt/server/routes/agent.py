@@ -20,8 +20,11 @@ grade. A per-call reward or a state must name a model call of this attempt (422 
 id). Each stored event's ``source`` comes from the credential (``agent`` for an agent key).
 
 The store orders them (they carry no sequence: the runner numbers its own events); a repeat
-with the same ``Idempotency-Key`` stores nothing new. Once the attempt ended: 409
-``AttemptEnded`` naming its state.
+with the same ``Idempotency-Key`` stores nothing new and gets the first answer, the key sent
+with another body is a 422 ``IdempotencyKeyReused``. Once the attempt ended: 409
+``AttemptEnded`` naming its state. What an agent key posts counts against the attempt's quota
+(:mod:`agentbolt.store.quotas`): over it, 429 (events) or 413 (bytes) naming the limit, nothing
+of that request stored, and the attempt goes on.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from agentbolt.errors import Forbidden, NotFound
 from agentbolt.schemas import AgentEvents, EventCreate, EventSource, EventType
 from agentbolt.server.routes.common import IdempotencyKey, caller_of, json_response, source_of
 from agentbolt.server.store_caller import StoreCaller
+from agentbolt.store.quotas import EventQuota
 
 __all__ = ["AGENT_TYPES", "CUSTOM_PREFIX", "agent_refusal", "router"]
 
@@ -42,7 +46,7 @@ system's (the gateway's, the runner's)."""
 CUSTOM_PREFIX = "custom."  # an agent's own types: "custom.<name>"
 
 
-def router(call: StoreCaller) -> APIRouter:
+def router(call: StoreCaller, quota: EventQuota | None = None) -> APIRouter:
     api = APIRouter(tags=["agent"])
     store = call.store
 
@@ -51,7 +55,7 @@ def router(call: StoreCaller) -> APIRouter:
         rollout_id: str, attempt_id: str, body: AgentEvents, request: Request, key: IdempotencyKey = None
     ) -> Response:
         """Record what the agent reports (rewards, messages, its own events); answers
-        ``{"added": n}``, 0 for a repeat."""
+        ``{"added": n}``; a repeat (same key and body) the first answer."""
         attempt = await call(store.get_attempt, attempt_id)
         if attempt.rollout_id != rollout_id:  # an agent key's own path always matches
             raise NotFound("attempt", f"{rollout_id}/{attempt_id}")
@@ -61,7 +65,7 @@ def router(call: StoreCaller) -> APIRouter:
         source = source_of(request, EventSource.AGENT)
         if source == EventSource.AGENT:
             _check_agent_types(events)
-        added = await call(store.add_agent_events, attempt_id, events, key, worker, source)
+        added = await call(store.add_agent_events, attempt_id, events, key, worker, source, quota)
         return json_response({"added": added})
 
     return api

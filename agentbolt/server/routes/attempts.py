@@ -33,9 +33,13 @@ def router(call: StoreCaller, wake: WakeUp) -> APIRouter:
         return json_response(await call(store.heartbeat, attempt_id, worker, body.lease_seconds))
 
     @api.post("/events")
-    async def add_events(attempt_id: str, body: EventsRequest, request: Request) -> Response:
-        """Append events; ones whose (attempt, sequence) is already stored are skipped."""
-        return json_response({"added": await append_events(call, attempt_id, body, request)})
+    async def add_events(
+        attempt_id: str, body: EventsRequest, request: Request, key: IdempotencyKey = None
+    ) -> Response:
+        """Append events; ones whose (attempt, sequence) is already stored are skipped. A
+        retry with the same ``Idempotency-Key`` gets the first answer; the key sent with
+        another batch is a 422 (``IdempotencyKeyReused``)."""
+        return json_response({"added": await append_events(call, attempt_id, body, key, request)})
 
     @api.post("/finish", response_model=Rollout)
     async def finish(
@@ -49,11 +53,13 @@ def router(call: StoreCaller, wake: WakeUp) -> APIRouter:
     return api
 
 
-async def append_events(call: StoreCaller, attempt_id: str, body: EventsRequest, request: Request) -> int:
+async def append_events(
+    call: StoreCaller, attempt_id: str, body: EventsRequest, key: str | None, request: Request
+) -> int:
     """The events call's work (the route's and the runner fast path's): how many were new."""
     worker = _holder_named(request, body.worker_id)
     source = source_of(request, EventSource.RUNNER)
-    return await call(call.store.add_events, attempt_id, body.events, worker, source)
+    return await call(call.store.add_events, attempt_id, body.events, worker, source, key)
 
 
 async def finish_attempt(

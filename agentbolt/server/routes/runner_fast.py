@@ -62,7 +62,7 @@ class RunnerFastPath:
             if kind == "dequeue":
                 payload = json_bytes(await claim_work(self.call, self.wake, body, key, request))
             elif kind == "events":
-                payload = b'{"added":%d}' % await append_events(self.call, attempt_id, body, request)
+                payload = b'{"added":%d}' % await append_events(self.call, attempt_id, body, key, request)
             else:
                 payload = json_bytes(
                     await finish_attempt(self.call, self.wake, attempt_id, body, key, request)
