@@ -82,7 +82,7 @@ class EventWrites:
         key: str,
     ) -> int:
         scope, sha256 = f"events:{attempt_id}", request_sha256(worker_id, events)
-        if self.backend == "postgres" and len(rows) <= EVENTS_PER_INSERT:
+        if self.backend == "postgres" and 0 < len(rows) <= EVENTS_PER_INSERT:  # (VALUES ) is no SQL
             return self._add_keyed_batch_at_once(attempt_id, rows, worker_id, source, (scope, key), sha256)
         with self._tx() as tx:
             # two statements: the events unless the key is known, then the key (or its first answer)

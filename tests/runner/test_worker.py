@@ -186,12 +186,12 @@ class _FailingEventsStore:
     def __getattr__(self, name):
         return getattr(self._store, name)
 
-    def add_events(self, attempt_id, events, worker_id=None, source=EventSource.RUNNER):
+    def add_events(self, attempt_id, events, worker_id=None, source=EventSource.RUNNER, key=None):
         attempt = self._store.get_attempt(attempt_id)
         if self._store.get_rollout(attempt.rollout_id).task.data.get("poison"):
             self.refused += 1
             raise RuntimeError("the store cannot take these events")
-        return self._store.add_events(attempt_id, events, worker_id, source)
+        return self._store.add_events(attempt_id, events, worker_id, source, key)
 
 
 def test_a_request_the_server_fails_on_ends_the_attempt_with_the_reason(tmp_path, caplog):

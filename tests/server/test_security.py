@@ -241,6 +241,8 @@ SQL_FRAGMENTS = {
     "column",  # from a fixed tuple of column names
     "self.db.claim_lock",  # a backend constant: "FOR UPDATE SKIP LOCKED" or ""
     "unclaimed",  # "" or a fixed clause around CLAIMED_WITH
+    "holder",  # "" or " AND worker_id = ?"
+    "insert",  # statements.events_insert's INSERT: fixed text, placeholders and RUNNING
     # statuses and modes written as literals so the planner sees them: enum values, checked to be
     # lower-case words by sql_literal
     "QUEUED",

@@ -51,6 +51,16 @@ def test_a_keyed_batch_answers_its_repeats_with_the_first_answer(store: SqlStore
     assert store.list_events(c.rollout.id, limit=1000).items[-1].sequence == min(size, 1000) - 1
 
 
+def test_an_empty_keyed_batch_is_an_answer_too(store: SqlStore) -> None:
+    c = _claim(store)
+    assert store.add_events(c.attempt.id, [], "w1", key="none") == 0
+    assert store.add_events(c.attempt.id, [], "w1", key="none") == 0
+    with pytest.raises(IdempotencyKeyReused):
+        store.add_events(c.attempt.id, _batch(0), "w1", key="none")
+    with pytest.raises(LeaseLost):  # an empty batch still says why the attempt takes nothing
+        store.add_events(c.attempt.id, [], "w-other", key="other")
+
+
 def test_a_key_is_per_attempt(store: SqlStore) -> None:
     first, second = _claim(store), _claim(store)
     assert store.add_events(first.attempt.id, _batch(0), "w1", key="same") == 1
