@@ -18,6 +18,7 @@ import inspect
 import json
 import math
 import os
+import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -165,12 +166,17 @@ def _number(value: Any, said: str) -> float | None:
 def read_result(path: Path) -> tuple[float | None, Any]:
     """The result file's reward and content: ``{"reward": x, ...}`` or a bare number.
     ``(None, None)`` when the program wrote none."""
-    try:
-        with path.open("rb") as f:
-            raw = f.read(RESULT_LIMIT + 1)
+    where = "the result file (AGENTBOLT_RESULT_FILE)"
+    try:  # never a link (to a file the program could not read itself), nor a pipe that blocks
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         return None, None
-    where = "the result file (AGENTBOLT_RESULT_FILE)"
+    except OSError as exc:
+        raise ProgramFailed("MalformedResult", f"{where} cannot be read: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ProgramFailed("MalformedResult", f"{where} is not a regular file")
+        raw = f.read(RESULT_LIMIT + 1)
     if len(raw) > RESULT_LIMIT:
         raise ProgramFailed("MalformedResult", f"{where} is larger than {RESULT_LIMIT} bytes")
     try:

@@ -177,6 +177,8 @@ class Runner:
         owned = install_signals and isinstance(self.agent, Program)
         undo_watcher = _pidfd_watcher(self._loop) if owned else None
         try:
+            if isinstance(self.agent, Program):
+                self.agent.preflight()  # its sandbox and limits, before any work is claimed
             await self._register()
             if self._tracing and self.tracer is None:
                 # the worker token when the server issued one, else the runner's own
@@ -243,6 +245,8 @@ class Runner:
         stops with the reason."""
         old = self.worker_id
         try:
+            if isinstance(self.agent, Program):
+                self.agent.preflight()  # its sandbox and limits, before any work is claimed
             await self._register()
         except ConfigError as exc:
             self._fail(exc)
