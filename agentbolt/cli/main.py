@@ -165,8 +165,10 @@ def _program(
     reward_from: str | None,
     reward_later: bool,
     output_limit: int,
+    sandboxing: dict[str, Any],
 ) -> Any:
-    """The Program that ``agentbolt runner --command`` runs."""
+    """The Program that ``agentbolt runner --command`` runs; ``sandboxing``: its sandbox and
+    limits (Program's keyword arguments)."""
     from agentbolt.cli.assignments import env_templates
     from agentbolt.runner.program import Program
     from agentbolt.runner.worker import load_object
@@ -184,6 +186,7 @@ def _program(
         reward_from=reward_from,
         reward_later=reward_later,
         output_limit=output_limit,
+        **sandboxing,
     )
 
 
@@ -227,6 +230,28 @@ def runner(
     output_limit: Annotated[
         int, typer.Option(min=1, help="Bytes of a program's stdout and of its stderr recorded.")
     ] = 64 * 1024,
+    sandbox: Annotated[
+        bool, typer.Option("--sandbox", help="Run each program in a bubblewrap sandbox (docs/agents.md).")
+    ] = False,
+    sandbox_read: Annotated[
+        list[str] | None,
+        typer.Option(help="An absolute path a sandboxed program also sees, read-only (repeatable)."),
+    ] = None,
+    limit_memory: Annotated[
+        str | None, typer.Option(help="Memory of a program's run, e.g. 2G (sandboxed: 4G; 0: none).")
+    ] = None,
+    limit_processes: Annotated[
+        int | None, typer.Option(min=0, help="Processes and threads of a run (sandboxed: 512; 0: none).")
+    ] = None,
+    limit_cpu_s: Annotated[
+        float | None, typer.Option(min=0, help="CPU seconds of each process of a run (sandboxed: 3600).")
+    ] = None,
+    limit_file_size: Annotated[
+        str | None, typer.Option(help="Largest file a run writes, e.g. 100M (sandboxed: 1G; 0: none).")
+    ] = None,
+    limit_open_files: Annotated[
+        int | None, typer.Option(min=0, help="Open files per process of a run (sandboxed: 4096).")
+    ] = None,
     server: ServerOpt = DEFAULT_SERVER,
     token: TokenOpt = None,
     concurrency: Annotated[int, typer.Option("--concurrency", "-n", min=1, help="Rollouts at a time.")] = 1,
@@ -271,6 +296,15 @@ def runner(
         raise ConfigError(
             "--kubernetes runs each rollout as a Job; it cannot be combined with --ray/--replicas"
         )
+    sandboxing: dict[str, Any] = {"sandbox": sandbox, "sandbox_read": sandbox_read or []}
+    sandboxing |= {"limit_memory": limit_memory, "limit_processes": limit_processes}
+    sandboxing |= {"limit_cpu_s": limit_cpu_s, "limit_file_size": limit_file_size}
+    sandboxing["limit_open_files"] = limit_open_files
+    if kubernetes is not None and any(sandboxing.values()):
+        raise ConfigError(
+            "--sandbox, --sandbox-read and --limit-* apply to programs this runner starts; with "
+            "--kubernetes each rollout's pod is its sandbox: set limits in the Job template"
+        )
     if kubernetes is not None:
         from agentbolt.cli.kubernetes import launch_from_cli
 
@@ -297,7 +331,9 @@ def runner(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     sys.path.insert(0, os.getcwd())
     options = (stdin, env or [], timeout, scorer, scorer_command, reward_from, reward_later, output_limit)
-    loaded = load_agent(agent) if agent is not None else _program(command or "", *options)
+    if agent is not None and any(sandboxing.values()):
+        raise ConfigError("--sandbox and --limit-* apply to a program (--command), not to --agent")
+    loaded = load_agent(agent) if agent is not None else _program(command or "", *options, sandboxing)
     ray_options = (replicas, ray_cpus, ray_memory, ray_resource)
     if ray is not None or any(o is not None for o in ray_options):
         from agentbolt.cli.ray import run_cli
