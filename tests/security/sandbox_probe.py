@@ -73,12 +73,17 @@ def write_outside(task):
     return {path: attempt(write, path) for path in targets}
 
 
+def limits(task):
+    with open("/proc/self/limits") as f:
+        return {"limits": f.read(), "uid": [*os.getresuid(), os.getgid()]}
+
+
 def hold(task):
     """Keep a secret in this scratch directory while another rollout looks for it."""
     with open("secret.txt", "w") as f:
         f.write(task["secret"])
     deadline = time.time() + 20
-    while not os.path.exists(task["release"]) and time.time() < deadline:
+    while not os.path.exists("release") and time.time() < deadline:  # the test writes it
         time.sleep(0.05)
     return {"scratch": os.environ["HOME"]}
 
@@ -92,7 +97,8 @@ def snoop(task):
 
 
 PROBES = {
-    f.__name__: f for f in (credentials, fork_bomb, memory_hog, giant_file, cpu_spin, write_outside, hold, snoop)
+    f.__name__: f
+    for f in (credentials, fork_bomb, memory_hog, giant_file, cpu_spin, write_outside, limits, hold, snoop)
 }
 
 
