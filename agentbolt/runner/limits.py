@@ -19,6 +19,7 @@ write fail). Open files have no kind of their own: the program's ``open`` fails 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import errno
 import itertools
@@ -29,6 +30,7 @@ import re
 import resource
 import signal
 import stat
+import threading
 import time
 from dataclasses import dataclass, fields
 from functools import cache
@@ -38,7 +40,7 @@ from typing import Any
 from agentbolt.errors import ConfigError
 from agentbolt.runner.program_io import ProgramFailed
 
-__all__ = ["SANDBOX_LIMITS", "Limits", "RunLimits", "parse_size"]
+__all__ = ["SANDBOX_LIMITS", "Limits", "RunLimits", "parse_size", "prlimit_options"]
 
 log = logging.getLogger(__name__)
 
@@ -147,15 +149,56 @@ class _Controller:
             raise
         return path
 
-    def breached(self, path: Path) -> bool:
-        """Whether the kernel killed a process for memory / refused a fork at the limit."""
+    def breaches(self, path: Path) -> int:
+        """How often the kernel killed a process for memory / refused a fork at the limit."""
         events = {"memory": ("memory.oom_control", "memory.events"), "pids": ("pids.events", "pids.events")}
         name, key = events[self.name][self.version - 1], "oom_kill" if self.name == "memory" else "max"
         try:
             text = (path / name).read_text()
         except OSError:
-            return False
-        return any(line.split()[:1] == [key] and int(line.split()[1]) > 0 for line in text.splitlines())
+            return 0
+        return sum(int(line.split()[1]) for line in text.splitlines() if line.split()[:1] == [key])
+
+
+_POOL_SIZE = 64
+"""Idle cgroups kept per controller and limit: a run takes one made before (a cgroup made and
+removed per run costs about a millisecond), the events it counted noted when taken."""
+_pool: dict[tuple[_Controller, int], list[Path]] = {}
+_pool_lock = threading.Lock()  # runners in several threads of one process share it
+
+
+def _take(controller: _Controller, value: int) -> Path:
+    with _pool_lock:
+        free = _pool.get((controller, value))
+        if free:
+            return free.pop()
+        if not _pool:
+            atexit.register(_empty_pool)
+        _pool.setdefault((controller, value), [])
+    return controller.make(f"agentbolt-{os.getpid()}-{next(_counter)}", value)
+
+
+def _give_back(controller: _Controller, value: int, path: Path) -> None:
+    """Keep an emptied cgroup for the next run, else remove it."""
+    _kill_members(path)
+    try:
+        empty = not (path / "cgroup.procs").read_text().strip()
+    except OSError:
+        return
+    with _pool_lock:
+        free = _pool.setdefault((controller, value), [])
+        if empty and len(free) < _POOL_SIZE:
+            free.append(path)
+            return
+    _remove(path)
+
+
+def _empty_pool() -> None:
+    for free in _pool.values():
+        for path in free:
+            with contextlib.suppress(OSError):
+                path.rmdir()
+        free.clear()
 
 
 def _mounts() -> dict[str, tuple[Path, str, int]]:
@@ -207,12 +250,9 @@ def _usable(controller: _Controller) -> bool:
                 enabled.write_text(f"+{controller.name}")
         except OSError:
             return False
+    size = 1 << 40 if controller.name == "memory" else 4096
     try:
-        _remove(
-            controller.make(
-                f"agentbolt-probe-{os.getpid()}", 1 << 40 if controller.name == "memory" else 4096
-            )
-        )
+        controller.make(f"agentbolt-probe-{os.getpid()}", size).rmdir()
     except OSError:
         return False
     return True
@@ -232,20 +272,26 @@ def controllers() -> tuple[_Controller, ...]:
     return tuple(usable)
 
 
-def _remove(path: Path) -> None:
-    """Remove a cgroup, killing what is left in it first (a process that outlived its group)."""
-    for _ in range(50):
-        try:
-            path.rmdir()
+def _remove(path: Path, tries: int = 100) -> None:
+    """Remove a cgroup now, or, while the kernel still counts its last processes (or one that
+    outlived its group is being killed), a little later."""
+    try:
+        path.rmdir()
+        return
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        if exc.errno != errno.EBUSY or tries <= 0:
+            log.warning("cannot remove cgroup %s: %s", path, exc)
             return
-        except FileNotFoundError:
-            return
-        except OSError as exc:
-            if exc.errno != errno.EBUSY:
-                raise
-        _kill_members(path)
+    _kill_members(path)
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
         time.sleep(0.01)
-    log.warning("cgroup %s still holds processes; left in place", path)
+        _remove(path, tries - 1)
+        return
+    loop.call_later(0.02, _remove, path, tries - 1)
 
 
 def _kill_members(path: Path) -> None:
@@ -259,14 +305,20 @@ def _kill_members(path: Path) -> None:
 
 
 class RunLimits:
-    """The limits of one run: its cgroups (made now), the hook that puts the child into them and
-    sets its rlimits before it executes, and the failure kind once it has ended."""
+    """The limits of one run: its cgroups (made now), how the child is put into them and under
+    its rlimits, and the failure kind once it has ended.
+
+    A sandboxed child is put there from outside, with no hook run in the child (a hook means
+    ``fork`` rather than ``vfork`` of the whole runner, tens of ms): the ``prlimit`` command
+    sets the rlimits before it executes bubblewrap, and the runner writes the sandbox's pid into
+    the cgroups while bubblewrap waits for it (``--block-fd``), before the program starts."""
 
     def __init__(self, limits: Limits, scratch: Path, exit_offset: bool) -> None:
         self.limits, self.scratch = limits, scratch
         self.exit_offset = exit_offset
         """The program's exit code holds 128 + the signal that killed it (bubblewrap's)."""
-        self.cgroups: list[tuple[_Controller, Path]] = []
+        self.cgroups: list[tuple[_Controller, Path, int]] = []
+        """Each cgroup of the run, and its count of breaches when the run took it."""
         self._fds: list[int] = []
         wanted = {"memory": limits.memory, "pids": limits.processes}
         covered = set()
@@ -274,34 +326,49 @@ class RunLimits:
             for controller in controllers() if any(wanted.values()) else ():
                 value = wanted[controller.name]
                 if value is not None:
-                    name = f"agentbolt-{os.getpid()}-{next(_counter)}"
-                    self.cgroups.append((controller, controller.make(name, value)))
+                    path = _take(controller, value)
+                    self.cgroups.append((controller, path, controller.breaches(path)))
                     covered.add(controller.name)
-            # Opened here, by the runner: the child writes its pid through them after it may have
-            # become another user, and the kernel checks the opener's rights.
-            self._fds = [os.open(path / "cgroup.procs", os.O_WRONLY) for _, path in self.cgroups]
+            # Opened here, by the runner: a child may write its pid through them after it became
+            # another user, and the kernel checks the opener's rights.
+            self._fds = [os.open(path / "cgroup.procs", os.O_WRONLY) for _, path, _ in self.cgroups]
         except OSError as exc:
             self.close()
             raise ProgramFailed("LimitSetup", f"cannot make the run's cgroup: {exc}") from None
         self._rlimits = _rlimits(limits, covered)
 
     def preexec(self) -> None:
-        """In the child, before it executes: join the cgroups, set the rlimits."""
+        """In the child, before it executes (a program run without the sandbox): join the
+        cgroups, set the rlimits."""
         for fd in self._fds:
             os.write(fd, b"0")
         for which, value in self._rlimits:
             resource.setrlimit(which, value)
 
+    def prlimit_options(self) -> list[str]:
+        """The rlimits as options of the ``prlimit`` command."""
+        return _options(self._rlimits)
+
+    def join(self, pid: int) -> None:
+        """Put process ``pid`` (and so all it starts from now on) into the run's cgroups."""
+        try:
+            for fd in self._fds:
+                os.write(fd, str(pid).encode())
+        except OSError as exc:
+            raise ProgramFailed("LimitSetup", f"cannot put the program into its cgroup: {exc}") from None
+        finally:
+            self.spawned()
+
     def spawned(self) -> None:
-        """The child is started: the runner needs the cgroup files no more."""
+        """The child is in its cgroups: the runner needs their files no more."""
         for fd in self._fds:
             os.close(fd)
         self._fds = []
 
     def breached(self) -> str | None:
         """The limit kind a cgroup says the run went over (memory first)."""
-        for controller, path in self.cgroups:
-            if controller.breached(path):
+        for controller, path, before in self.cgroups:
+            if controller.breaches(path) > before:
                 return "MemoryLimit" if controller.name == "memory" else "ProcessLimit"
         return None
 
@@ -322,12 +389,9 @@ class RunLimits:
     def close(self) -> None:
         """Kill what is left of the run and remove its cgroups."""
         self.spawned()
-        for _, path in self.cgroups:
-            _kill_members(path)
-            try:
-                _remove(path)
-            except OSError as exc:
-                log.warning("cannot remove cgroup %s: %s", path, exc)
+        wanted = {"memory": self.limits.memory, "pids": self.limits.processes}
+        for controller, path, _ in self.cgroups:
+            _give_back(controller, wanted[controller.name] or 0, path)
         self.cgroups = []
 
     def _by_exit(self, code: int) -> str | None:
@@ -361,6 +425,16 @@ class RunLimits:
         }[kind]
 
 
+def prlimit_options(limits: Limits, covered: set[str]) -> list[str]:
+    """The ``prlimit`` command's options for ``limits``, where cgroups cover the ``covered``
+    controllers (memory, pids)."""
+    return _options(_rlimits(limits, covered))
+
+
+def _options(rlimits: list[tuple[int, tuple[int, int]]]) -> list[str]:
+    return [f"--{_PRLIMIT_NAMES[which]}={soft}:{hard}" for which, (soft, hard) in rlimits]
+
+
 def _rlimits(limits: Limits, covered: set[str]) -> list[tuple[int, tuple[int, int]]]:
     """The rlimits of the child: each never above the runner's own hard limit (which only root
     may raise)."""
@@ -382,6 +456,16 @@ def _rlimits(limits: Limits, covered: set[str]) -> list[tuple[int, tuple[int, in
         top = hard if hard != resource.RLIM_INFINITY else soft + extra
         out.append((which, (min(soft, top), min(soft + extra, top))))
     return out
+
+
+_PRLIMIT_NAMES = {
+    resource.RLIMIT_CORE: "core",
+    resource.RLIMIT_CPU: "cpu",
+    resource.RLIMIT_FSIZE: "fsize",
+    resource.RLIMIT_NOFILE: "nofile",
+    resource.RLIMIT_DATA: "data",
+    resource.RLIMIT_NPROC: "nproc",
+}
 
 
 def _size(value: int | None) -> str:

@@ -8,8 +8,9 @@ capability and no root-owned file's rights anywhere (its files must then be read
 users). Its file system holds only:
 
 * the system's directories read-only (``/usr``, ``/bin``, ``/sbin``, ``/lib*``) and the files
-  of ``/etc`` that programs need and that hold no secret (``ETC_FILES``: not ``shadow``, not
-  ``npmrc`` or ``pip.conf``, which may hold tokens);
+  of ``/etc`` that programs need and that hold no secret (a copy of them,
+  :mod:`agentbolt.runner.sandbox_etc`: not ``shadow``, not ``npmrc`` or ``pip.conf``, which
+  may hold tokens);
 * the program's own files read-only (:func:`program_paths`): each absolute path written in the
   command that names an existing file, the installation its executable lies in, and the paths
   given with ``--sandbox-read``;
@@ -25,6 +26,10 @@ namespace), the network (the program reaches what the runner reaches).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
+import json
 import os
 import shutil
 import stat
@@ -35,8 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from agentbolt.errors import ConfigError
-from agentbolt.runner.limits import Limits, RunLimits, controllers
+from agentbolt.runner.limits import Limits, RunLimits, controllers, prlimit_options
 from agentbolt.runner.program_io import ProgramFailed
+from agentbolt.runner.sandbox_etc import etc_copy
 
 __all__ = ["NOBODY", "Launch", "Runtime", "program_paths", "sandbox_environ"]
 
@@ -44,34 +50,6 @@ NOBODY = 65534
 """The uid and gid the program has inside the sandbox (and outside, when the runner is root)."""
 
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
-ETC_FILES = (
-    "alternatives",
-    "ca-certificates",
-    "ca-certificates.conf",
-    "crypto-policies",
-    "gai.conf",
-    "group",
-    "host.conf",
-    "hosts",
-    "ld.so.cache",
-    "ld.so.conf",
-    "ld.so.conf.d",
-    "localtime",
-    "locale.alias",
-    "mime.types",
-    "nsswitch.conf",
-    "os-release",
-    "passwd",
-    "pki",
-    "protocols",
-    "resolv.conf",
-    "services",
-    "ssl",
-    "timezone",
-)
-"""What a program sees of ``/etc``: name resolution, TLS roots, the dynamic linker's cache,
-time zones, users and groups (no password hashes: those are in ``shadow``)."""
-
 KEPT_VARIABLES = ("PATH", "LANG", "LANGUAGE", "TZ", "TERM")
 """The runner's variables a sandboxed program keeps (with ``LC_*``); the rest are cleared."""
 
@@ -81,6 +59,8 @@ virtualenv, or a Python or Node.js installation (its ``lib/``)."""
 
 _NAMESPACE_WORDS = ("namespace", "uid map", "setting up uid", "Operation not permitted")
 _CHECK_TIMEOUT = 30.0
+START_WAIT = 30.0
+"""Seconds for bubblewrap to say its sandbox's pid (it has made the namespaces by then)."""
 
 
 def sandbox_environ(environ: Mapping[str, str], home: Path) -> dict[str, str]:
@@ -128,18 +108,39 @@ def _under_system(path: str) -> bool:
 @dataclass
 class Launch:
     """How one run is started: the argv and environment to execute, the keyword arguments of
-    the spawn (the hook that puts the child under its limits, the user it runs as), and its
-    limits (None: none)."""
+    the spawn, and its limits (None: none). A sandbox whose cgroups the runner must join waits
+    (bubblewrap's ``--block-fd``) until :meth:`started` has put it there; ``info`` is where
+    bubblewrap says its pid."""
 
     argv: list[str]
     env: dict[str, str]
     popen: dict[str, Any] = field(default_factory=dict)
     limits: RunLimits | None = None
     sandboxed: bool = False
+    info: int | None = None
+    block: int | None = None
+    child_ends: tuple[int, ...] = ()
 
     def spawned(self) -> None:
-        if self.limits is not None:
-            self.limits.spawned()
+        """The child is started (or could not be): close what only it needed."""
+        for fd in self.child_ends:
+            os.close(fd)
+        self.child_ends = ()
+        if self.limits is not None and not self.sandboxed:
+            self.limits.spawned()  # its hook joined the cgroups
+
+    async def started(self) -> None:
+        """Put the waiting sandbox into the run's cgroups, then let it start the program. On a
+        failure it is left waiting (the caller kills it): it never runs outside its limits."""
+        if self.info is None or self.block is None or self.limits is None:
+            return
+        said = await asyncio.wait_for(_read_all(self.info), START_WAIT)
+        pid = json.loads(said).get("child-pid") if said.strip() else None
+        if pid is not None:  # none: bubblewrap failed first (its exit and stderr say why)
+            self.limits.join(int(pid))
+        with contextlib.suppress(BrokenPipeError):
+            os.write(self.block, b"1")
+        self._close_pipes()
 
     def failure(self, code: int | None, stderr: str) -> ProgramFailed | None:
         """Why the ended run failed, where it is not the program's own exit: a limit it went
@@ -152,8 +153,37 @@ class Launch:
         return found
 
     def close(self) -> None:
+        self.spawned()
+        self._close_pipes()
         if self.limits is not None:
             self.limits.close()
+
+    def _close_pipes(self) -> None:
+        for fd in (self.info, self.block):
+            if fd is not None:
+                os.close(fd)
+        self.info = self.block = None
+
+
+async def _read_all(fd: int) -> bytes:
+    """What a pipe holds until its writer closes it, read without blocking the loop."""
+    loop = asyncio.get_running_loop()
+    os.set_blocking(fd, False)
+    chunks: list[bytes] = []
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except BlockingIOError:
+            readable = asyncio.Event()
+            loop.add_reader(fd, readable.set)
+            try:
+                await readable.wait()
+            finally:
+                loop.remove_reader(fd)
+            continue
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
 
 
 class Runtime:
@@ -167,7 +197,7 @@ class Runtime:
                 raise ConfigError(f"--sandbox-read takes absolute paths (no {{field}}), not {path!r}")
         if self.read and not sandbox:
             raise ConfigError("--sandbox-read names what a sandboxed program sees: give --sandbox too")
-        self._args: list[str] | None = None  # bubblewrap's arguments before the scratch directory
+        self._args: tuple[list[str], list[str]] | None = None  # bubblewrap's, but /etc's and the run's
 
     def __getstate__(self) -> dict[str, Any]:
         return self.__dict__ | {"_args": None}  # made again where it runs: paths differ by machine
@@ -196,13 +226,9 @@ class Runtime:
         if self.user is not None:
             for path in (*self.read, *program_paths(self.command, os.environ.get("PATH"))):
                 _reachable(path, self.user)
-        done = subprocess.run(
-            [*self._base(), "--", "true"],
-            capture_output=True,
-            text=True,
-            timeout=_CHECK_TIMEOUT,
-            **self._user_popen(),
-        )
+        rlimits = prlimit_options(self.limits, {c.name for c in controllers()})
+        argv = [*self._prefix(rlimits), *self._base(), "--", "true"]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=_CHECK_TIMEOUT)
         if done.returncode != 0:
             raise ConfigError(_refusal(done.stderr))
 
@@ -210,48 +236,58 @@ class Runtime:
         """How to start this run, its cgroups made (the caller closes the launch)."""
         limited = self.limits.any or self.sandbox
         limits = RunLimits(self.limits, scratch, exit_offset=self.sandbox) if limited else None
-        popen: dict[str, Any] = {} if limits is None else {"preexec_fn": limits.preexec}
         if not self.sandbox:
-            return Launch(argv, env, popen, limits)
+            return Launch(argv, env, {} if limits is None else {"preexec_fn": limits.preexec}, limits)
+        assert limits is not None
         if self.user is not None:
-            popen |= self._user_popen()
             for path in (scratch, work):
                 os.chown(path, self.user, self.user)
-        where = [str(scratch)] * 2
-        wrapped = [*self._base(), "--bind", *where, "--chdir", str(work), "--remount-ro", "/", "--", *argv]
-        return Launch(wrapped, env, popen, limits, sandboxed=True)
+        args = [*self._prefix(limits.prlimit_options()), *self._base()]
+        launch = Launch([], env, {}, limits, sandboxed=True)
+        if limits.cgroups:  # bubblewrap says its sandbox's pid and waits to be let go
+            launch.info, info_end = os.pipe()
+            block_end, launch.block = os.pipe()
+            launch.child_ends = (info_end, block_end)
+            launch.popen["pass_fds"] = launch.child_ends
+            args += ["--info-fd", str(info_end), "--block-fd", str(block_end)]
+        launch.argv = [*args, "--bind", str(scratch), str(scratch), "--chdir", str(work)]
+        launch.argv += ["--remount-ro", "/", "--", *argv]
+        return launch
 
-    def _user_popen(self) -> dict[str, Any]:
-        user = self.user
-        return {} if user is None else {"user": user, "group": user, "extra_groups": []}
+    def _prefix(self, rlimits: list[str]) -> list[str]:
+        """What bubblewrap is started through: ``prlimit`` (the rlimits), then for a root runner
+        ``setpriv`` (as nobody, with no capability and no group)."""
+        prefix = [_tool("prlimit"), *rlimits, "--"] if rlimits else []
+        if self.user is not None:
+            user = str(self.user)
+            prefix += [_tool("setpriv"), f"--reuid={user}", f"--regid={user}", "--clear-groups", "--"]
+        return prefix
 
     def _base(self) -> list[str]:
-        """Bubblewrap and its arguments up to the scratch directory (the same for every run)."""
-        if self._args is not None:
-            return self._args
-        args = [
-            shutil.which("bwrap") or "bwrap",
-            "--unshare-all",
-            "--share-net",
-            "--die-with-parent",
-            "--uid",
-            str(NOBODY),
-            "--gid",
-            str(NOBODY),
-        ]
-        for path in SYSTEM_DIRS:
-            if os.path.islink(path):
-                args += ["--symlink", os.readlink(path), path]
-            elif os.path.isdir(path):
-                args += ["--ro-bind", path, path]
-        for name in ETC_FILES:
-            if os.path.exists(f"/etc/{name}"):
-                args += ["--ro-bind", f"/etc/{name}", f"/etc/{name}"]
-        args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
-        for path in (*program_paths(self.command, os.environ.get("PATH")), *self.read):
-            args += ["--ro-bind", path, path]
-        self._args = args
-        return args
+        """Bubblewrap and its arguments up to the scratch directory."""
+        if self._args is None:
+            head = [_tool("bwrap"), "--unshare-all", "--share-net", "--die-with-parent"]
+            head += ["--uid", str(NOBODY), "--gid", str(NOBODY)]
+            for path in SYSTEM_DIRS:
+                if os.path.islink(path):
+                    head += ["--symlink", os.readlink(path), path]
+                elif os.path.isdir(path):
+                    head += ["--ro-bind", path, path]
+            tail = ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+            for path in (*program_paths(self.command, os.environ.get("PATH")), *self.read):
+                tail += ["--ro-bind", path, path]
+            self._args = (head, tail)
+        head, tail = self._args
+        return [*head, "--ro-bind", etc_copy(), "/etc", *tail]
+
+
+@functools.cache
+def _tool(name: str) -> str:
+    """The path of a command the sandbox is started through (looked up once)."""
+    found = shutil.which(name)
+    if found is None:
+        raise ConfigError(f"--sandbox needs the {name} command (Debian's util-linux package)")
+    return found
 
 
 def _reachable(path: str, uid: int) -> None:

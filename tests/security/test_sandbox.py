@@ -193,12 +193,21 @@ def test_a_run_over_a_limit_fails_with_the_limits_kind(served: Served, probe: st
     assert kinds == [kind], (kinds, rollout.error)
     assert found is None  # it never got to report
     assert time.monotonic() - started < 20  # ended by its limit, not by the 30 s timeout
-    _cgroups_removed(served.runner.pid)
+    _nothing_left_running(served.runner.pid)
     served.serves_the_next_rollout()
 
 
-def _cgroups_removed(runner_pid: int) -> None:
-    left = [p for root in Path("/sys/fs/cgroup").glob("*") for p in root.rglob(f"agentbolt-{runner_pid}-*")]
+def _nothing_left_running(runner_pid: int) -> None:
+    """No process of the run is left: the runner's cgroups (kept for the next runs) are empty."""
+    cgroups = [
+        p for root in Path("/sys/fs/cgroup").glob("*") for p in root.rglob(f"agentbolt-{runner_pid}-*")
+    ]
+    assert cgroups  # the limits were cgroups (this machine has writable memory and pids controllers)
+    deadline = time.monotonic() + 5
+    while (left := [p for p in cgroups if p.exists() and (p / "cgroup.procs").read_text().strip()]) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.05)
     assert not left, left
 
 
