@@ -346,3 +346,38 @@ def test_refused_user_namespaces_name_the_setting() -> None:
     )
     assert "kernel.unprivileged_userns_clone" in said and "user.max_user_namespaces" in said
     assert "\n" not in said
+
+
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        (["--kubernetes", "job.yaml", "--command", "true"], "each rollout's pod is its sandbox"),
+        (["--agent", "x:y"], "apply to a program (--command), not to --agent"),
+    ],
+)
+def test_the_sandbox_flags_are_refused_where_they_cannot_apply(extra: list[str], said: str) -> None:
+    argv = [sys.executable, "-m", "agentbolt", "runner", "--sandbox", *extra]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert said in " ".join(done.stderr.split())
+
+
+def test_the_limits_and_paths_given_are_checked() -> None:
+    from agentbolt.errors import ConfigError
+
+    program = Program(["true"], sandbox=True, limit_memory="64M", limit_file_size="1.5k", limit_processes=0)
+    assert program.runtime.limits == Limits(
+        memory=64 << 20, processes=None, cpu_s=3600, file_size=1536, open_files=4096
+    )
+    assert not Program(["true"]).runtime.limits.any  # without the sandbox: none unless given
+    for bad in (
+        {"limit_memory": "lots"},
+        {"limit_cpu_s": -1},
+        {"sandbox_read": ["relative/path"]},
+        {"sandbox_read": ["/{field}"]},
+    ):
+        with pytest.raises(ConfigError):
+            Program(["true"], sandbox=True, **bad)
+    with pytest.raises(ConfigError, match="give --sandbox too"):
+        Program(["true"], sandbox_read=["/usr"])
