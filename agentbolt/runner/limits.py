@@ -415,14 +415,13 @@ class RunLimits:
 
     def _words(self, kind: str) -> str:
         limits = self.limits
-        return {
-            "MemoryLimit": f"the program went over its memory limit ({_size(limits.memory)}): "
-            "the kernel killed it",
-            "ProcessLimit": f"the program reached its process limit ({limits.processes} processes and "
-            "threads): it was ended",
-            "CpuLimit": f"the program used up its CPU time ({limits.cpu_s:g} s per process)",
-            "FileSizeLimit": f"the program wrote a file up to its size limit ({_size(limits.file_size)})",
-        }[kind]
+        if kind == "MemoryLimit":
+            return f"the program went over its memory limit ({_size(limits.memory)}): the kernel killed it"
+        if kind == "ProcessLimit":
+            return f"the program reached its process limit ({limits.processes} processes and threads): it was ended"
+        if kind == "CpuLimit":
+            return f"the program used up its CPU time ({limits.cpu_s or 0:g} s per process)"
+        return f"the program wrote a file up to its size limit ({_size(limits.file_size)})"
 
 
 def prlimit_options(limits: Limits, covered: set[str]) -> list[str]:

@@ -134,8 +134,13 @@ class Launch:
         failure it is left waiting (the caller kills it): it never runs outside its limits."""
         if self.info is None or self.block is None or self.limits is None:
             return
-        said = await asyncio.wait_for(_read_all(self.info), START_WAIT)
-        pid = json.loads(said).get("child-pid") if said.strip() else None
+        try:
+            said = await asyncio.wait_for(_read_all(self.info), START_WAIT)
+            pid = json.loads(said).get("child-pid") if said.strip() else None
+        except (TimeoutError, ValueError, AttributeError) as exc:
+            raise ProgramFailed(
+                "SandboxError", f"bubblewrap did not say its sandbox's pid: {exc!r}"
+            ) from None
         if pid is not None:  # none: bubblewrap failed first (its exit and stderr say why)
             self.limits.join(int(pid))
         with contextlib.suppress(BrokenPipeError):
@@ -234,14 +239,14 @@ class Runtime:
 
     def launch(self, argv: list[str], env: dict[str, str], scratch: Path, work: Path) -> Launch:
         """How to start this run, its cgroups made (the caller closes the launch)."""
+        if self.sandbox and self.user is not None:
+            for path in (scratch, work):
+                os.chown(path, self.user, self.user)
         limited = self.limits.any or self.sandbox
         limits = RunLimits(self.limits, scratch, exit_offset=self.sandbox) if limited else None
         if not self.sandbox:
             return Launch(argv, env, {} if limits is None else {"preexec_fn": limits.preexec}, limits)
         assert limits is not None
-        if self.user is not None:
-            for path in (scratch, work):
-                os.chown(path, self.user, self.user)
         args = [*self._prefix(limits.prlimit_options()), *self._base()]
         launch = Launch([], env, {}, limits, sandboxed=True)
         if limits.cgroups:  # bubblewrap says its sandbox's pid and waits to be let go

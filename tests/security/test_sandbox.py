@@ -381,3 +381,24 @@ def test_the_limits_and_paths_given_are_checked() -> None:
             Program(["true"], sandbox=True, **bad)
     with pytest.raises(ConfigError, match="give --sandbox too"):
         Program(["true"], sandbox_read=["/usr"])
+
+
+def test_limits_apply_without_the_sandbox_too(tmp_path: Path) -> None:
+    """A limit given to an unsandboxed program: its cgroup and rlimits are set by a hook in the
+    child before it executes."""
+    program = Program([PYTHON, str(PROBE)], limit_file_size="1M", limit_memory="256M")
+    with ServerThread(ServerConfig(db=str(tmp_path / "store.db"))) as server, Client(server.url) as client:
+        ids = [
+            r.id
+            for r in client.enqueue(
+                [RolloutCreate(task=Task(data={"probe": p})) for p in ("giant_file", "ok")]
+            )
+        ]
+        asyncio.run(
+            asyncio.wait_for(Runner(program, server.url, max_rollouts=2, flush_interval=0.1).run(), 60)
+        )
+        giant, ok = client.wait(ids, 10).rollouts
+        kinds = [e.data["type"] for e in client.all_events(giant.id) if e.type == "exception"]
+    assert giant.status == RolloutStatus.FAILED and kinds == ["FileSizeLimit"], giant.error
+    assert "1 MiB" in (giant.error or "")
+    assert ok.status == RolloutStatus.SUCCEEDED
