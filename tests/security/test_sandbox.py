@@ -8,6 +8,7 @@ so a containment that failed could not exhaust the machine."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -24,7 +25,7 @@ from typing import Any
 import pytest
 
 from agentbolt.client import Client
-from agentbolt.runner.limits import Limits, _rlimits
+from agentbolt.runner.limits import Limits, _rlimits, controllers
 from agentbolt.runner.program import Program
 from agentbolt.runner.sandbox import NOBODY, _refusal
 from agentbolt.runner.worker import Runner
@@ -74,6 +75,8 @@ class Served:
     runner: subprocess.Popen[str]
     token_file: Path
     outside: Path
+    uid: int
+    """The runner's uid: 0, or nobody's."""
 
     def run(self, probe: str, **fields: Any) -> tuple[Any, dict[str, Any] | None, list[str]]:
         """Run one probe: its rollout, what it printed (None if it printed nothing), and the
@@ -110,28 +113,74 @@ class Served:
         assert found == {"ok": True} and rollout.reward == 1.0
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory, upstream) -> Iterator[Served]:
+@pytest.fixture(scope="module", params=["root", "unprivileged"])
+def served(request, tmp_path_factory, upstream) -> Iterator[Served]:
+    """The runner as root (as CI runs it), or as nobody in a cgroup delegated to it (as a
+    systemd service with ``Delegate=yes`` runs)."""
     _need_sandbox()
     tmp = tmp_path_factory.mktemp("sandbox")
     token_file = tmp / "runner-token"
     token_file.write_text(RUNNER)
     config = ServerConfig(db=str(tmp / "store.db"), tokens={ADMIN: Role.ADMIN, RUNNER: Role.RUNNER})
-    with ServerThread(config) as server, Client(server.url, ADMIN) as admin:
+    with (
+        ServerThread(config) as server,
+        Client(server.url, ADMIN) as admin,
+        (tmp / "runner.log").open("w") as log,
+    ):
         admin.publish_resources({"llm": LLM(base_url=upstream.base_url, model="double")})
-        argv = [sys.executable, "-m", "agentbolt", "runner", "--sandbox", "--command", f"{PYTHON} {PROBE}"]
+        argv = ["-m", "agentbolt", "runner", "--sandbox", "--command", f"{PYTHON} {PROBE}"]
         argv += [*LOW, "--concurrency", "2", "--timeout", "30", "--server", server.url]
         env = {**os.environ, "AGENTBOLT_TOKEN": RUNNER, "PYTHONPATH": str(REPO)}
-        runner = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            yield Served(server.url, admin, runner, token_file, tmp / "written-from-the-sandbox")
-        finally:
-            runner.send_signal(signal.SIGINT)
+        with _delegated_cgroups() if request.param == "unprivileged" else contextlib.nullcontext() as start:
+            if start is None:
+                runner = subprocess.Popen(
+                    [sys.executable, *argv], env=env, stdout=log, stderr=subprocess.STDOUT
+                )
+            else:
+                env |= {"HOME": "/tmp", "PYTHONPATH": f"{REPO}:{_site_packages()}"}
+                runner = subprocess.Popen(
+                    [*start, PYTHON, *argv], env=env, stdout=log, stderr=subprocess.STDOUT
+                )
             try:
-                runner.wait(20)
-            except subprocess.TimeoutExpired:
-                runner.kill()
-                runner.wait()
+                uid = 0 if start is None else NOBODY
+                yield Served(server.url, admin, runner, token_file, tmp / "written-from-the-sandbox", uid)
+            finally:
+                runner.send_signal(signal.SIGINT)
+                try:
+                    runner.wait(20)
+                except subprocess.TimeoutExpired:
+                    runner.kill()
+                    runner.wait()
+
+
+@contextlib.contextmanager
+def _delegated_cgroups() -> Iterator[list[str]]:
+    """Memory and pids cgroups owned by nobody, and the command that starts a process in them
+    as nobody (the system's Python, which nobody can read; the packages come from PYTHONPATH)."""
+    need(os.geteuid() == 0, "root, to delegate cgroups to nobody")
+    made = [c.parent / f"agentbolt-test-{os.getpid()}" for c in controllers()]
+    assert len(made) == 2, "this machine has writable memory and pids controllers"
+    for path in made:
+        path.mkdir()
+        for item in [path, *path.iterdir()]:
+            os.chown(item, NOBODY, NOBODY)
+    join = " && ".join(f"echo $$ > {path}/cgroup.procs" for path in made)
+    drop = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--"]
+    try:
+        yield ["sh", "-c", f'{join} && exec "$@"', "sh", *drop]
+    finally:
+        for path in made:
+            for child in sorted(path.glob("agentbolt-*"), reverse=True):
+                with contextlib.suppress(OSError):
+                    child.rmdir()
+            with contextlib.suppress(OSError):
+                path.rmdir()
+
+
+def _site_packages() -> str:
+    import pydantic
+
+    return str(Path(pydantic.__file__).parents[1])
 
 
 def _no_token(found: Any) -> None:
@@ -149,6 +198,8 @@ def test_the_environment_holds_only_the_documented_variables(served: Served) -> 
     assert set(found["environ"]) <= DOCUMENTED, set(found["environ"]) - DOCUMENTED
     assert found["environ"]["HOME"] == os.path.dirname(found["environ"]["AGENTBOLT_TASK_FILE"])
     assert found["environ"]["OPENAI_API_KEY"].startswith("ak_")  # the attempt's key, not the runner's
+    status = Path(f"/proc/{served.runner.pid}/status").read_text()
+    assert re.search(r"^Uid:\s+(\d+)", status, re.M).group(1) == str(served.uid)  # type: ignore[union-attr]
     served.serves_the_next_rollout()
 
 
