@@ -130,6 +130,13 @@ class _Controller:
     version: int
 
     @property
+    def join_file(self) -> str:
+        """What a process writes ``0`` to, to move itself in. v1's ``tasks`` (this thread) takes
+        no global lock for it, where ``cgroup.procs`` (the whole process) waits for an RCU grace
+        period: milliseconds per run, more on a loaded machine."""
+        return "tasks" if self.version == 1 else "cgroup.procs"
+
+    @property
     def limit_file(self) -> str:
         if self.name == "pids":
             return "pids.max"
@@ -308,10 +315,10 @@ class RunLimits:
     """The limits of one run: its cgroups (made now), how the child is put into them and under
     its rlimits, and the failure kind once it has ended.
 
-    A sandboxed child is put there from outside, with no hook run in the child (a hook means
-    ``fork`` rather than ``vfork`` of the whole runner, tens of ms): the ``prlimit`` command
-    sets the rlimits before it executes bubblewrap, and the runner writes the sandbox's pid into
-    the cgroups while bubblewrap waits for it (``--block-fd``), before the program starts."""
+    A sandboxed child runs no hook (a hook means ``fork`` rather than ``vfork`` of the whole
+    runner, tens of ms): it is started through ``sh``, which moves itself into the cgroups
+    (:meth:`join_files`), and ``prlimit``, which sets the rlimits, before bubblewrap. A child
+    run without the sandbox runs :meth:`preexec`."""
 
     def __init__(self, limits: Limits, scratch: Path, exit_offset: bool) -> None:
         self.limits, self.scratch = limits, scratch
@@ -329,9 +336,9 @@ class RunLimits:
                     path = _take(controller, value)
                     self.cgroups.append((controller, path, controller.breaches(path)))
                     covered.add(controller.name)
-            # Opened here, by the runner: a child may write its pid through them after it became
+            # Opened here, by the runner: a child may move itself in through them after it became
             # another user, and the kernel checks the opener's rights.
-            self._fds = [os.open(path / "cgroup.procs", os.O_WRONLY) for _, path, _ in self.cgroups]
+            self._fds = [os.open(path, os.O_WRONLY) for path in self.join_files()]
         except OSError as exc:
             self.close()
             raise ProgramFailed("LimitSetup", f"cannot make the run's cgroup: {exc}") from None
@@ -349,15 +356,9 @@ class RunLimits:
         """The rlimits as options of the ``prlimit`` command."""
         return _options(self._rlimits)
 
-    def join(self, pid: int) -> None:
-        """Put process ``pid`` (and so all it starts from now on) into the run's cgroups."""
-        try:
-            for fd in self._fds:
-                os.write(fd, str(pid).encode())
-        except OSError as exc:
-            raise ProgramFailed("LimitSetup", f"cannot put the program into its cgroup: {exc}") from None
-        finally:
-            self.spawned()
+    def join_files(self) -> list[Path]:
+        """The files a process writes ``0`` to, to move itself into the run's cgroups."""
+        return [path / controller.join_file for controller, path, _ in self.cgroups]
 
     def spawned(self) -> None:
         """The child is in its cgroups: the runner needs their files no more."""

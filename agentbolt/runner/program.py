@@ -275,7 +275,6 @@ class Program(LitAgent):
         timed_out = False
         watch = asyncio.ensure_future(launch.limits.watch()) if launch.limits is not None else None
         try:  # a limit reached ends the run at once (a fork bomb stops at its process limit)
-            await launch.started()
             await asyncio.wait_for(_first(_exited(proc), watch), self.timeout)
         except TimeoutError:
             timed_out = True

@@ -26,10 +26,7 @@ namespace), the network (the program reaches what the runner reaches).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
-import json
 import os
 import shutil
 import stat
@@ -59,8 +56,8 @@ virtualenv, or a Python or Node.js installation (its ``lib/``)."""
 
 _NAMESPACE_WORDS = ("namespace", "uid map", "setting up uid", "Operation not permitted")
 _CHECK_TIMEOUT = 30.0
-START_WAIT = 30.0
-"""Seconds for bubblewrap to say its sandbox's pid (it has made the namespaces by then)."""
+_JOIN_FAILED = 125
+"""The exit code of the ``sh`` that could not join the run's cgroups."""
 
 
 def sandbox_environ(environ: Mapping[str, str], home: Path) -> dict[str, str]:
@@ -108,87 +105,43 @@ def _under_system(path: str) -> bool:
 @dataclass
 class Launch:
     """How one run is started: the argv and environment to execute, the keyword arguments of
-    the spawn, and its limits (None: none). A sandbox whose cgroups the runner must join waits
-    (bubblewrap's ``--block-fd``) until :meth:`started` has put it there; ``info`` is where
-    bubblewrap says its pid."""
+    the spawn, and its limits (None: none)."""
 
     argv: list[str]
     env: dict[str, str]
     popen: dict[str, Any] = field(default_factory=dict)
     limits: RunLimits | None = None
     sandboxed: bool = False
-    info: int | None = None
-    block: int | None = None
-    child_ends: tuple[int, ...] = ()
 
     def spawned(self) -> None:
-        """The child is started (or could not be): close what only it needed."""
-        for fd in self.child_ends:
-            os.close(fd)
-        self.child_ends = ()
-        if self.limits is not None and not self.sandboxed:
-            self.limits.spawned()  # its hook joined the cgroups
-
-    async def started(self) -> None:
-        """Put the waiting sandbox into the run's cgroups, then let it start the program. On a
-        failure it is left waiting (the caller kills it): it never runs outside its limits."""
-        if self.info is None or self.block is None or self.limits is None:
-            return
-        try:
-            said = await asyncio.wait_for(_read_all(self.info), START_WAIT)
-            pid = json.loads(said).get("child-pid") if said.strip() else None
-        except (TimeoutError, ValueError, AttributeError) as exc:
-            raise ProgramFailed(
-                "SandboxError", f"bubblewrap did not say its sandbox's pid: {exc!r}"
-            ) from None
-        if pid is not None:  # none: bubblewrap failed first (its exit and stderr say why)
-            self.limits.join(int(pid))
-        with contextlib.suppress(BrokenPipeError):
-            os.write(self.block, b"1")
-        self._close_pipes()
+        """The child is started (or could not be)."""
+        if self.limits is not None:
+            self.limits.spawned()
 
     def failure(self, code: int | None, stderr: str) -> ProgramFailed | None:
         """Why the ended run failed, where it is not the program's own exit: a limit it went
-        over, or bubblewrap unable to start it."""
+        over, its cgroups not joined, or bubblewrap unable to start it."""
         found = self.limits.failure(code) if self.limits is not None else None
-        if found is None and self.sandboxed and code == 1 and stderr.startswith("bwrap: "):
-            line = stderr.splitlines()[0]
+        line = stderr.splitlines()[0] if stderr else ""
+        if found is None and self.sandboxed and code == _JOIN_FAILED and line.startswith("agentbolt: "):
+            found = ProgramFailed("LimitSetup", line.removeprefix("agentbolt: "))
+        if found is None and self.sandboxed and code == 1 and line.startswith("bwrap: "):
             kind = "CommandNotFound" if line.startswith("bwrap: execvp ") else "SandboxError"
             found = ProgramFailed(kind, f"the sandbox could not start the program: {line}")
         return found
 
     def close(self) -> None:
         self.spawned()
-        self._close_pipes()
         if self.limits is not None:
             self.limits.close()
 
-    def _close_pipes(self) -> None:
-        for fd in (self.info, self.block):
-            if fd is not None:
-                os.close(fd)
-        self.info = self.block = None
 
-
-async def _read_all(fd: int) -> bytes:
-    """What a pipe holds until its writer closes it, read without blocking the loop."""
-    loop = asyncio.get_running_loop()
-    os.set_blocking(fd, False)
-    chunks: list[bytes] = []
-    while True:
-        try:
-            chunk = os.read(fd, 4096)
-        except BlockingIOError:
-            readable = asyncio.Event()
-            loop.add_reader(fd, readable.set)
-            try:
-                await readable.wait()
-            finally:
-                loop.remove_reader(fd)
-            continue
-        if not chunk:
-            return b"".join(chunks)
-        chunks.append(chunk)
+def _joining(files: list[Path]) -> list[str]:
+    """``sh`` moving itself into the run's cgroups, then executing the rest of the command."""
+    moves = " && ".join(f'echo 0 > "${i + 1}"' for i in range(len(files)))
+    failed = f"{{ echo 'agentbolt: cannot join the cgroups of the run' >&2; exit {_JOIN_FAILED}; }}"
+    script = f'{moves} || {failed}; shift {len(files)}; exec "$@"'
+    return [_tool("sh"), "-c", script, "sh", *map(str, files)]
 
 
 class Runtime:
@@ -228,6 +181,8 @@ class Runtime:
             if not os.path.exists(path):
                 raise ConfigError(f"--sandbox-read {path}: no such file or folder")
         self._args = None
+        if controllers():
+            _tool("sh")  # joins the run's cgroups
         if self.user is not None:
             for path in (*self.read, *program_paths(self.command, os.environ.get("PATH"))):
                 _reachable(path, self.user)
@@ -247,17 +202,20 @@ class Runtime:
         if not self.sandbox:
             return Launch(argv, env, {} if limits is None else {"preexec_fn": limits.preexec}, limits)
         assert limits is not None
-        args = [*self._prefix(limits.prlimit_options()), *self._base()]
-        launch = Launch([], env, {}, limits, sandboxed=True)
-        if limits.cgroups:  # bubblewrap says its sandbox's pid and waits to be let go
-            launch.info, info_end = os.pipe()
-            block_end, launch.block = os.pipe()
-            launch.child_ends = (info_end, block_end)
-            launch.popen["pass_fds"] = launch.child_ends
-            args += ["--info-fd", str(info_end), "--block-fd", str(block_end)]
-        launch.argv = [*args, "--bind", str(scratch), str(scratch), "--chdir", str(work)]
-        launch.argv += ["--remount-ro", "/", "--", *argv]
-        return launch
+        joining = _joining(limits.join_files()) if limits.cgroups else []
+        wrapped = [*joining, *self._prefix(limits.prlimit_options()), *self._base()]
+        wrapped += [
+            "--bind",
+            str(scratch),
+            str(scratch),
+            "--chdir",
+            str(work),
+            "--remount-ro",
+            "/",
+            "--",
+            *argv,
+        ]
+        return Launch(wrapped, env, {}, limits, sandboxed=True)
 
     def _prefix(self, rlimits: list[str]) -> list[str]:
         """What bubblewrap is started through: ``prlimit`` (the rlimits), then for a root runner
