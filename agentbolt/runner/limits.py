@@ -185,19 +185,28 @@ def _take(controller: _Controller, value: int) -> Path:
     return controller.make(f"agentbolt-{os.getpid()}-{next(_counter)}", value)
 
 
-def _give_back(controller: _Controller, value: int, path: Path) -> None:
-    """Keep an emptied cgroup for the next run, else remove it."""
+def _give_back(controller: _Controller, value: int, path: Path, tries: int = 40) -> None:
+    """Keep an emptied cgroup for the next run; one whose last processes are still dying is
+    looked at again a moment later (off the run's path), and removed if they never go."""
     _kill_members(path)
     try:
         empty = not (path / "cgroup.procs").read_text().strip()
     except OSError:
         return
-    with _pool_lock:
-        free = _pool.setdefault((controller, value), [])
-        if empty and len(free) < _POOL_SIZE:
-            free.append(path)
-            return
-    _remove(path)
+    if empty:
+        with _pool_lock:
+            free = _pool.setdefault((controller, value), [])
+            if len(free) < _POOL_SIZE:
+                free.append(path)
+                return
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        loop = None
+    if empty or tries <= 0 or loop is None:
+        _remove(path)
+    else:
+        loop.call_later(0.05, _give_back, controller, value, path, tries - 1)
 
 
 def _empty_pool() -> None:
