@@ -40,7 +40,7 @@ from typing import Any
 from agentbolt.errors import ConfigError
 from agentbolt.runner.program_io import ProgramFailed
 
-__all__ = ["SANDBOX_LIMITS", "Limits", "RunLimits", "parse_size", "prlimit_options"]
+__all__ = ["SANDBOX_LIMITS", "Limits", "Rlimit", "RunLimits", "parse_size", "rlimits"]
 
 log = logging.getLogger(__name__)
 
@@ -326,8 +326,8 @@ class RunLimits:
 
     A sandboxed child runs no hook (a hook means ``fork`` rather than ``vfork`` of the whole
     runner, tens of ms): it is started through ``sh``, which moves itself into the cgroups
-    (:meth:`join_files`), and ``prlimit``, which sets the rlimits, before bubblewrap. A child
-    run without the sandbox runs :meth:`preexec`."""
+    (:meth:`join_files`) and sets the :attr:`rlimits` before it executes bubblewrap
+    (:mod:`agentbolt.runner.sandbox`). A child run without the sandbox runs :meth:`preexec`."""
 
     def __init__(self, limits: Limits, scratch: Path, exit_offset: bool) -> None:
         self.limits, self.scratch = limits, scratch
@@ -351,7 +351,7 @@ class RunLimits:
         except OSError as exc:
             self.close()
             raise ProgramFailed("LimitSetup", f"cannot make the run's cgroup: {exc}") from None
-        self._rlimits = _rlimits(limits, covered)
+        self._rlimits = rlimits(limits, covered)
 
     def preexec(self) -> None:
         """In the child, before it executes (a program run without the sandbox): join the
@@ -361,9 +361,9 @@ class RunLimits:
         for which, value in self._rlimits:
             resource.setrlimit(which, value)
 
-    def prlimit_options(self) -> list[str]:
-        """The rlimits as options of the ``prlimit`` command."""
-        return _options(self._rlimits)
+    @property
+    def rlimits(self) -> list[Rlimit]:
+        return self._rlimits
 
     def join_files(self) -> list[Path]:
         """The files a process writes ``0`` to, to move itself into the run's cgroups."""
@@ -434,19 +434,13 @@ class RunLimits:
         return f"the program wrote a file up to its size limit ({_size(limits.file_size)})"
 
 
-def prlimit_options(limits: Limits, covered: set[str]) -> list[str]:
-    """The ``prlimit`` command's options for ``limits``, where cgroups cover the ``covered``
-    controllers (memory, pids)."""
-    return _options(_rlimits(limits, covered))
+Rlimit = tuple[int, tuple[int, int]]
+"""An rlimit (``resource.RLIMIT_*``) and its soft and hard values."""
 
 
-def _options(rlimits: list[tuple[int, tuple[int, int]]]) -> list[str]:
-    return [f"--{_PRLIMIT_NAMES[which]}={soft}:{hard}" for which, (soft, hard) in rlimits]
-
-
-def _rlimits(limits: Limits, covered: set[str]) -> list[tuple[int, tuple[int, int]]]:
-    """The rlimits of the child: each never above the runner's own hard limit (which only root
-    may raise)."""
+def rlimits(limits: Limits, covered: set[str]) -> list[Rlimit]:
+    """The rlimits of a child under ``limits`` where cgroups cover the ``covered`` controllers
+    (memory, pids): each never above the runner's own hard limit (which only root may raise)."""
     wanted: list[tuple[int, int | None, int]] = [(resource.RLIMIT_CORE, 0, 0)]  # no core files in scratch
     if limits.cpu_s is not None:
         wanted.append((resource.RLIMIT_CPU, math.ceil(limits.cpu_s), 1))  # SIGXCPU, then SIGKILL 1 s on
@@ -465,16 +459,6 @@ def _rlimits(limits: Limits, covered: set[str]) -> list[tuple[int, tuple[int, in
         top = hard if hard != resource.RLIM_INFINITY else soft + extra
         out.append((which, (min(soft, top), min(soft + extra, top))))
     return out
-
-
-_PRLIMIT_NAMES = {
-    resource.RLIMIT_CORE: "core",
-    resource.RLIMIT_CPU: "cpu",
-    resource.RLIMIT_FSIZE: "fsize",
-    resource.RLIMIT_NOFILE: "nofile",
-    resource.RLIMIT_DATA: "data",
-    resource.RLIMIT_NPROC: "nproc",
-}
 
 
 def _size(value: int | None) -> str:

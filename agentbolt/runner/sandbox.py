@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import os
+import resource
 import shutil
 import stat
 import subprocess
@@ -37,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from agentbolt.errors import ConfigError
-from agentbolt.runner.limits import Limits, RunLimits, controllers, prlimit_options
+from agentbolt.runner.limits import Limits, Rlimit, RunLimits, controllers, rlimits
 from agentbolt.runner.program_io import ProgramFailed
 from agentbolt.runner.sandbox_etc import etc_copy
 
@@ -136,12 +137,53 @@ class Launch:
             self.limits.close()
 
 
-def _joining(files: list[Path]) -> list[str]:
-    """``sh`` moving itself into the run's cgroups, then executing the rest of the command."""
-    moves = " && ".join(f'echo 0 > "${i + 1}"' for i in range(len(files)))
-    failed = f"{{ echo 'agentbolt: cannot join the cgroups of the run' >&2; exit {_JOIN_FAILED}; }}"
-    script = f'{moves} || {failed}; shift {len(files)}; exec "$@"'
-    return [_tool("sh"), "-c", script, "sh", *map(str, files)]
+def _starter(joins: list[Path], limits: list[Rlimit]) -> list[str]:
+    """What starts bubblewrap: ``sh``, which moves itself into the run's cgroups (``joins``) and
+    sets the rlimits with ``ulimit``, or, for the rlimits ``sh`` does not spell alike everywhere
+    (processes, data), ``prlimit`` after it."""
+    steps = [f'echo 0 > "${i + 1}"' for i in range(len(joins))]
+    by_shell = _ulimit(limits)
+    if by_shell is not None:
+        steps += by_shell
+    failed = f"{{ echo 'agentbolt: cannot join the cgroups or set the limits of the run' >&2; exit {_JOIN_FAILED}; }}"
+    script = f'{" && ".join(steps) or "true"} || {failed}; shift {len(joins)}; exec "$@"'
+    after = [] if by_shell is not None else [_tool("prlimit"), *_prlimit_options(limits), "--"]
+    return [_tool("sh"), "-c", script, "sh", *map(str, joins), *after]
+
+
+_ULIMIT_FLAGS = {
+    resource.RLIMIT_CORE: "c",
+    resource.RLIMIT_CPU: "t",
+    resource.RLIMIT_FSIZE: "f",
+    resource.RLIMIT_NOFILE: "n",
+}
+"""``ulimit``'s flag for each rlimit that dash and bash (as ``sh``) spell alike; ``c`` and ``f``
+count 512-byte blocks."""
+_PRLIMIT_NAMES = {
+    resource.RLIMIT_CORE: "core",
+    resource.RLIMIT_CPU: "cpu",
+    resource.RLIMIT_FSIZE: "fsize",
+    resource.RLIMIT_NOFILE: "nofile",
+    resource.RLIMIT_DATA: "data",
+    resource.RLIMIT_NPROC: "nproc",
+}
+
+
+def _ulimit(limits: list[Rlimit]) -> list[str] | None:
+    """``sh`` commands setting ``limits`` (soft first, then hard), or None where one cannot be."""
+    steps = []
+    for which, (soft, hard) in limits:
+        flag = _ULIMIT_FLAGS.get(which)
+        blocks = which in (resource.RLIMIT_CORE, resource.RLIMIT_FSIZE)
+        if flag is None or (blocks and (soft % 512 or hard % 512)):
+            return None
+        scale = 512 if blocks else 1
+        steps += [f"ulimit -S -{flag} {soft // scale}", f"ulimit -H -{flag} {hard // scale}"]
+    return steps
+
+
+def _prlimit_options(limits: list[Rlimit]) -> list[str]:
+    return [f"--{_PRLIMIT_NAMES[which]}={soft}:{hard}" for which, (soft, hard) in limits]
 
 
 class Runtime:
@@ -181,13 +223,11 @@ class Runtime:
             if not os.path.exists(path):
                 raise ConfigError(f"--sandbox-read {path}: no such file or folder")
         self._args = None
-        if controllers():
-            _tool("sh")  # joins the run's cgroups
         if self.user is not None:
             for path in (*self.read, *program_paths(self.command, os.environ.get("PATH"))):
                 _reachable(path, self.user)
-        rlimits = prlimit_options(self.limits, {c.name for c in controllers()})
-        argv = [*self._prefix(rlimits), *self._base(), "--", "true"]
+        chosen = rlimits(self.limits, {c.name for c in controllers()})
+        argv = [*_starter([], chosen), *self._prefix(), *self._base(), "--", "true"]
         done = subprocess.run(argv, capture_output=True, text=True, timeout=_CHECK_TIMEOUT)
         if done.returncode != 0:
             raise ConfigError(_refusal(done.stderr))
@@ -202,8 +242,7 @@ class Runtime:
         if not self.sandbox:
             return Launch(argv, env, {} if limits is None else {"preexec_fn": limits.preexec}, limits)
         assert limits is not None
-        joining = _joining(limits.join_files()) if limits.cgroups else []
-        wrapped = [*joining, *self._prefix(limits.prlimit_options()), *self._base()]
+        wrapped = [*_starter(limits.join_files(), limits.rlimits), *self._prefix(), *self._base()]
         wrapped += [
             "--bind",
             str(scratch),
@@ -217,14 +256,13 @@ class Runtime:
         ]
         return Launch(wrapped, env, {}, limits, sandboxed=True)
 
-    def _prefix(self, rlimits: list[str]) -> list[str]:
-        """What bubblewrap is started through: ``prlimit`` (the rlimits), then for a root runner
-        ``setpriv`` (as nobody, with no capability and no group)."""
-        prefix = [_tool("prlimit"), *rlimits, "--"] if rlimits else []
-        if self.user is not None:
-            user = str(self.user)
-            prefix += [_tool("setpriv"), f"--reuid={user}", f"--regid={user}", "--clear-groups", "--"]
-        return prefix
+    def _prefix(self) -> list[str]:
+        """For a root runner, ``setpriv``: bubblewrap runs as nobody, with no capability and no
+        group."""
+        if self.user is None:
+            return []
+        user = str(self.user)
+        return [_tool("setpriv"), f"--reuid={user}", f"--regid={user}", "--clear-groups", "--"]
 
     def _base(self) -> list[str]:
         """Bubblewrap and its arguments up to the scratch directory."""

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from agentbolt.client import Client
-from agentbolt.runner.limits import Limits, _rlimits, controllers
+from agentbolt.runner.limits import Limits, controllers, rlimits
 from agentbolt.runner.program import Program
 from agentbolt.runner.sandbox import NOBODY, _refusal
 from agentbolt.runner.worker import Runner
@@ -284,13 +284,13 @@ def test_the_default_limits_leave_address_space_alone(served: Served) -> None:
 
 
 def test_rlimits_stand_in_for_memory_and_processes_without_a_cgroup() -> None:
-    chosen = dict(_rlimits(Limits(memory=64 << 20, processes=32), covered=set()))
+    chosen = dict(rlimits(Limits(memory=64 << 20, processes=32), covered=set()))
     import resource
 
     assert chosen[resource.RLIMIT_DATA] == (64 << 20, 64 << 20)
     assert chosen[resource.RLIMIT_NPROC] == (32, 32)
     assert resource.RLIMIT_AS not in chosen
-    covered = dict(_rlimits(Limits(memory=64 << 20, processes=32), covered={"memory", "pids"}))
+    covered = dict(rlimits(Limits(memory=64 << 20, processes=32), covered={"memory", "pids"}))
     assert resource.RLIMIT_DATA not in covered and resource.RLIMIT_NPROC not in covered
 
 
