@@ -17,10 +17,11 @@ Isolation: the runner's token never enters the child's environment (variables na
 holding its value, are dropped); the child holds only the attempt's agent key. The process
 group is killed when the program ends, times out or is stopped, so nothing it started outlives
 the rollout (a child that starts its own session escapes this, unless sandboxed). With
-``sandbox=True`` each run is a bubblewrap sandbox (:mod:`agentbolt.runner.sandbox`: no runner to
-see, no file but the system's and its own) under resource limits
-(:mod:`agentbolt.runner.limits`); untrusted code runs there. The scratch directory is removed afterwards, whatever the outcome: what a run leaves
-for debugging is its recorded output, exit code and result file, all in the attempt's events.
+``sandbox=True`` each run is a bubblewrap sandbox (:mod:`agentbolt.runner.sandbox`: no runner
+to see, no file but the system's and its own) under resource limits
+(:mod:`agentbolt.runner.limits`); untrusted code runs there. The scratch directory is removed
+afterwards, whatever the outcome: what a run leaves for debugging is its recorded output, exit
+code and result file, all in the attempt's events.
 """
 
 from __future__ import annotations
