@@ -287,7 +287,10 @@ def _tool(name: str) -> str:
     """The path of a command the sandbox is started through (looked up once)."""
     found = shutil.which(name)
     if found is None:
-        raise ConfigError(f"--sandbox needs the {name} command (Debian's util-linux package)")
+        package = {"setpriv": "util-linux", "prlimit": "util-linux"}.get(name)
+        raise ConfigError(
+            f"--sandbox needs the {name} command on PATH" + (f" ({package})" if package else "")
+        )
     return found
 
 
