@@ -17,6 +17,12 @@ children) spends per rollout on the program path over the in-process path. The s
 shared machine, compare runs made at the same load.
 
     python benchmarks/program_overhead.py [--rollouts 100 --concurrency 1 16 --repeats 5]
+
+With ``--sandbox``, it measures instead what the sandbox adds (``Program(sandbox=True)``, with its
+default limits, docs/agents.md): rounds of ``true`` run plainly and sandboxed, one after the
+other, and the median over the rounds of each and of the difference, in ms per rollout.
+
+    python benchmarks/program_overhead.py --sandbox [--rollouts 100 --concurrency 1 --repeats 7]
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -88,13 +95,37 @@ def _best(url: str, argv: list[str], rollouts: int, concurrency: int, repeats: i
     return [min(column) for column in zip(*runs, strict=True)]
 
 
+def _sandbox_cost(url: str, rollouts: int, concurrency: int, repeats: int) -> None:
+    """Median seconds per rollout of ``true`` plain and sandboxed, and of the difference, over
+    ``repeats`` rounds (each round runs both, alternating which goes first)."""
+    plain, boxed = Program(["true"], reward_later=True), Program(["true"], reward_later=True, sandbox=True)
+    boxed.preflight()
+    rows = []
+    for round_ in range(repeats):
+        order = (plain, boxed) if round_ % 2 == 0 else (boxed, plain)
+        seconds = {id(agent): _per_rollout(url, agent, rollouts, concurrency)[0] for agent in order}
+        rows.append((seconds[id(plain)], seconds[id(boxed)]))
+    median = [statistics.median(column) * 1e3 for column in zip(*rows, strict=True)]
+    added = statistics.median(b - p for p, b in rows) * 1e3
+    print(f"{'C':>4}{'plain':>10}{'sandboxed':>11}{'added':>8}  (ms/rollout, median of {repeats} rounds)")
+    print(f"{concurrency:>4}{median[0]:>10.2f}{median[1]:>11.2f}{added:>8.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rollouts", type=int, default=100)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--sandbox", action="store_true", help="what the sandbox adds to `true`")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="agentbolt-bench-"))
+    if args.sandbox:
+        print(f"load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
+        with ServerThread(ServerConfig(db=str(work / "bench.db"))) as srv:
+            for concurrency in args.concurrency:
+                _sandbox_cost(srv.url, args.rollouts, concurrency, args.repeats)
+        print(f"load average at end: {os.getloadavg()[0]:.2f}")
+        return
     script = work / "nothing.py"
     script.write_text("")
     programs = {"true": ["true"], "python script": [sys.executable, str(script)]}

@@ -18,3 +18,16 @@ if command -v npm >/dev/null 2>&1; then
   npm ci --prefix examples/node_agent --silent --no-audit --no-fund \
     || echo "warning: npm ci failed; the Node.js example's tests will skip (fail under CI=true)" >&2
 fi
+# Bubblewrap, which `agentbolt runner --sandbox` runs programs in: installed when missing and
+# apt-get can run (as root or with passwordless sudo); otherwise one line says so.
+if ! command -v bwrap >/dev/null 2>&1; then
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo -n"
+  if command -v apt-get >/dev/null 2>&1 && { [ -z "$SUDO" ] || sudo -n true 2>/dev/null; } \
+    && { $SUDO apt-get install -y -qq bubblewrap >/dev/null 2>&1 \
+      || { $SUDO apt-get update -qq >/dev/null 2>&1 && $SUDO apt-get install -y -qq bubblewrap >/dev/null 2>&1; }; }; then
+    :
+  else
+    echo "note: agentbolt runner --sandbox needs bubblewrap (apt-get install bubblewrap); it is not installed" >&2
+  fi
+fi

@@ -249,8 +249,12 @@ def _program_parameters() -> list[inspect.Parameter]:
     """The Program options not generated: each takes a form its type does not say."""
     env_help = "NAME=TEMPLATE: a variable rendered from the task's fields (repeatable)."
     scorer_help = "module:fn or file.py:fn scoring each run (sees the task, output, model calls)."
+    read_help = "An absolute path a sandboxed program also sees, read-only (repeatable)."
     return [
         keyword_option("env", list[str] | None, "--env", help=env_help, panel=PROGRAM_PANEL),
+        keyword_option(
+            "sandbox_read", list[str] | None, "--sandbox-read", help=read_help, panel=PROGRAM_PANEL
+        ),
         keyword_option("scorer", str | None, "--scorer", help=scorer_help, panel=PROGRAM_PANEL),
     ]
 
@@ -260,8 +264,9 @@ def _parameters(section: _Section) -> list[inspect.Parameter]:
 
 
 def _generated(section: _Section) -> list[Setting]:
-    """The section's settings with a generated flag: the program's ``env`` is ``--env`` by hand."""
-    by_hand = ("env",) if section.table == "program" else ()
+    """The section's settings with a generated flag: the program's ``env`` and ``sandbox_read``
+    repeat, by hand."""
+    by_hand = ("env", "sandbox_read") if section.table == "program" else ()
     return [s for s in section.schema.settings.values() if s.key not in by_hand]
 
 
@@ -394,10 +399,12 @@ def _flags(section: _Section, params: dict[str, Any]) -> dict[str, Any]:
 
 
 def _program_flags(params: dict[str, Any]) -> dict[str, Any]:
-    """``--env NAME=TEMPLATE`` (repeated) and ``--scorer module:fn``."""
+    """``--env NAME=TEMPLATE`` and ``--sandbox-read PATH`` (repeated) and ``--scorer module:fn``."""
     given: dict[str, Any] = {}
     if params.get("env"):
         given["env"] = env_templates(params["env"], "--env")
+    if params.get("sandbox_read"):
+        given["sandbox_read"] = params["sandbox_read"]
     if params.get("scorer"):
         given["scorer"] = _scorer(params["scorer"])
     return given

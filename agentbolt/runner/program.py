@@ -16,11 +16,14 @@ present but not chosen is recorded as a claim beside the reward, never trained o
 Isolation: the runner's token never enters the child's environment (variables named for it, or
 holding its value, are dropped); the child holds only the attempt's agent key. The process
 group is killed when the program ends, times out or is stopped, so nothing it started outlives
-the rollout (a child that starts its own session escapes this: use a container for hostile
-code). With ``run_as``, the program runs as that unprivileged user, its scratch directory its
-own (:mod:`agentbolt.runner.run_as`): a program run as root could read the runner's memory.
-The scratch directory is removed afterwards, whatever the outcome: what a run leaves
-for debugging is its recorded output, exit code and result file, all in the attempt's events.
+the rollout (a child that starts its own session escapes this, unless sandboxed). With
+``run_as``, the program runs as that unprivileged user, its scratch directory its own
+(:mod:`agentbolt.runner.run_as`): a program run as root could read the runner's memory. With
+``sandbox=True`` each run is a bubblewrap sandbox (:mod:`agentbolt.runner.sandbox`: no runner
+to see, no file but the system's and its own, an unprivileged user) under resource limits
+(:mod:`agentbolt.runner.limits`); untrusted code runs there. The scratch directory is removed
+afterwards, whatever the outcome: what a run leaves for debugging is its recorded output, exit
+code and result file, all in the attempt's events.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import json
 import os
 import shlex
 import signal
+import subprocess
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -38,6 +42,7 @@ from typing import Any
 
 from agentbolt.errors import ConfigError
 from agentbolt.runner.agent import LitAgent, RolloutContext
+from agentbolt.runner.limits import SANDBOX_LIMITS, Limits
 from agentbolt.runner.program_io import (
     OUTPUT_LIMIT,
     CappedOutput,
@@ -54,6 +59,7 @@ from agentbolt.runner.program_reward import (
     reward_sources,
 )
 from agentbolt.runner.run_as import RunAs, remove_scratch, resolve_run_as
+from agentbolt.runner.sandbox import Launch, Runtime, sandbox_environ
 from agentbolt.schemas import LLM, EventType, Resources, Task
 
 __all__ = ["AttemptAccess", "Program", "ProgramFailed", "ProgramRun"]
@@ -107,6 +113,8 @@ class _Exit:
     stdout: CappedOutput
     stderr: CappedOutput
     seconds: float
+    failure: ProgramFailed | None = None
+    """A limit the run went over, or a sandbox that could not start it."""
 
 
 class Program(LitAgent):
@@ -128,6 +136,13 @@ class Program(LitAgent):
     * ``scratch_root``: where scratch directories are made (default: the system's temp dir);
     * ``run_as``: run the program as this unprivileged user (a name, or ``uid[:gid]``; the
       runner runs as root), no supplementary groups, ``HOME`` in its scratch directory.
+    * ``sandbox``: run each rollout in a bubblewrap sandbox (docs/agents.md), with default limits;
+    * ``sandbox_read``: more absolute paths a sandboxed program sees, read-only;
+    * ``limit_memory``: memory of a run, e.g. 2G (sandboxed: 4G; 0: none);
+    * ``limit_processes``: processes and threads of a run (sandboxed: 512; 0: none);
+    * ``limit_cpu_s``: CPU seconds of each process of a run (sandboxed: 3600; 0: none);
+    * ``limit_file_size``: largest file a run writes, e.g. 100M (sandboxed: 1G; 0: none);
+    * ``limit_open_files``: open files per process (sandboxed: 4096; 0: none).
     """
 
     def __init__(
@@ -145,6 +160,13 @@ class Program(LitAgent):
         llm: str | None = None,
         scratch_root: str | Path | None = None,
         run_as: str | None = None,
+        sandbox: bool = False,
+        sandbox_read: Sequence[str] = (),
+        limit_memory: int | str | None = None,
+        limit_processes: int | None = None,
+        limit_cpu_s: float | None = None,
+        limit_file_size: int | str | None = None,
+        limit_open_files: int | None = None,
     ) -> None:
         super().__init__()
         self.argv = _split(command, "command")
@@ -165,10 +187,29 @@ class Program(LitAgent):
         self.stdin, self.timeout, self.reward_later = stdin, timeout, reward_later
         self.output_limit, self.llm = output_limit, llm
         self.scratch_root = Path(scratch_root) if scratch_root is not None else None
+        if run_as is not None and sandbox:
+            raise ConfigError(
+                "run_as (--run-as) is for programs run without the sandbox: a sandboxed program "
+                "already runs as an unprivileged user (nobody)"
+            )
         self.run_as: RunAs | None = resolve_run_as(run_as)
+        limits = Limits.of(
+            SANDBOX_LIMITS if sandbox else Limits(),
+            limit_memory,
+            limit_processes,
+            limit_cpu_s,
+            limit_file_size,
+            limit_open_files,
+        )
+        self.runtime = Runtime(self.argv, sandbox, sandbox_read, limits)
 
     def __repr__(self) -> str:
         return f"Program({shlex.join(self.argv)!r})"
+
+    def preflight(self) -> None:
+        """Before the first run (the Runner calls it once): the sandbox and limits asked for can
+        be had here, else a :class:`ConfigError` that says what is missing."""
+        self.runtime.check()
 
     async def execute_rollout(self, task: Task) -> float | None:  # type: ignore[override]
         raise ConfigError(
@@ -202,7 +243,8 @@ class Program(LitAgent):
     # ------------------------------------------------------------------ the environment
 
     def _environment(self, ctx: RolloutContext, access: AttemptAccess, paths: _Paths) -> dict[str, str]:
-        env = secret_free_environ(os.environ, access.secrets)
+        base = sandbox_environ(os.environ, paths.root) if self.runtime.sandbox else os.environ
+        env = secret_free_environ(base, access.secrets)
         llm = self._llm_resource(ctx)
         for name in ("OPENAI_BASE_URL", "OPENAI_MODEL", "AGENTBOLT_MODEL"):
             env.pop(name, None)  # with no LLM resource, nothing points past the gateway
@@ -230,10 +272,22 @@ class Program(LitAgent):
     # ------------------------------------------------------------------ the process
 
     async def _run(self, argv: list[str], env: dict[str, str], paths: _Paths, stdin: bytes | None) -> _Exit:
+        launch = self.runtime.launch(argv, env, paths.root, paths.work)
+        try:
+            return await self._watch(launch, paths, stdin)
+        finally:
+            launch.close()
+
+    async def _watch(self, launch: Launch, paths: _Paths, stdin: bytes | None) -> _Exit:
         loop = asyncio.get_running_loop()
         started = loop.time()
         as_user = self.run_as.spawn_options() if self.run_as is not None else {}
-        proc = await _spawn(argv, env, paths.work, stdin is not None, as_user)
+        try:
+            proc = await _spawn(
+                launch.argv, launch.env, paths.work, stdin is not None, {**launch.popen, **as_user}
+            )
+        finally:
+            launch.spawned()
         out, err = CappedOutput(self.output_limit), CappedOutput(self.output_limit)
         assert proc.stdout is not None and proc.stderr is not None
         io = [
@@ -243,14 +297,18 @@ class Program(LitAgent):
         if stdin is not None:
             io.append(asyncio.create_task(_feed(proc, stdin)))
         timed_out = False
-        try:
-            await asyncio.wait_for(_exited(proc), self.timeout)
+        watch = asyncio.ensure_future(launch.limits.watch()) if launch.limits is not None else None
+        try:  # a limit reached ends the run at once (a fork bomb stops at its process limit)
+            await asyncio.wait_for(_first(_exited(proc), watch), self.timeout)
         except TimeoutError:
             timed_out = True
         finally:
+            if watch is not None:
+                watch.cancel()
             await _end_group(proc)
             await _finish_io(proc, io)
-        return _Exit(proc.returncode, timed_out, out, err, loop.time() - started)
+        failure = launch.failure(proc.returncode, err.text())
+        return _Exit(proc.returncode, timed_out, out, err, loop.time() - started, failure)
 
 
 def llm_of(resources: Resources | None, name: str | None) -> LLM | None:
@@ -278,11 +336,22 @@ def _split(command: str | Sequence[str], what: str) -> list[str]:
     return argv
 
 
+async def _first(exited: Any, watch: asyncio.Future[str] | None) -> None:
+    """Until the program has ended, or a limit was reached."""
+    if watch is None:
+        return await exited
+    ended = asyncio.ensure_future(exited)
+    try:
+        await asyncio.wait([ended, watch], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        ended.cancel()
+
+
 async def _spawn(
-    argv: list[str], env: dict[str, str], cwd: Path, with_stdin: bool, as_user: dict[str, Any]
+    argv: list[str], env: dict[str, str], cwd: Path, with_stdin: bool, popen: Mapping[str, Any]
 ) -> Any:
-    """Start the program in a new session (so its own process group, which it leads), as the
-    user ``as_user`` names (``subprocess``'s user, group and extra_groups) if any."""
+    """Start the program in a new session (so its own process group, which it leads);
+    ``popen``: the sandbox's and limits' own spawn arguments."""
     try:
         return await asyncio.create_subprocess_exec(
             *argv,
@@ -292,15 +361,19 @@ async def _spawn(
             cwd=cwd,
             env=env,
             start_new_session=True,
-            **as_user,
+            **popen,
         )
     except FileNotFoundError:
         raise ProgramFailed("CommandNotFound", f"command not found: {argv[0]!r}") from None
     except PermissionError as exc:
-        who = f" as uid {as_user['user']} (run_as: it must be able to read and run it)" if as_user else ""
+        who = (
+            f" as uid {popen['user']} (run_as: it must be able to read and run it)" if "user" in popen else ""
+        )
         raise ProgramFailed("CommandNotFound", f"cannot execute {argv[0]!r}{who}: {exc.strerror}") from None
     except OSError as exc:
         raise ProgramFailed("CommandNotFound", f"cannot start {argv[0]!r}: {exc}") from None
+    except subprocess.SubprocessError as exc:  # the limits' hook failed in the child
+        raise ProgramFailed("LimitSetup", f"cannot put the program under its limits: {exc}") from None
 
 
 async def _feed(proc: Any, data: bytes) -> None:
@@ -386,6 +459,8 @@ def _record(ctx: RolloutContext, argv: list[str], ended: _Exit) -> None:
         "program_exit",
         {"argv": argv, "exit_code": ended.code, "timed_out": ended.timed_out, "seconds": ended.seconds},
     )
+    if ended.failure is not None:
+        raise ended.failure
     if ended.timed_out:
         raise ProgramFailed(
             "Timeout",

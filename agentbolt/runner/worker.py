@@ -178,6 +178,8 @@ class Runner:
         owned = install_signals and isinstance(self.agent, Program)
         undo_watcher = _pidfd_watcher(self._loop) if owned else None
         try:
+            if isinstance(self.agent, Program):
+                self.agent.preflight()  # its sandbox and limits, before any work is claimed
             self._keep_tokens_from_agents()
             await self._register()
             if self._tracing and self.tracer is None:
@@ -256,6 +258,8 @@ class Runner:
         stops with the reason."""
         old = self.worker_id
         try:
+            if isinstance(self.agent, Program):
+                self.agent.preflight()  # its sandbox and limits, before any work is claimed
             await self._register()
         except ConfigError as exc:
             self._fail(exc)

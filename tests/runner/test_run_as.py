@@ -184,6 +184,10 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
         ),
         (["--command", "true", "--run-as", "root"], "error: run_as 'root' is root (uid or gid 0)"),
         (["--agent", "m:f", "--run-as", "nobody"], "error: --run-as is for programs this runner starts"),
+        (
+            ["--command", "true", "--run-as", "nobody", "--sandbox"],
+            "error: run_as (--run-as) is for programs run without the sandbox",
+        ),
     ],
 )
 def test_the_runner_command_refuses_a_bad_run_as_in_one_line(args, said):
