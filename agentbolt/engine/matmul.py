@@ -54,6 +54,7 @@ attention is left to PyTorch.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections.abc import Sequence
@@ -93,12 +94,20 @@ def native_bf16_matmul() -> bool:
         return True
 
 
+@functools.cache
 def packed_matmul_available() -> bool:
-    """Whether this PyTorch build has oneDNN's packed-weight linear (``PackedMatmul``)."""
+    """Whether oneDNN's packed-weight bfloat16 linear (``PackedMatmul``) runs here: this PyTorch
+    build has it, and this CPU can (oneDNN's bfloat16 path needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT;
+    an AVX2-only CPU refuses the reorder). Tried once, on a tiny weight."""
     ops = torch.ops.mkldnn
     try:
-        return hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
-    except Exception:
+        if not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
+            return False
+        weight = torch.ones(8, 8, dtype=torch.bfloat16)
+        packed = ops._reorder_linear_weight(weight, 1)
+        out = ops._linear_pointwise(torch.ones(1, 8, dtype=torch.bfloat16), packed, None, "none", [], "")
+        return bool(out.shape == (1, 8))
+    except Exception:  # noqa: BLE001 - RuntimeError from oneDNN on a CPU it cannot use
         return False
 
 

@@ -244,6 +244,14 @@ def test_the_step_statistics_give_the_same_tokens_and_logprobs(dtype: torch.dtyp
     assert stats is not None and torch.equal(stats[1], logits.float().argmax(-1))
     want = torch.logsumexp(logits.float() - logits.float().amax(-1, keepdim=True), -1)
     assert torch.allclose(stats[2], want, atol=1e-6)
+    # a vocabulary's width with one dominant logit: tens of thousands of terms far below an ulp
+    # of the sum, which a float32 running sum rounds away (2e-4 nats low, on an AVX2-only build)
+    wide = torch.full((1, 49152), -12.0)
+    wide[0, 0] = 0.0
+    wide_stats = kernels.row_stats(wide.to(dtype))
+    assert wide_stats is not None
+    exact = torch.logsumexp(wide.to(dtype).double(), -1).float()
+    assert torch.allclose(wide_stats[2], exact, atol=1e-6), (wide_stats[2] - exact).abs().max()
     logits[3, 5] = float("nan")
     assert kernels.row_stats(logits) is None  # PyTorch's rules for NaN, then
     assert sample_step(logits, params, [p.make_generator() for p in params], 0, fast=True).token_ids[3] == 5
