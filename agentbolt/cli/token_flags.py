@@ -9,7 +9,6 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-import click
 import typer
 from rich.markup import escape
 
@@ -65,7 +64,7 @@ def _command_of(app: typer.Typer, args: list[str]) -> Any:
         ctx = typer.Context(command, info_name="agentbolt", resilient_parsing=True)
         try:
             _, command, rest = command.resolve_command(ctx, rest)
-        except click.UsageError:  # an unknown command: app() reports it
+        except Exception:  # noqa: BLE001 - an unknown command (a usage error): app() reports it
             return None
         if command is None:
             return None
