@@ -77,6 +77,8 @@ def test_a_nan_reward_fails_in_seconds_with_its_reason(tmp_path):
     """It used to end 6 s later (the lease) as "lease expired"."""
     with _server(tmp_path, "--lease-seconds", "6") as client, _runner(client, "echo"):
         [ro] = client.enqueue([RolloutCreate(task=Task(data={"reward": "nan"}), max_attempts=1)])
+        # the runner process may take a while to start on a loaded machine: time from its claim
+        _wait_until(lambda: client.get_rollout(ro.id).status != RolloutStatus.QUEUED, 30)
         done = client.wait([ro.id], 5)  # less than the lease
         assert done.done
         rollout = done.rollouts[0]

@@ -21,8 +21,8 @@ from agentbolt.runner.worker import Runner
 from agentbolt.schemas import LLM, AttemptStatus, RolloutCreate, RolloutStatus, Task
 from agentbolt.server import Role, ServerConfig, ServerThread
 from agentbolt.store import open_store
+from tests.security.conftest import ADMIN
 
-ADMIN = "adm-token-keys-1"
 WORKER = "w-keys"
 
 
@@ -31,12 +31,6 @@ def server(tmp_path):
     config = ServerConfig(db=str(tmp_path / "store.db"), tokens={ADMIN: Role.ADMIN})
     with ServerThread(config) as srv:
         yield srv
-
-
-@pytest.fixture
-def admin(server):
-    with Client(server.url, ADMIN) as client:
-        yield client
 
 
 @dataclass

@@ -16,8 +16,9 @@ from agentbolt.runner.program import Program
 from agentbolt.runner.worker import Runner
 from agentbolt.schemas import LLM, AttemptStatus, RolloutCreate, RolloutStatus, Task
 from agentbolt.server import Role, ServerConfig, ServerThread
+from tests.security.conftest import ADMIN
 
-ADMIN, RUNNER = "adm-token-quota-1", "run-token-quota-2"
+RUNNER = "run-token-quota-2"
 EVENTS, BYTES, CALLS = 5, 4000, 3
 
 # Posts 8 events, one request each, then a giant one; prints each answer's status and the last
@@ -50,12 +51,6 @@ def server(tmp_path):
     )
     with ServerThread(config) as srv:
         yield srv
-
-
-@pytest.fixture
-def admin(server):
-    with Client(server.url, ADMIN) as client:
-        yield client
 
 
 def _agent_events(admin: Client, rollout_id: str) -> list:
