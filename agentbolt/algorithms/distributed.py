@@ -798,14 +798,13 @@ def _reference_one_pass(model: nn.Module, batch: Batch) -> torch.Tensor:
     """``reference_logprobs`` without the shared-prefix pass (:func:`_one_pass`): a rank whose
     micro-batch shares a prefix would call each layer once more than another rank, and the
     all-gathers would no longer line up."""
-    from peft import PeftModel
-
+    from agentbolt.algorithms.lora_products import is_peft
     from agentbolt.algorithms.losses import masked_logprobs
 
     was_training = model.training
     model.eval()
     try:
-        if isinstance(model, PeftModel):
+        if is_peft(model):
             with model.disable_adapter():
                 return masked_logprobs(model, batch, 0)[0]
         return masked_logprobs(model, batch, 0)[0]

@@ -26,18 +26,29 @@ and the ``addmm``, 13.5-14.4 s with the cast shared by sibling layers too (about
 
 from __future__ import annotations
 
+import sys
 import threading
 import types
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["fuse_lora_products", "fused_layers"]
+if TYPE_CHECKING:
+    from peft import PeftModel
+
+__all__ = ["fuse_lora_products", "fused_layers", "is_peft"]
 
 _FUSED = "_agentbolt_fused_forward"
+
+
+def is_peft(model: object) -> TypeGuard[PeftModel]:
+    """Whether ``model`` is a peft model, without importing peft (2-3 s of CPU): a model cannot be
+    one unless peft is already imported, so every process that never uses LoRA skips it."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
 
 
 def fuse_lora_products(model: nn.Module) -> int:

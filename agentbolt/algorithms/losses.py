@@ -35,11 +35,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
-from peft import PeftModel
 from torch import Tensor, nn
 
 from agentbolt.algorithms.batch import Batch, TrainRow, micro_batches, pad_batch
 from agentbolt.algorithms.importance import ImportanceMode, importance_weights
+from agentbolt.algorithms.lora_products import is_peft
 
 __all__ = [
     "Batch",
@@ -145,7 +145,7 @@ def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
     """The transformer body (returning final hidden states) and the output layer of a Hugging
     Face causal LM (PEFT-wrapped or not); None when the logits are more than ``head(hidden)``
     (soft-capping, scaling) or the model is not built that way."""
-    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    base = model.get_base_model() if is_peft(model) else model
     get_decoder = getattr(base, "get_decoder", None)
     get_head = getattr(base, "get_output_embeddings", None)
     config = getattr(base, "config", None)
@@ -428,7 +428,7 @@ def reference_logprobs(model: nn.Module, batch: Batch) -> Tensor:
     )
     P = shared_prefix_len(batch)
     with _eval_mode(model):
-        if isinstance(model, PeftModel):
+        if is_peft(model):
             with model.disable_adapter():
                 return masked_logprobs(model, batch, P)[0]
         return masked_logprobs(model, batch, P)[0]

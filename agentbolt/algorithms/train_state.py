@@ -17,12 +17,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from agentbolt.algorithms.batch import Batch
-from agentbolt.algorithms.lora_products import fuse_lora_products
+from agentbolt.algorithms.lora_products import fuse_lora_products, is_peft
 from agentbolt.algorithms.losses import LossFn
 from agentbolt.algorithms.train_attention import use_train_attention
 
@@ -86,7 +85,7 @@ class TrainState:
         adapter). A full fine-tuning state made without ``reference=True`` has none."""
         if self.reference is not None:
             return self.reference
-        if isinstance(self.model, PeftModel):
+        if is_peft(self.model):
             return self.model
         raise ValueError("full fine-tuning keeps no reference model: make_train_state(..., reference=True)")
 
@@ -106,6 +105,8 @@ def make_trainable(model: nn.Module, config: TrainConfig) -> nn.Module:
     use_train_attention(model)
     if not config.lora:
         return model
+    from peft import LoraConfig, get_peft_model  # only LoRA needs peft (2-3 s to import)
+
     targets = config.target_modules if isinstance(config.target_modules, str) else list(config.target_modules)
     lora = LoraConfig(
         r=config.lora_r,
@@ -147,7 +148,7 @@ def frozen_base_to(model: nn.Module, dtype: torch.dtype) -> int:
     Every other tensor is copied out of the weights file the model may have been loaded from
     (a memory map): the file's pages read during the cast then leave the process. A model
     without LoRA layers is left unchanged (0)."""
-    if not isinstance(model, PeftModel):
+    if not is_peft(model):
         return 0
     from peft.tuners.lora import LoraLayer
 
@@ -184,7 +185,7 @@ def frozen_embeddings_to(model: nn.Module, dtype: torch.dtype) -> int:
     autocast no longer casts the whole float32 matrix at every call of it (SmolLM2: 57 MB each
     time, with 113 MB of float32 embeddings becoming 57 MB). Trainable embeddings, a model without
     LoRA and embeddings already in ``dtype`` are left unchanged (0)."""
-    if not isinstance(model, PeftModel):
+    if not is_peft(model):
         return 0
     embeddings = model.get_input_embeddings()
     weight = getattr(embeddings, "weight", None)
@@ -334,11 +335,13 @@ def export_weights(model: nn.Module, directory: str | Path) -> Literal["lora", "
     """A PEFT adapter (adapter_config.json + safetensors) or a full HF model; returns which,
     ready for :class:`~agentbolt.schemas.ModelWeights`'s ``format``."""
     model.save_pretrained(str(directory), safe_serialization=True)  # type: ignore[operator]
-    return "lora" if isinstance(model, PeftModel) else "full"
+    return "lora" if is_peft(model) else "full"
 
 
 def load_adapter(model: nn.Module, adapter_dir: str | Path) -> nn.Module:
     """``model`` with the PEFT LoRA adapter saved in ``adapter_dir`` on top (not merged)."""
+    from peft import PeftModel
+
     with _quiet_peft():
         return PeftModel.from_pretrained(model, str(adapter_dir))
 
@@ -348,7 +351,7 @@ def merge_lora(model: nn.Module, *, in_place: bool = False) -> nn.Module:
     """The plain model with its LoRA adapter merged into the base weights; ``model`` itself when
     it has no adapter. A copy is merged unless ``in_place`` (the model trains on: its adapter
     must stay); ``in_place`` spares that copy's memory when the PEFT model is not needed after."""
-    if not isinstance(model, PeftModel):
+    if not is_peft(model):
         return model
     return (model if in_place else copy.deepcopy(model)).merge_and_unload()
 
@@ -372,7 +375,7 @@ def trained_weights(model: nn.Module) -> dict[str, Tensor] | None:
     whole model (:func:`merged_state_dict` deep-copies it to merge) nor send the embeddings.
     None where that does not hold (no adapter, DoRA, embedding or convolution adapters, other
     trainable parameters, an adapter merged already): send :func:`merged_state_dict` then."""
-    if not isinstance(model, PeftModel):
+    if not is_peft(model):
         return None
     from peft.tuners.lora import Linear as LoraLinear
     from peft.tuners.lora import LoraLayer

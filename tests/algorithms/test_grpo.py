@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 import os
@@ -14,36 +13,15 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from agentbolt import LitAgent, Task, Trainer
+from agentbolt import Task, Trainer
 from agentbolt.algorithms.grpo import GRPO
 from agentbolt.engine import tiny_model_dir
 from agentbolt.memory import descendants
 from agentbolt.runner.llm import async_openai
 from agentbolt.schemas import LLM, Mode
 from agentbolt.store import open_store
+from tests.algorithms.agents import VictimAgent, VowelAgent
 from tests.conftest import tiny_grpo
-
-
-class VowelAgent(LitAgent):
-    """One chat call; the reward is the share of 'a' among the reply's letters (a spread
-    a random model shows from the first step)."""
-
-    async def execute_rollout(self, task: Task) -> float:
-        import openai
-
-        llm: LLM = self.get_resource("llm")
-        async with openai.AsyncOpenAI(
-            base_url=llm.base_url, api_key=llm.api_key or "x", max_retries=0
-        ) as client:
-            response = await client.chat.completions.create(
-                model=llm.model,
-                messages=[{"role": "user", "content": task.data["q"]}],
-                max_tokens=8,
-                temperature=1.0,
-            )
-        text = response.choices[0].message.content or ""
-        letters = [c for c in text.lower() if c.isalpha()]
-        return letters.count("a") / len(letters) if letters else 0.0
 
 
 @pytest.fixture(scope="module")
@@ -135,24 +113,6 @@ def test_grpo_against_a_remote_vllm_style_server(tiny, tmp_path):
         served_models = [m["id"] for m in httpx.get(f"{served.base_url}/models").json()["data"]]
         assert "policy-step-1" in served_models
         assert engine.version == "policy-step-1"
-
-
-class VictimAgent(VowelAgent):
-    """VowelAgent, except that the first rollout of the run (whichever runner process claims it)
-    makes its model call, writes its process id to ``victim.pid`` and waits to be killed."""
-
-    async def execute_rollout(self, task: Task) -> float:
-        reward = await super().execute_rollout(task)
-        marker = Path(task.data["dir"]) / "victim.claimed"
-        try:
-            os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
-        except FileExistsError:
-            return reward
-        pid_file = Path(task.data["dir"]) / "victim.pid"
-        pid_file.with_suffix(".tmp").write_text(str(os.getpid()))
-        pid_file.with_suffix(".tmp").rename(pid_file)
-        await asyncio.sleep(60)  # the test SIGKILLs this process long before
-        return reward
 
 
 def _kill_the_victim(folder: Path, killed: list[int], stop: threading.Event) -> None:

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,30 +11,14 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from agentbolt import LitAgent, Task, Trainer
+from agentbolt import Task, Trainer
 from agentbolt.algorithms.grpo import GRPO
 from agentbolt.engine import tiny_model_dir
 from agentbolt.errors import ConfigError
-from agentbolt.runner.llm import async_openai
-from agentbolt.schemas import LLM, Mode, RolloutCreate, RolloutStatus
+from agentbolt.schemas import Mode, RolloutCreate, RolloutStatus
 from agentbolt.store import open_store
+from tests.algorithms.agents import SleepyAgent
 from tests.conftest import tiny_grpo
-
-
-class SleepyAgent(LitAgent):
-    """One chat call, then a sleep of ``task.data["sleep"]`` seconds (a slow tool). Reward: the
-    reply's length plus a little noise, so every group has a spread."""
-
-    async def execute_rollout(self, task: Task) -> float:
-        llm: LLM = self.get_resource("llm")
-        response = await async_openai(llm).chat.completions.create(
-            model=llm.model,
-            messages=[{"role": "user", "content": task.data["q"]}],
-            max_tokens=8,
-            temperature=1.0,
-        )
-        await asyncio.sleep(task.data.get("sleep", 0.0))
-        return len(response.choices[0].message.content or "") / 40 + random.random() * 1e-3
 
 
 @dataclass

@@ -7,43 +7,13 @@ from __future__ import annotations
 import io
 import json
 
-import openai
 import pytest
 from rich.console import Console
 
-from agentbolt import LitAgent, Task, Trainer, emit_reward, emit_state
+from agentbolt import Trainer
 from agentbolt.engine import tiny_model_dir
-from agentbolt.schemas import LLM
+from tests.algorithms.agents import TURNS, ThreeTurnAgent
 from tests.conftest import tiny_grpo
-
-TURNS = 3
-
-
-class ThreeTurnAgent(LitAgent):
-    """Three calls in one conversation (a user turn between them). Each call earns a step
-    reward (the share of 'a' among its letters) and is declared in state ``<task>:<turn>``; the
-    rollout's reward is the last reply's length."""
-
-    async def execute_rollout(self, task: Task) -> float:
-        llm: LLM = self.get_resource("llm")
-        messages = [{"role": "user", "content": task.data["q"]}]
-        text = ""
-        async with openai.AsyncOpenAI(
-            base_url=llm.base_url, api_key=llm.api_key or "x", max_retries=0
-        ) as client:
-            for turn in range(TURNS):
-                response = await client.chat.completions.create(
-                    model=llm.model,
-                    messages=messages,
-                    max_tokens=6,
-                    temperature=1.0,  # type: ignore[arg-type]
-                )
-                text = response.choices[0].message.content or ""
-                letters = [c for c in text.lower() if c.isalpha()]
-                emit_reward(letters.count("a") / len(letters) if letters else 0.0, call=response)
-                emit_state(f"{task.id}:{turn}", call=response)
-                messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "more"}]
-        return len(text) / 40
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,9 @@ next to sampled evaluation."""
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import json
-import os
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,55 +15,16 @@ from typing import Any
 import pytest
 import torch
 
-from agentbolt import LitAgent, Task, Trainer
+from agentbolt import Trainer
 from agentbolt.algorithms.evaluate import Evaluate
 from agentbolt.algorithms.grpo import GRPO
 from agentbolt.algorithms.train_state import merged_state_dict
 from agentbolt.engine import EngineServer, ModelEngine, tiny_model_dir
-from agentbolt.runner.llm import async_openai
 from agentbolt.schemas import LLM, RolloutStatus
+from tests.algorithms.agents import SamplingAgent
 from tests.conftest import tiny_grpo
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-class SamplingAgent(LitAgent):
-    """One chat call with the LLM resource's own sampling parameters (so a greedy resources
-    version decodes greedily). Reward: the reply's length (a random model's replies all but never
-    tie within a group), or with ``task.data["reward"] == "crc"`` a checksum of the reply, a
-    deterministic function of the text. ``task.data`` can also make chosen rollouts stall
-    (``stall``: the first claimed copy of the task sleeps until cancelled) or fail (``ok``: only
-    that many copies of the task succeed, the rest raise)."""
-
-    async def execute_rollout(self, task: Task) -> float:
-        folder = Path(task.data.get("dir", "."))
-        if task.data.get("stall") and _first(folder / f"{task.id}.stalled"):
-            try:
-                await asyncio.sleep(3600)
-            except asyncio.CancelledError:
-                (folder / f"{task.id}.cancelled").write_text(str(time.time()))
-                raise
-        if "ok" in task.data and not any(_first(folder / f"{task.id}.ok{i}") for i in range(task.data["ok"])):
-            raise RuntimeError("this copy fails on purpose")
-        llm: LLM = self.get_resource("llm")
-        response = await async_openai(llm).chat.completions.create(
-            model=llm.model,
-            messages=[{"role": "user", "content": task.data["q"]}],
-            **{"max_tokens": 8, "temperature": 1.0, **llm.sampling_parameters},
-        )
-        text = response.choices[0].message.content or ""
-        if task.data.get("reward") == "crc":
-            return zlib.crc32(text.encode()) / 2**32
-        return len(text) / 40
-
-
-def _first(marker: Path) -> bool:
-    """True for exactly one caller across processes: the one that creates ``marker``."""
-    try:
-        os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
-    except FileExistsError:
-        return False
-    return True
 
 
 @pytest.fixture(scope="module")

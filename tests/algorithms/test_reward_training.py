@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from agentbolt import LitAgent, Task, Trainer
+from agentbolt import Task, Trainer
 from agentbolt.algorithms.apo_optimizer import score_of
 from agentbolt.algorithms.base import Algorithm, TrainContext
 from agentbolt.algorithms.grpo import GRPO
@@ -26,11 +26,12 @@ from agentbolt.engine import tiny_model_dir
 from agentbolt.errors import ConfigError
 from agentbolt.evaluators import FunctionEvaluator, HumanReview, RolloutRecord
 from agentbolt.runner.worker import Runner
-from agentbolt.schemas import LLM, Mode, RewardCreate, RewardScale, Rollout, RolloutStatus
+from agentbolt.schemas import Mode, RewardCreate, RewardScale, Rollout, RolloutStatus
 from agentbolt.server import ServerThread
+from tests.algorithms.agents import SilentVowelAgent, scripted, vowel_share
 from tests.algorithms.test_apo import KeywordAgent, ScriptedOptimizer, _fast, _fit, _tasks, rig  # noqa: F401
 from tests.algorithms.test_reward_choice import rollout, slot
-from tests.algorithms.test_sft import _FakeEngine, runner_thread, scripted, tiny_model  # noqa: F401
+from tests.algorithms.test_sft import _FakeEngine, runner_thread, tiny_model  # noqa: F401
 from tests.conftest import tiny_grpo
 
 BINARY = RewardScale(low=0, high=1, step=1)
@@ -85,27 +86,6 @@ class Reviewer:
 
 
 # ---------------------------------------------------------------------------- GRPO
-
-
-class SilentVowelAgent(LitAgent):
-    """One chat call and no reward at all: what it is worth is for an evaluator to say."""
-
-    async def execute_rollout(self, task: Task) -> None:
-        import openai
-
-        llm: LLM = self.get_resource("llm")
-        async with openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key or "x", max_retries=0) as c:
-            await c.chat.completions.create(
-                model=llm.model,
-                messages=[{"role": "user", "content": task.data["q"]}],
-                max_tokens=8,
-                temperature=1.0,
-            )
-
-
-def vowel_share(record: RolloutRecord) -> float:
-    letters = [c for c in (record.output or "").lower() if c.isalpha()]
-    return letters.count("a") / len(letters) if letters else 0.0
 
 
 @pytest.fixture(scope="module")

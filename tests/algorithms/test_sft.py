@@ -13,7 +13,7 @@ import torch
 from rich.console import Console
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from agentbolt import Task, emit_event, rollout
+from agentbolt import Task
 from agentbolt.adapters import to_trajectories
 from agentbolt.algorithms.base import TrainContext
 from agentbolt.algorithms.losses import TrainRow
@@ -24,6 +24,7 @@ from agentbolt.client import Client
 from agentbolt.runner.worker import Runner
 from agentbolt.schemas import LLM, Event, EventSource, Mode, ModelWeights, Rollout, RolloutStatus
 from agentbolt.trainer import Trainer
+from tests.algorithms.agents import chat_agent, scripted
 from tests.conftest import finished_rollout
 
 
@@ -183,29 +184,6 @@ def test_eval_loss_is_the_token_weighted_mean() -> None:
 # ---------------------------------------------------------------------------- a whole run, no engine
 
 
-@rollout
-def scripted(task: Task) -> float:
-    """Pretends to be an agent whose model calls went through the gateway: records the call the
-    task describes and returns the task's reward."""
-    prompt, completion = task.data["prompt"], task.data["completion"]
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": "c"},
-        "token_ids": completion,
-        "logprobs": [-1.0] * len(completion),
-    }
-    emit_event(
-        "llm_call",
-        {
-            "endpoint": "chat.completions",
-            "request": {"messages": []},
-            "prompt_token_ids": prompt,
-            "choices": [choice],
-        },
-    )
-    return float(task.data["reward"])
-
-
 class _FakeEngine:
     """Records weight updates; stands in for ModelEngine behind an EnginePolicy."""
 
@@ -294,25 +272,6 @@ def test_a_run_trains_publishes_and_swaps_weights(
 
 
 # ---------------------------------------------------------------------------- end to end, real engine
-
-
-@rollout
-def chat_agent(task: Task, llm: LLM) -> float:
-    """Two chat turns through the gateway; the reward prefers even-length answers."""
-    from openai import OpenAI
-
-    client = OpenAI(base_url=llm.base_url, api_key=llm.api_key or "none", max_retries=0, timeout=60)
-    messages: list[Any] = [
-        {"role": "system", "content": "Answer briefly."},
-        {"role": "user", "content": task.data["q"]},
-    ]
-    first = client.chat.completions.create(model=llm.model, messages=messages, **llm.sampling_parameters)
-    messages += [
-        {"role": "assistant", "content": first.choices[0].message.content or ""},
-        {"role": "user", "content": "The calculator says 42."},
-    ]
-    second = client.chat.completions.create(model=llm.model, messages=messages, **llm.sampling_parameters)
-    return 1.0 if len(second.choices[0].message.content or "") % 2 == 0 else 0.0
 
 
 def test_end_to_end_through_server_runner_gateway_and_engine(
