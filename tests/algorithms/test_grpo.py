@@ -20,7 +20,7 @@ from agentbolt.memory import descendants
 from agentbolt.runner.llm import async_openai
 from agentbolt.schemas import LLM, Mode
 from agentbolt.store import open_store
-from tests.algorithms.agents import VictimAgent, VowelAgent
+from tests.algorithms.training_agents import VictimAgent, VowelAgent
 from tests.conftest import tiny_grpo
 
 

@@ -17,7 +17,7 @@ from agentbolt.engine import tiny_model_dir
 from agentbolt.errors import ConfigError
 from agentbolt.schemas import Mode, RolloutCreate, RolloutStatus
 from agentbolt.store import open_store
-from tests.algorithms.agents import SleepyAgent
+from tests.algorithms.training_agents import SleepyAgent
 from tests.conftest import tiny_grpo
 
 

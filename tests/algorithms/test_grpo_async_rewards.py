@@ -18,8 +18,8 @@ from agentbolt.evaluators import FunctionEvaluator, HumanReview, RolloutRecord
 from agentbolt.runner.worker import Runner
 from agentbolt.schemas import Mode, RewardScale, Rollout
 from agentbolt.server import ServerThread
-from tests.algorithms.agents import SilentVowelAgent, vowel_share
 from tests.algorithms.test_reward_training import Reviewer
+from tests.algorithms.training_agents import SilentVowelAgent, vowel_share
 from tests.conftest import tiny_grpo
 
 TRAIN = [{"id": f"t{i}", "q": f"say something {i}"} for i in range(2)]

@@ -12,7 +12,7 @@ from rich.console import Console
 
 from agentbolt import Trainer
 from agentbolt.engine import tiny_model_dir
-from tests.algorithms.agents import TURNS, ThreeTurnAgent
+from tests.algorithms.training_agents import TURNS, ThreeTurnAgent
 from tests.conftest import tiny_grpo
 
 

@@ -21,7 +21,7 @@ from agentbolt.algorithms.grpo import GRPO
 from agentbolt.algorithms.train_state import merged_state_dict
 from agentbolt.engine import EngineServer, ModelEngine, tiny_model_dir
 from agentbolt.schemas import LLM, RolloutStatus
-from tests.algorithms.agents import SamplingAgent
+from tests.algorithms.training_agents import SamplingAgent
 from tests.conftest import tiny_grpo
 
 pytestmark = pytest.mark.usefixtures("one_thread")

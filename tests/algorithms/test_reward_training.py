@@ -28,10 +28,10 @@ from agentbolt.evaluators import FunctionEvaluator, HumanReview, RolloutRecord
 from agentbolt.runner.worker import Runner
 from agentbolt.schemas import Mode, RewardCreate, RewardScale, Rollout, RolloutStatus
 from agentbolt.server import ServerThread
-from tests.algorithms.agents import SilentVowelAgent, scripted, vowel_share
 from tests.algorithms.test_apo import KeywordAgent, ScriptedOptimizer, _fast, _fit, _tasks, rig  # noqa: F401
 from tests.algorithms.test_reward_choice import rollout, slot
 from tests.algorithms.test_sft import _FakeEngine, runner_thread, tiny_model  # noqa: F401
+from tests.algorithms.training_agents import SilentVowelAgent, scripted, vowel_share
 from tests.conftest import tiny_grpo
 
 BINARY = RewardScale(low=0, high=1, step=1)

@@ -24,7 +24,7 @@ from agentbolt.client import Client
 from agentbolt.runner.worker import Runner
 from agentbolt.schemas import LLM, Event, EventSource, Mode, ModelWeights, Rollout, RolloutStatus
 from agentbolt.trainer import Trainer
-from tests.algorithms.agents import chat_agent, scripted
+from tests.algorithms.training_agents import chat_agent, scripted
 from tests.conftest import finished_rollout
 
 

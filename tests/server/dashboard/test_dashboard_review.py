@@ -38,8 +38,8 @@ from agentbolt.schemas import (
     Task,
 )
 from agentbolt.server import Role, ServerConfig, ServerThread
-from tests.algorithms.agents import scripted
 from tests.algorithms.test_reward_training import BINARY, _sft, _sft_tasks
+from tests.algorithms.training_agents import scripted
 
 TOKENS = {"admintok": Role.ADMIN, "readtok": Role.READER, "alicetok": Role.REVIEWER, "runnertok": Role.RUNNER}
 NAMES = {"alicetok": "alice"}
