@@ -153,10 +153,14 @@ def test_a_notebook_kernel(workdir: Path) -> None:
 # ---------------------------------------------------------------------------- nothing left behind
 
 SLOW = """
+import faulthandler
 import os
+import signal
 import time
 
 from agentbolt import Evaluate, Trainer, rollout
+
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's report if this ever hangs
 
 
 @rollout
@@ -177,6 +181,17 @@ def _gone(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return True
     return "\nState:\tZ" in status
+
+
+def _ended(proc: subprocess.Popen[bytes], timeout: float, lines: list[str]) -> int:
+    """``proc``'s exit status; past ``timeout`` a failure that shows where each of its threads
+    stood (the script dumps them on SIGUSR1) and what it had printed."""
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(3)
+        raise AssertionError(f"still running {timeout:g} s after the signal\n" + "\n".join(lines)) from None
 
 
 def _children(pid: int) -> set[int]:
@@ -234,7 +249,7 @@ def test_runner_processes_end_with_the_trainer(tmp_path: Path, sig: signal.Signa
         assert runners <= started, (runners, started)
         proc.send_signal(sig)
         # 60 s: about 3 s when quiet; a loaded 2-core machine once took more than 20 (SIGINT)
-        assert proc.wait(60) == -sig, "\n".join(lines)
+        assert _ended(proc, 60, lines) == -sig, "\n".join(lines)
         # the parent is gone: what it started must follow within seconds, and let go of its stdout
         assert closed.wait(10), f"the trainer's stdout is still held open\n{lines}"
         deadline = time.monotonic() + 10
