@@ -183,15 +183,29 @@ def _gone(pid: int) -> bool:
     return "\nState:\tZ" in status
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _ended(proc: subprocess.Popen[bytes], timeout: float, lines: list[str]) -> int:
     """``proc``'s exit status; past ``timeout`` a failure that shows where each of its threads
     stood (the script dumps them on SIGUSR1) and what it had printed."""
     try:
         return proc.wait(timeout)
     except subprocess.TimeoutExpired:
+        masks = [
+            f"{task.name}: "
+            + " ".join(
+                line.replace("\t", "=")
+                for line in (task / "status").read_text().splitlines()
+                if line.startswith("Sig")
+            )
+            for task in Path(f"/proc/{proc.pid}/task").iterdir()
+        ]
         proc.send_signal(signal.SIGUSR1)
         time.sleep(3)
-        raise AssertionError(f"still running {timeout:g} s after the signal\n" + "\n".join(lines)) from None
+        report = [f"still running {timeout:g} s after the signal", *masks, *lines]
+        raise AssertionError("\n".join(report)) from None
 
 
 def _children(pid: int) -> set[int]:
@@ -225,6 +239,9 @@ def test_runner_processes_end_with_the_trainer(tmp_path: Path, sig: signal.Signa
         env=_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
+        # a suite started in the background by a non-interactive shell ignores SIGINT, and an
+        # ignored signal stays ignored across exec: Python would install no KeyboardInterrupt
+        preexec_fn=_default_sigint,
     )
     assert proc.stdout is not None
     lines: list[str] = []
