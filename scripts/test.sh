@@ -12,5 +12,6 @@ if [ "${1:-}" = "--lint" ]; then
   .venv/bin/ruff format --check agentbolt tests benchmarks examples
   .venv/bin/mypy agentbolt
 fi
-# 4 workers on 2 cores: most of the suite waits on servers, subprocesses and sockets
-exec .venv/bin/python -m pytest -q -n 4 --dist load "$@"
+# 4 workers on 2 cores: most of the suite waits on servers, subprocesses and sockets; a
+# worker that runs out of tests takes some of a busy one's (worksteal), so no long tail
+exec .venv/bin/python -m pytest -q -n 4 --dist worksteal "$@"
