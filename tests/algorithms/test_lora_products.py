@@ -118,3 +118,23 @@ def test_one_cast_serves_every_layer_that_takes_the_same_input():
 def test_make_trainable_fuses_every_lora_layer(tiny_llama):
     model = make_trainable(tiny_llama(), TrainConfig())
     assert fused_layers(model) == 14
+
+
+def test_is_peft_knows_a_lora_model_and_training_without_lora_never_imports_peft(tiny_llama):
+    import subprocess
+    import sys
+
+    from agentbolt.algorithms.lora_products import is_peft
+
+    assert is_peft(make_trainable(tiny_llama(seed=3), TrainConfig(lora=True)))
+    assert not is_peft(make_trainable(tiny_llama(seed=3), TrainConfig(lora=False)))
+    assert not is_peft(torch.nn.Linear(2, 2))
+    # peft takes seconds of CPU to import: a training process (or a runner child that imports
+    # a module of the training stack) without LoRA must not pay it
+    code = (
+        "import sys, agentbolt.algorithms.grpo, agentbolt.algorithms.sft, agentbolt.algorithms.distributed; "
+        "print(sorted(m for m in ('peft', 'accelerate') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
