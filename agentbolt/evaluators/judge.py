@@ -184,6 +184,19 @@ class _Asked(Generic[T]):
     error: str | None
 
 
+def _parses(parse: Callable[[str], object]) -> Callable[[str], bool]:
+    """``parse`` as a test of well-formedness (what the model's cache keeps)."""
+
+    def valid(answer: str) -> bool:
+        try:
+            parse(answer)
+        except Malformed:
+            return False
+        return True
+
+    return valid
+
+
 async def _ask(
     model: JudgeModel,
     budget: JudgeBudget | None,
@@ -197,7 +210,7 @@ async def _ask(
     answer = ""
     for _ in range(retries + 1):
         try:
-            call = await model.call(messages, budget)
+            call = await model.call(messages, budget, valid=_parses(parse))
         except BudgetExhausted as exc:
             return _Asked(None, calls, str(exc))
         calls.append(call.as_dict())

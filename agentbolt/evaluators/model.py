@@ -5,9 +5,12 @@
   ``X-Agentbolt-Upstream: <base_url>``; the server adds the key it holds, so the judge never
   holds it). Every call becomes a :class:`JudgeCall`, recorded with the judgement; a timeout,
   an HTTP error or an answer that is no chat completion is a JudgeCall with ``error`` set.
-- Identical requests (model, URL, messages, max_tokens, temperature) are answered once per
-  process, including one asked while the same is in flight, and across processes from an
-  optional JSON-lines ``cache_path``. A cached answer is recorded as cached.
+- Identical requests (the URL and the whole body: model, messages with the rubric, max_tokens,
+  temperature) are answered once per process, including one asked while the same is in flight,
+  and across processes from an optional JSON-lines ``cache_path``. A cached answer is recorded
+  as cached. Only a greedy judge (temperature 0) is cached, and only a well-formed answer (the
+  judge's format, :func:`JudgeModel.call`'s ``valid``): a sampled answer is a new draw each
+  time, and a malformed one must be asked again, not repeated.
 - :class:`JudgeBudget` caps the calls and tokens of the judges of a run: a call that would
   exceed it is not made (:class:`BudgetExhausted`).
 """
@@ -20,7 +23,7 @@ import json
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -184,10 +187,24 @@ class JudgeModel:
             self.server_url, self.server_token = url, token
 
     def cache_key(self, messages: Sequence[dict[str, Any]]) -> str:
-        text = json.dumps(
-            [self.model, self.base_url, list(messages), self.max_tokens, self.temperature], sort_keys=True
-        )
+        """The cache's key for ``messages``: the judge's whole identity (where it is asked, and
+        the request body it sends: model, messages with the rubric, every sampling parameter)."""
+        text = json.dumps([self.base_url, self._body(list(messages))], sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()
+
+    @property
+    def caches(self) -> bool:
+        """Whether answers are cached at all: only a greedy judge's (``temperature`` 0). A sampled
+        judge is asked every time: each answer is a new draw, and a cached one would repeat it."""
+        return self.temperature == 0
+
+    def _body(self, request: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "messages": request,
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+        }
 
     def _cost(self, usage: dict[str, Any], cached: bool) -> float | None:
         if self.price_per_1k_tokens is None:
@@ -195,21 +212,30 @@ class JudgeModel:
         tokens = usage_tokens(usage)
         return 0.0 if cached else (tokens or 0) / 1000 * self.price_per_1k_tokens
 
-    async def call(self, messages: Sequence[dict[str, Any]], budget: JudgeBudget | None = None) -> JudgeCall:
+    async def call(
+        self,
+        messages: Sequence[dict[str, Any]],
+        budget: JudgeBudget | None = None,
+        valid: Callable[[str], bool] | None = None,
+    ) -> JudgeCall:
         """Ask the model (or take the cached answer); BudgetExhausted when the budget forbids
-        the call. Failures come back as a JudgeCall with ``error`` set."""
+        the call. Failures come back as a JudgeCall with ``error`` set. ``valid``: whether an
+        answer is well formed; only those are cached (and a cached one that is not, written by an
+        older version, is asked again). A sampled judge (:attr:`caches`) is never cached."""
         request = [dict(m) for m in messages]
         key = self.cache_key(request)
-        hit = await self._answered(key)
+        hit = await self._answered(key) if self.caches else None
+        if hit is not None and valid is not None and not valid(hit["answer"]):
+            hit = None
         if hit is not None:
             usage = dict(hit.get("usage") or {})
             return JudgeCall(request, hit["answer"], usage, 0.0, self._cost(usage, True), cached=True)
         estimate = sum(len(str(m.get("content") or "")) for m in request) // 4 + self.max_tokens
         if budget is None:
-            return await self._post_shared(key, request)
+            return await self._post_shared(key, request, valid)
         budget.reserve(estimate)
         try:
-            call = await self._post_shared(key, request)
+            call = await self._post_shared(key, request, valid)
         except BaseException:  # cancelled: count the call as it might have been
             budget.settle(estimate, estimate)
             raise
@@ -225,15 +251,20 @@ class JudgeModel:
             hit = await asyncio.shield(asked)  # None when it failed: then ask for ourselves
         return hit
 
-    async def _post_shared(self, key: str, request: list[dict[str, Any]]) -> JudgeCall:
-        """Post ``request``; identical requests made meanwhile wait for this answer."""
+    async def _post_shared(
+        self, key: str, request: list[dict[str, Any]], valid: Callable[[str], bool] | None
+    ) -> JudgeCall:
+        """Post ``request``; identical requests made meanwhile wait for this answer (a greedy
+        judge's; a sampled one's are asked apart). A malformed answer is neither shared nor kept."""
+        if not self.caches:
+            return await self._post(request)
         slot = (id(asyncio.get_running_loop()), key)
         future: asyncio.Future[dict[str, Any] | None] = asyncio.get_running_loop().create_future()
         _INFLIGHT[slot] = future
         answer = None
         try:
             call = await self._post(request)
-            if call.error is None and call.answer is not None:
+            if call.error is None and call.answer is not None and (valid is None or valid(call.answer)):
                 answer = {"answer": call.answer, "usage": call.usage}
                 self._store(key, answer)
             return call
@@ -275,12 +306,7 @@ class JudgeModel:
 
     async def _post(self, request: list[dict[str, Any]]) -> JudgeCall:
         url, headers = self._endpoint()
-        body = {
-            "model": self.model,
-            "messages": request,
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-        }
+        body = self._body(request)
         started = time.monotonic()
 
         def failed(error: str) -> JudgeCall:

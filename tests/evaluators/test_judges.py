@@ -361,3 +361,58 @@ def test_judges_through_evaluate_rollouts_count_calls_tokens_and_cache_hits() ->
     report = evaluate_rollouts(writer, rollouts, [GroupJudge(RUBRIC, group.model())])
     assert (report.scored, report.calls, report.tokens) == (3, 1, 549)
     assert [c.score for _, c in sorted(writer.writes)] == [0.9, 0.1, 0.5]
+
+
+async def test_a_sampled_judge_is_asked_every_time_and_nothing_is_kept(tmp_path) -> None:
+    double = RecordedJudge("pointwise_good", delay=0.02)
+    cache = tmp_path / "judge-cache.jsonl"
+    judge = PointwiseJudge(RUBRIC, double.model(temperature=0.7, cache_path=cache))
+    record = conversation_record(1)
+    together = await judge.judge([record, record])  # at once: not shared either
+    [later] = await judge.judge([record])
+    assert len(double.requests) == 3 and not cache.exists()
+    assert [j.data["calls"][0]["cached"] for j in [*together, later]] == [False, False, False]
+    # the same judge asked greedily is cached: the temperature is part of its identity
+    greedy = RecordedJudge("pointwise_good")
+    await PointwiseJudge(RUBRIC, greedy.model(cache_path=cache)).judge([record, record])
+    assert len(greedy.requests) == 1 and cache.exists()
+
+
+async def test_a_malformed_answer_is_never_cached_and_a_cached_one_is_asked_again(tmp_path) -> None:
+    cache = tmp_path / "judge-cache.jsonl"
+    record = conversation_record(0)
+    double = RecordedJudge("pointwise_chatty", "pointwise_fixed")
+    [first] = await PointwiseJudge(RUBRIC, double.model(cache_path=cache)).judge([record])
+    assert first.score == 0.7 and len(double.requests) == 2
+    kept = [json.loads(line)["answer"] for line in cache.read_text().splitlines()]
+    assert kept == [RECORDED["pointwise_fixed"]["body"]["choices"][0]["message"]["content"]]
+    # the first question again: its answer was malformed, so it is asked again, not replayed
+    again = RecordedJudge("pointwise_good")
+    [second] = await PointwiseJudge(RUBRIC, again.model(cache_path=cache)).judge([record])
+    assert len(again.requests) == 1 and second.score == 0.8 and second.data["calls"][0]["cached"] is False
+    # a malformed answer in a cache file (an older version wrote it) is asked again too
+    clear_cache()
+    model = again.model(cache_path=cache)
+    chatty = RECORDED["pointwise_chatty"]["body"]["choices"][0]["message"]["content"]
+    messages = [{"role": "user", "content": "score this"}]
+    with cache.open("a") as out:
+        out.write(json.dumps({"key": model.cache_key(messages), "answer": chatty, "usage": {}}) + "\n")
+    asked = await model.call(messages, valid=lambda answer: answer != chatty)
+    assert asked.cached is False and len(again.requests) == 2 and asked.answer != chatty
+    replayed = await model.call(messages, valid=lambda answer: answer != chatty)  # the new answer, kept
+    assert replayed.cached is True and replayed.answer == asked.answer and len(again.requests) == 2
+
+
+def test_the_cache_key_is_the_judges_whole_identity() -> None:
+    messages = [{"role": "user", "content": "score this"}]
+    base = JudgeModel(URL, "m").cache_key(messages)
+    others = [
+        JudgeModel(URL + "/other", "m").cache_key(messages),
+        JudgeModel(URL, "m2").cache_key(messages),
+        JudgeModel(URL, "m", max_tokens=10).cache_key(messages),
+        JudgeModel(URL, "m", temperature=0.5).cache_key(messages),
+        JudgeModel(URL, "m").cache_key([{"role": "user", "content": "score that"}]),
+        JudgeModel(URL, "m").cache_key([{"role": "system", "content": "rubric"}, *messages]),
+    ]
+    assert base not in others and len(set(others)) == len(others)
+    assert JudgeModel(URL, "m", api_key="another key", timeout=5).cache_key(messages) == base
