@@ -17,10 +17,18 @@ The three modes (:func:`compute_advantages`):
 
 - ``rollout`` (GRPO, Shao et al. 2024): ``A_i = norm(E_i; E of the group)`` for every model
   token of the sample. Without per-call rewards ``E_i = R_i``: GRPO's advantage exactly.
-- ``turn``: ``A_t = norm(G_t; G of every turn of every sample in the group)``; the tokens of turn
-  ``t`` get ``A_t``. One baseline for the whole group, pooled over turn positions (not one per
-  turn index): with ``gamma = 1`` and no per-call rewards every turn of a sample has ``G = R_i``
-  and the signs equal those of ``rollout``.
+- ``turn``: each turn is compared with the turns of the group that faced the same situation. A
+  turn's *situation* is the exact prompt its call was given (the row's tokens before the call's
+  completion, the whole history included), its *action* the completion's tokens. With ``S`` the
+  group's turns in turn ``t``'s situation, ``V = mean(G; S)`` and ``Q = mean(G; the turns of
+  S that took t's action)``: ``A_t = (Q - V) / (std(G; S) + eps)`` (``Q - V`` without
+  ``normalize_std``). Identical calls thus get identical credit, whatever happened after them
+  in their own episode, and only a turn that acted differently from the others in its
+  situation is pushed up or down. A situation no other turn of the group shares (histories
+  that diverged) falls back to the turns at the same turn index: ``S`` those, ``Q = G_t`` (one
+  baseline per position, never pooled over positions). The tokens of turn ``t`` get ``A_t``.
+  Per-turn credit is only as sound as those comparisons: past a divergence, a turn's return
+  still carries its own episode's later outcome.
 - ``gigpo`` (Feng et al. 2025, "Group-in-Group Policy Optimization"):
   ``A_t = A_episode(i) + step_weight * A_step(t)``, ``A_episode`` the ``rollout`` advantage and
   ``A_step(t) = norm(G_t; G of the group's turns declared in the same state as t)`` (the *anchor
@@ -35,7 +43,7 @@ finds no anchors. The discounted return ``G_t`` is the paper's; turns of one sam
 state (a loop) all join the anchor group, as in the paper.
 
 Groups whose values all agree carry no signal and are skipped (and counted): ``rollout`` when
-every ``E_i`` is equal, ``turn`` when every ``G_t`` is, ``gigpo`` when every ``E_i`` is and no
+every ``E_i`` is equal, ``turn`` when every ``A_t`` is 0, ``gigpo`` when every ``E_i`` is and no
 anchor group has a spread. Groups of a single sample are skipped in every mode. Rows whose
 rollout reward is None are left out (and counted), as are the per-call rewards of calls that
 the adapters skipped (no token ids).
@@ -124,6 +132,21 @@ class _Sample:
     def episode_return(self) -> float:
         return self.reward + sum(t.step_reward for t in self.turns)
 
+    def situation(self, t: int) -> Any:
+        """Turn ``t``'s situation: the exact prompt of its call (its row's tokens before the
+        completion); a row without call spans is a situation of its own."""
+        turn = self.turns[t]
+        if turn.span is None:
+            return ("row", id(self), t)
+        return tuple(self.rows[turn.row].input_ids[: turn.span.start])
+
+    def action(self, t: int) -> Any:
+        """Turn ``t``'s action: its completion's tokens."""
+        turn = self.turns[t]
+        if turn.span is None:
+            return ("row", id(self), t)
+        return tuple(self.rows[turn.row].input_ids[turn.span.start : turn.span.end])
+
     def returns(self, gamma: float) -> list[float]:
         """``G_t`` of each turn: per-call rewards, the rollout reward on the last turn, discounted."""
         rewards = [t.step_reward for t in self.turns]
@@ -188,11 +211,10 @@ def _turn_advantages(
         ], 0
     returns = [s.returns(gamma) for s in samples]
     if mode == "turn":
-        flat = [g for gs in returns for g in gs]
-        if not _spread(flat):
+        advantages = _situation_advantages(samples, returns, eps, normalize_std)
+        if not any(a != 0.0 for turns in advantages for a in turns):
             return None, 0
-        normed = iter(_norm(flat, eps, normalize_std))
-        return [[next(normed) for _ in gs] for gs in returns], 0
+        return advantages, 0
     anchors: dict[str, list[tuple[int, int]]] = {}
     for i, s in enumerate(samples):
         for t, turn in enumerate(s.turns):
@@ -213,6 +235,37 @@ def _turn_advantages(
     return [
         [e + step_weight * a for a in steps] for e, steps in zip(episode_adv, step, strict=True)
     ], anchor_groups
+
+
+def _situation_advantages(
+    samples: list[_Sample], returns: list[list[float]], eps: float, normalize_std: bool
+) -> list[list[float]]:
+    """``turn`` mode's advantages (see the module docstring): each turn against the turns of the
+    group in the same situation, identical actions pooled; a situation no other turn shares
+    against the turns at the same index."""
+    situations: dict[Any, list[tuple[int, int]]] = {}
+    positions: dict[int, list[tuple[int, int]]] = {}
+    for i, sample in enumerate(samples):
+        for t in range(len(sample.turns)):
+            situations.setdefault(sample.situation(t), []).append((i, t))
+            positions.setdefault(t, []).append((i, t))
+    out = [[0.0] * len(s.turns) for s in samples]
+    for i, sample in enumerate(samples):
+        for t in range(len(sample.turns)):
+            shared = situations[sample.situation(t)]
+            members = shared if len(shared) > 1 else positions[t]
+            values = [returns[j][k] for j, k in members]
+            if not _spread(values):
+                continue
+            if len(shared) > 1:
+                action = sample.action(t)
+                same = [returns[j][k] for j, k in shared if samples[j].action(k) == action]
+                q = sum(same) / len(same)
+            else:
+                q = returns[i][t]
+            mean, std = _mean_std(values)
+            out[i][t] = (q - mean) / (std + eps) if normalize_std else q - mean
+    return out
 
 
 def _train_rows(sample: _Sample, advantages: list[float], per_token: bool) -> list[TrainRow]:

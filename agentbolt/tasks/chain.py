@@ -108,7 +108,13 @@ class ChainEpisode(Episode):
         return _WORDS[op].format(b=b) + "."
 
     def state(self) -> str:
-        return f"done={self.done} shown={self.shown}"
+        """What the model faces: the steps done, the value last shown and the instruction it was
+        given (the same value can come with different instructions, after a wrong call)."""
+        return f"done={self.done} shown={self.shown} asked={self._instruction(self._calls())}"
+
+    def _calls(self) -> int:
+        """Calculator calls so far (refused ones included): the next instruction's index."""
+        return sum(1 for r in self.replies if r.strip().startswith("CALC:"))
 
     def step(self, reply: str) -> Turn:
         self.replies.append(reply)
@@ -137,7 +143,7 @@ class ChainEpisode(Episode):
         """The result and the next instruction; None once the model has had its turns."""
         if len(self.replies) >= self.max_turns:
             return None
-        calls = sum(1 for r in self.replies if r.strip().startswith("CALC:"))
+        calls = self._calls()
         nxt = self._instruction(calls)
         return f"RESULT: {shown}. {'Then ' + nxt if calls < len(self.data['ops']) else nxt}"
 

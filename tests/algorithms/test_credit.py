@@ -19,8 +19,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 _event_ids = itertools.count(1)
 
-Turn = tuple[float | None, str | None]
-"""(per-call reward, declared state) of one turn."""
+Turn = tuple[float | None, str | None] | tuple[float | None, str | None, int]
+"""(per-call reward, declared state[, the token the model answered with]) of one turn."""
 
 
 def row(
@@ -31,13 +31,14 @@ def row(
     segment: int = 0,
     tokens_per_turn: int = 2,
 ) -> TrajectoryRow:
-    """A prompt token 1, then per turn: one context token 2 and ``tokens_per_turn`` model tokens."""
+    """A prompt token 1, then per turn: one context token 2 and ``tokens_per_turn`` model tokens
+    (the turn's own token, else ``10 + its index``: the same answer in every row)."""
     ids, mask, spans = [1], [0], []
-    for step_reward, state in turns:
+    for step_reward, state, *answer in turns:
         ids.append(2)
         mask.append(0)
         start = len(ids)
-        ids += [10 + len(spans)] * tokens_per_turn
+        ids += [answer[0] if answer else 10 + len(spans)] * tokens_per_turn
         mask += [1] * tokens_per_turn
         spans.append(CallSpan(next(_event_ids), 0, start, len(ids), reward, step_reward, state))
     return TrajectoryRow(rollout, "at", segment, tuple(ids), tuple(mask), None, reward, tuple(spans), group)
@@ -94,64 +95,83 @@ def test_rollout_mode_without_step_rewards_equals_the_former_grouped_advantages(
 # ---------------------------------------------------------------------------- turn mode
 
 
-def test_turn_mode_discounted_returns_against_the_group_baseline() -> None:
-    a = row("a", 1.0, [(0.5, None), (None, None), (None, None)])  # rewards per turn 0.5, 0, 0 + 1
-    b = row("b", 0.0, [(None, None), (0.5, None)])  # 0, 0.5 + 0
-    out, stats = compute_advantages([a, b], "turn", gamma=1.0, eps=0.0)
-    # gamma 1: G_a = [1.5, 1, 1], G_b = [0.5, 0.5]; mean 4.5 / 5 = 0.9
-    # deviations 0.6, 0.1, 0.1, -0.4, -0.4; variance (0.36 + 0.01 + 0.01 + 0.16 + 0.16) / 5 = 0.14
-    std = math.sqrt(0.14)
-    assert turn_values(out[0], a) == pytest.approx([0.6 / std, 0.1 / std, 0.1 / std])
-    assert turn_values(out[1], b) == pytest.approx([-0.4 / std, -0.4 / std])
-    # the scalar is a summary: mean over the row's model tokens (2 per turn)
-    assert out[0].advantage == pytest.approx((0.6 + 0.1 + 0.1) / 3 / std)
-    assert stats.turn_adv_mean == pytest.approx(0.0, abs=1e-9)
-    assert stats.turn_adv_std == pytest.approx(1.0)
-
-    out, _ = compute_advantages([a, b], "turn", gamma=0.5, eps=0.0)
-    # gamma 0.5: G_a2 = 1, G_a1 = 0 + 0.5 * 1 = 0.5, G_a0 = 0.5 + 0.5 * 0.5 = 0.75
-    #            G_b1 = 0.5, G_b0 = 0 + 0.5 * 0.5 = 0.25
-    # mean (0.75 + 0.5 + 1 + 0.25 + 0.5) / 5 = 0.6; deviations 0.15, -0.1, 0.4, -0.35, -0.1
-    # variance (0.0225 + 0.01 + 0.16 + 0.1225 + 0.01) / 5 = 0.065
-    std = math.sqrt(0.065)
-    assert turn_values(out[0], a) == pytest.approx([0.15 / std, -0.1 / std, 0.4 / std])
-    assert turn_values(out[1], b) == pytest.approx([-0.35 / std, -0.1 / std])
-
-
-def test_turn_mode_gamma_1_without_step_rewards_has_the_signs_of_rollout_mode() -> None:
-    rows = [row("a", 1.0, [(None, None)] * 3), row("b", 0.0, [(None, None)] * 2)]
-    out, _ = compute_advantages(rows, "turn")
-    # G_a = [1, 1, 1], G_b = [0, 0]: mean 0.6, std sqrt((3 * 0.16 + 2 * 0.36) / 5) = sqrt(0.24)
-    std = math.sqrt(0.24) + 1e-6
-    assert turn_values(out[0], rows[0]) == pytest.approx([0.4 / std] * 3)
-    assert turn_values(out[1], rows[1]) == pytest.approx([-0.6 / std] * 2)
-
-
-def test_turn_mode_sees_the_turn_that_earned_where_rollout_mode_sees_a_tie() -> None:
-    a = row("a", 0.0, [(1.0, None), (None, None)])  # episode 1, earned on turn 0: G = [1, 0]
-    b = row("b", 1.0, [(None, None), (None, None)])  # episode 1, at the end: G = [1, 1]
-    out, stats = compute_advantages([a, b], "rollout")
-    assert out == [] and stats.zero_spread_groups == 1
-    out, stats = compute_advantages([a, b], "turn", eps=0.0)
-    # G = [1, 0, 1, 1]: mean 0.75, variance (3 * 0.0625 + 0.5625) / 4 = 0.1875
-    std = math.sqrt(0.1875)
-    assert turn_values(out[0], a) == pytest.approx([0.25 / std, -0.75 / std])
-    assert turn_values(out[1], b) == pytest.approx([0.25 / std] * 2)
+def test_turn_mode_never_blames_a_correct_turn_for_a_later_mistake() -> None:
+    """Seven perfect five-turn episodes and one that fails only at its final answer (its four
+    calls the same as the others'): every turn of the perfect ones gets >= 0, the failed one's
+    four calls the same credit as the identical calls elsewhere, and only its answer is pushed
+    down. (One baseline pooled over every turn, as this mode had, gave the perfect episodes'
+    last turn -0.21 and the failed episode's correct calls -1.9 to -2.7.)"""
+    calls = [(0.1, None, 10 + t) for t in range(4)]
+    perfect = [row(f"p{i}", 1.0, [*calls, (None, None, 20)]) for i in range(7)]
+    failed = row("f", 0.0, [*calls, (None, None, 66)])
+    out, stats = compute_advantages([*perfect, failed], "turn", gamma=1.0, eps=0.0)
+    values = [turn_values(r, source) for r, source in zip(out, [*perfect, failed], strict=True)]
+    for turns in values[:7]:
+        assert turns[:4] == [0.0] * 4 and turns[4] > 0
+    assert values[7][:4] == values[0][:4]
+    # the answer's situation: 8 turns, returns 1 (x7) and 0: mean 7/8, std sqrt(7)/8
+    std = math.sqrt(7) / 8
+    assert values[0][4] == pytest.approx((1 - 7 / 8) / std) and values[7][4] == pytest.approx(-7 / 8 / std)
     assert stats.zero_spread_groups == 0
+
+
+def test_turn_mode_pools_identical_answers_and_falls_back_to_the_turn_index() -> None:
+    a = row("a", 1.0, [(None, None, 10), (None, None, 11)])
+    b = row("b", 0.0, [(None, None, 20), (None, None, 21)])
+    c = row("c", 0.0, [(None, None, 10), (None, None, 31)])  # a's first answer, then its own
+    out, _ = compute_advantages([a, b, c], "turn", eps=0.0)
+    # turn 0: one situation (the opening), G = 1, 0, 0; a and c answered alike: Q = 0.5 for both,
+    # Q = 0 for b; V = 1/3, std sqrt(2)/3
+    std0 = math.sqrt(2) / 3
+    assert [turn_values(r, x)[0] for r, x in zip(out, [a, b, c], strict=True)] == pytest.approx(
+        [(0.5 - 1 / 3) / std0, -1 / 3 / std0, (0.5 - 1 / 3) / std0]
+    )
+    # turn 1: a and c share their history (the same first answer), then answered differently:
+    # G 1 and 0, +-1; b's history is its own: against every turn at index 1 (G 1, 0, 0), Q = its G
+    assert [turn_values(r, x)[1] for r, x in zip(out, [a, b, c], strict=True)] == pytest.approx(
+        [1.0, -1 / 3 / std0, -1.0]
+    )
+    out, _ = compute_advantages([a, b, c], "turn", normalize_std=False)
+    assert turn_values(out[0], a) == pytest.approx([0.5 - 1 / 3, 0.5])
+
+
+def test_turn_mode_discounts_the_returns_and_compares_one_position_with_itself() -> None:
+    a = row("a", 1.0, [(0.5, None, 10), (None, None, 11), (None, None, 12)])  # 0.5, 0, 0 + 1
+    b = row("b", 0.0, [(None, None, 20), (0.5, None, 21)])  # 0, 0.5 + 0
+    out, _ = compute_advantages([a, b], "turn", gamma=0.5, eps=0.0)
+    # G_a = [0.5 + 0.5 * 0.25, 0 + 0.5 * 1, 1] = [0.75, 0.5, 1]; G_b = [0 + 0.5 * 0.5, 0.5] = [0.25, 0.5]
+    # turn 0 (one situation): 0.75 against 0.25, +-1; turn 1 (histories differ, index 1): 0.5 and
+    # 0.5, no spread; turn 2: a alone at its index, 0 (a pooled baseline would have put a's turn 2
+    # above and its turn 1 below the group's mean for their positions alone)
+    assert turn_values(out[0], a) == pytest.approx([1.0, 0.0, 0.0])
+    assert turn_values(out[1], b) == pytest.approx([-1.0, 0.0])
+
+
+def test_turn_mode_with_one_answer_everywhere_has_no_signal() -> None:
+    rows = [row("a", 1.0, [(None, None)] * 3), row("b", 0.0, [(None, None)] * 3)]
+    # identical prompts and answers at every turn, yet different outcomes: nothing to tell them
+    # apart by, so nothing is trained (rollout mode would still push a's tokens up)
+    out, stats = compute_advantages(rows, "turn")
+    assert out == [] and stats.zero_spread_groups == 1
+    out, _ = compute_advantages(rows, "rollout")
+    assert [r.advantage for r in out] == pytest.approx([1.0, -1.0], rel=1e-5)
 
 
 def test_a_sample_split_over_two_rows_keeps_its_turns_in_order() -> None:
     # sample a: its first row holds turn 0 (step reward 1), the second (a prefix mismatch) turns 1, 2
-    a0 = row("a", 0.0, [(1.0, None)], segment=0)
-    a1 = row("a", 0.0, [(None, None), (None, None)], segment=1)
-    b = row("b", 0.0, [(None, None), (None, None)])
+    a0 = row("a", 0.0, [(1.0, None, 10)], segment=0)
+    a1 = row("a", 0.0, [(None, None, 11), (None, None, 12)], segment=1)
+    b = row("b", 0.0, [(None, None, 20), (None, None, 21)])
     out, stats = compute_advantages([a1, b, a0], "turn", eps=0.0)  # a's rows out of order
-    # r_a = [1, 0, 0] -> G_a = [1, 0, 0]; G_b = [0, 0]; mean 0.2
-    # variance (0.64 + 4 * 0.04) / 5 = 0.16, std 0.4
+    # r_a = [1, 0, 0] -> G_a = [1, 0, 0]; G_b = [0, 0]. The second row re-renders its prompt
+    # (tokens 1 2), so a's turn 1 shares the opening's situation with a's and b's turn 0:
+    # G 1, 0, 0, every answer different: V 1/3, std sqrt(2)/3. a's turn 2 and b's turn 1 have
+    # histories of their own: against their turn index (0 and 0, 0): no spread, 0
+    std = math.sqrt(2) / 3
     assert [r.input_ids for r in out] == [a0.input_ids, a1.input_ids, b.input_ids]
-    assert turn_values(out[0], a0) == pytest.approx([0.8 / 0.4])
-    assert turn_values(out[1], a1) == pytest.approx([-0.2 / 0.4] * 2)
-    assert turn_values(out[2], b) == pytest.approx([-0.2 / 0.4] * 2)
+    assert turn_values(out[0], a0) == pytest.approx([(2 / 3) / std])
+    assert turn_values(out[1], a1) == pytest.approx([-1 / 3 / std, 0.0])
+    assert turn_values(out[2], b) == pytest.approx([-1 / 3 / std, 0.0])
     assert (stats.samples, stats.turns, stats.rows) == (2, 5, 3)
     # rollout mode sums the step rewards of both rows: E_a = 0 + 1, E_b = 0 -> +-1 on every row
     out, _ = compute_advantages([a0, a1, b], "rollout", eps=0.0)
@@ -194,7 +214,10 @@ def test_groups_without_a_spread_are_skipped_in_every_mode() -> None:
         row("b", 1.0, [(None, "A"), (None, "B")], group="tie"),
     ]
     alone = [row("c", 1.0, [(1.0, "A"), (None, "B")], group="alone")]  # one sample: no baseline
-    spread = [row("d", 1.0, [(None, None)], group="spread"), row("e", 0.0, [(None, None)], group="spread")]
+    spread = [
+        row("d", 1.0, [(None, None, 10)], group="spread"),
+        row("e", 0.0, [(None, None, 11)], group="spread"),  # another answer
+    ]
     no_reward = [row("f", None, [(None, None)], group="spread")]
     for mode in ("rollout", "turn", "gigpo"):
         out, stats = compute_advantages(tie + alone + spread + no_reward, mode)  # type: ignore[arg-type]

@@ -16,7 +16,7 @@ from agentbolt.runner.worker import Runner
 from agentbolt.schemas import LLM, EventType, PromptTemplate, RolloutCreate, RolloutStatus
 from agentbolt.server import ServerConfig, ServerThread
 from agentbolt.tasks import TASKS
-from agentbolt.tasks.chain import STEP_REWARD
+from agentbolt.tasks.chain import STEP_REWARD, ChainEpisode
 from tests.conftest import serve_smollm2
 
 pytestmark = pytest.mark.model
@@ -58,7 +58,8 @@ def test_chain_episodes_record_a_turn_per_call_with_its_state_and_step_reward(
         assert sorted(e.data["llm_call_id"] for e in states) == sorted(e.id for e in calls)
         assert {e.data["llm_call_id"] for e in steps} <= {e.id for e in calls}
         assert all(e.data["value"] == STEP_REWARD for e in steps)
-        assert states[0].data["key"] == "done=0 shown=start"
+        opening = ChainEpisode(dict(rollout.task.data)).state()
+        assert states[0].data["key"] == opening and opening.startswith("done=0 shown=start asked=")
         rows, _ = to_trajectories(evs, reward=rollout.reward)
         spans = [span for row in rows for span in row.calls]
         assert [s.state for s in spans] == [

@@ -83,10 +83,18 @@ def test_chain_states_name_the_situation_not_the_wording() -> None:
     assert a.state() == b.state()
     a.step("CALC: 74 - 14")
     b.step("CALC:74-14")
-    assert a.state() == b.state() == "done=1 shown=60"
+    assert a.state() == b.state() == "done=1 shown=60 asked=add 56."
     b2 = ChainEpisode(dict(CHAIN_TASK))
     b2.step("CALC: 74 + 14")  # a wrong step leads elsewhere
     assert b2.state() != a.state()
+    # the same value shown with another instruction is another situation: 60 shown after one
+    # wrong call (asked for step 2) or after two (asked for step 3)
+    c, d = ChainEpisode(dict(CHAIN_TASK)), ChainEpisode(dict(CHAIN_TASK))
+    c.step("CALC: 30 + 30")
+    d.step("CALC: 1 + 1")
+    d.step("CALC: 30 + 30")
+    assert c.state() == "done=0 shown=60 asked=add 56."
+    assert d.state() == "done=0 shown=60 asked=multiply by 2."
 
 
 @pytest.mark.parametrize(
