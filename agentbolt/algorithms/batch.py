@@ -47,7 +47,7 @@ class Batch:
     loss_mask_BT: Tensor
     """float, 0 on padding"""
     old_logprobs_BT: Tensor | None
-    """None when any row lacks recorded logprobs: the loss then uses the current policy's."""
+    """None when no row has recorded logprobs: the loss then uses the current policy's."""
     advantages_B: Tensor
     ref_logprobs_BT: Tensor | None = None
     """Reference-policy logprobs for the KL term, see
@@ -55,6 +55,9 @@ class Batch:
     advantages_BT: Tensor | None = None
     """Per-token advantages (0 on padding) when any row has them; the loss then uses these
     instead of ``advantages_B``."""
+    recorded_B: Tensor | None = None
+    """Which rows' ``old_logprobs_BT`` were recorded (bool), when only some were: the others
+    hold 0 there, and the loss takes the current policy's for them alone."""
 
     @property
     def num_tokens(self) -> int:
@@ -71,17 +74,19 @@ def pad_batch(rows: Sequence[TrainRow], pad_token_id: int = 0, max_len: int | No
         raise ValueError("pad_batch needs at least one row")
     T = max(len(r.input_ids) for r in rows)
     T = min(T, max_len) if max_len else T
-    # recorded logprobs only when every row has them
-    old = [r.old_logprobs for r in rows if r.old_logprobs is not None]
+    # recorded logprobs where rows have them (and which rows, when not all do)
+    recorded = [r.old_logprobs is not None for r in rows]
+    old = [r.old_logprobs or () for r in rows]
     per_token = [r.advantages or (r.advantage,) * len(r.input_ids) for r in rows]
     any_per_token = any(r.advantages is not None for r in rows)
     return Batch(
         input_ids_BT=_pad([r.input_ids for r in rows], T, pad_token_id, torch.long),
         attention_mask_BT=_pad([[1] * len(r.input_ids) for r in rows], T, 0, torch.long),
         loss_mask_BT=_pad([r.loss_mask for r in rows], T, 0, torch.float32),
-        old_logprobs_BT=_pad(old, T, 0.0, torch.float32) if len(old) == len(rows) else None,
+        old_logprobs_BT=_pad(old, T, 0.0, torch.float32) if any(recorded) else None,
         advantages_B=torch.tensor([r.advantage for r in rows], dtype=torch.float32),
         advantages_BT=_pad(per_token, T, 0.0, torch.float32) if any_per_token else None,
+        recorded_B=torch.tensor(recorded) if any(recorded) and not all(recorded) else None,
     )
 
 

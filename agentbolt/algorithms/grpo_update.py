@@ -65,12 +65,14 @@ def update(
 ) -> dict[str, float]:
     """One optimizer step on ``rows``; its metrics, with ``num_tokens`` 0 when there was nothing
     to train on. ``proximal`` (asynchronous mode): the ratio against the current policy, the
-    recorded logprobs corrected for by truncated importance weights."""
+    recorded logprobs corrected for by truncated importance weights; ``rows_without_logprobs``
+    counts the rows that had none (trained with weight 1, the others corrected)."""
     if not rows:
         return {"num_tokens": 0.0}
+    missing = {"rows_without_logprobs": float(sum(r.old_logprobs is None for r in rows))}
     if distributed.leading():
-        return _update_distributed(config, state, rows, proximal)
-    return _update_here(config, state, rows, proximal)
+        return {**_update_distributed(config, state, rows, proximal), **missing}
+    return {**_update_here(config, state, rows, proximal), **missing}
 
 
 def _policy_loss(config: GRPOConfig, proximal: bool, checkpoint: bool = False) -> PolicyLoss:

@@ -523,8 +523,9 @@ class PolicyLoss:
     ``proximal`` (asynchronous GRPO): the ratio is always taken against the current policy
     detached (the proximal policy: exact with one optimizer step per update), and the recorded
     logprobs are the behaviour policy's, corrected for by truncated importance weights
-    (``importance``, ``importance_cap``; see :mod:`agentbolt.algorithms.importance`). A
-    micro-batch without recorded logprobs gets weight 1."""
+    (``importance``, ``importance_cap``; see :mod:`agentbolt.algorithms.importance`). A row
+    without recorded logprobs gets weight 1 (its behaviour taken as the current policy); the
+    rows beside it that have them are corrected all the same."""
 
     clip_low: float = 0.2
     clip_high: float = 0.28
@@ -549,10 +550,13 @@ class PolicyLoss:
         new_BT, entropy_BT = masked_logprobs(
             model, batch, P, entropy=self.entropy, chunk_tokens=self.chunk_tokens, checkpoint=self.checkpoint
         )
-        old_BT = batch.old_logprobs_BT if batch.old_logprobs_BT is not None else new_BT.detach()
+        recorded_BT = batch.old_logprobs_BT
+        if recorded_BT is not None and batch.recorded_B is not None:  # some rows have none
+            recorded_BT = torch.where(batch.recorded_B[:, None], recorded_BT, new_BT.detach())
+        old_BT = recorded_BT if recorded_BT is not None else new_BT.detach()
         behaviour_BT = None
         if self.proximal:
-            old_BT, behaviour_BT = new_BT.detach(), batch.old_logprobs_BT
+            old_BT, behaviour_BT = new_BT.detach(), recorded_BT
         return clipped_policy_loss(
             new_BT,
             old_BT,

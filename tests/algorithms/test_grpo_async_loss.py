@@ -145,3 +145,40 @@ def test_the_behaviour_version_is_the_oldest_among_the_calls_and_their_tokens() 
     assert behaviour_version([_call(None)]) is None
     assert behaviour_version([_call("policy-step-2")]) is None  # a remote server's adapter name
     assert version_number(True) is None and version_number(7) == 7 and version_number("12") == 12
+
+
+def test_a_row_without_logprobs_leaves_the_others_corrected(tiny_llama, one_thread) -> None:
+    """Behaviour logprobs for one row of two: that row is corrected (its weights are the ratio
+    of the current policy to them), the other weighs 1; the whole micro-batch used to weigh 1."""
+    model = tiny_llama()
+    recorded = TrainRow((1, 5, 7, 9, 11), (0, 0, 1, 1, 1), advantage=1.0)
+    missing = TrainRow((1, 5, 8, 2), (0, 0, 1, 1), advantage=-0.5)
+    fresh = pad_batch([recorded, missing])
+    with torch.no_grad():
+        current = token_logprobs(model, fresh.input_ids_BT, fresh.attention_mask_BT) * fresh.loss_mask_BT
+    behaviour = tuple((current[0, :5] - 0.1 * fresh.loss_mask_BT[0, :5]).tolist())  # 0.1 nats less likely
+    both = [TrainRow(recorded.input_ids, recorded.loss_mask, behaviour, 1.0), missing]
+    batch = pad_batch(both)
+    assert batch.recorded_B is not None and batch.recorded_B.tolist() == [True, False]
+    _, metrics = PolicyLoss(share_prefix=False, proximal=True)(model, batch, float(batch.num_tokens))
+    # 3 tokens weigh exp(0.1), 2 weigh 1
+    assert metrics["is_weight_max"] == pytest.approx(math.exp(0.1), rel=1e-4)
+    assert metrics["is_weight_min"] == pytest.approx(1.0, abs=1e-5)
+    assert metrics["is_weight_mean"] == pytest.approx((3 * math.exp(0.1) + 2) / 5, rel=1e-4)
+    assert pad_batch([missing, missing]).old_logprobs_BT is None  # none recorded: as before
+
+
+def test_the_update_counts_the_rows_without_logprobs(tiny_llama, one_thread) -> None:
+    from agentbolt.algorithms.grpo_config import GRPOConfig
+    from agentbolt.algorithms.grpo_update import update
+    from agentbolt.algorithms.train_state import TrainConfig, make_train_state
+
+    config = GRPOConfig(model="unused", lora=False, bf16=False, device="cpu")
+    state = make_train_state(tiny_llama(), TrainConfig(lora=False))
+    rows = [
+        TrainRow((1, 5, 7, 9), (0, 0, 1, 1), (0.0, 0.0, -2.0, -2.0), 1.0),
+        TrainRow((1, 5, 8, 2), (0, 0, 1, 1), None, -1.0),
+        TrainRow((1, 6, 8, 3), (0, 0, 1, 1), None, 0.5),
+    ]
+    metrics = update(config, state, rows, proximal=True)
+    assert metrics["rows_without_logprobs"] == 2.0 and metrics["num_tokens"] == 6.0
