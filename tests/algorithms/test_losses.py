@@ -64,7 +64,7 @@ def test_grouped_advantages_skip_zero_spread_and_count_samples_once() -> None:
 # ---------------------------------------------------------------------------- batching
 
 
-def test_pad_batch_right_pads_and_drops_partial_logprobs() -> None:
+def test_pad_batch_right_pads_and_keeps_the_logprobs_rows_have() -> None:
     rows = [
         TrainRow((5, 6, 7), (0, 1, 1), (0.0, -1.0, -2.0), 1.0),
         TrainRow((5, 6), (0, 1), (0.0, -3.0), -1.0),
@@ -75,7 +75,15 @@ def test_pad_batch_right_pads_and_drops_partial_logprobs() -> None:
     assert batch.loss_mask_BT.tolist() == [[0, 1, 1], [0, 1, 0]]
     assert batch.old_logprobs_BT is not None and batch.old_logprobs_BT.tolist() == [[0, -1, -2], [0, -3, 0]]
     assert batch.advantages_B.tolist() == [1.0, -1.0] and batch.num_tokens == 3
-    assert pad_batch([rows[0], TrainRow((1,), (0,))]).old_logprobs_BT is None
+    assert batch.recorded_B is None  # every row recorded
+    # a row without logprobs: the others' are kept, and which rows have them is said
+    partial = pad_batch([rows[0], TrainRow((1,), (0,))])
+    assert partial.old_logprobs_BT is not None and partial.old_logprobs_BT.tolist() == [
+        [0, -1, -2],
+        [0, 0, 0],
+    ]
+    assert partial.recorded_B is not None and partial.recorded_B.tolist() == [True, False]
+    assert pad_batch([TrainRow((1,), (0,))]).old_logprobs_BT is None
     assert pad_batch(rows, max_len=2).input_ids_BT.shape == (2, 2)
 
 
