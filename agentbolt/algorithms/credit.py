@@ -243,23 +243,24 @@ def _situation_advantages(
     """``turn`` mode's advantages (see the module docstring): each turn against the turns of the
     group in the same situation, identical actions pooled; a situation no other turn shares
     against the turns at the same index."""
+    keys = [[sample.situation(t) for t in range(len(sample.turns))] for sample in samples]
+    actions = [[sample.action(t) for t in range(len(sample.turns))] for sample in samples]
     situations: dict[Any, list[tuple[int, int]]] = {}
     positions: dict[int, list[tuple[int, int]]] = {}
     for i, sample in enumerate(samples):
         for t in range(len(sample.turns)):
-            situations.setdefault(sample.situation(t), []).append((i, t))
+            situations.setdefault(keys[i][t], []).append((i, t))
             positions.setdefault(t, []).append((i, t))
     out = [[0.0] * len(s.turns) for s in samples]
     for i, sample in enumerate(samples):
         for t in range(len(sample.turns)):
-            shared = situations[sample.situation(t)]
+            shared = situations[keys[i][t]]
             members = shared if len(shared) > 1 else positions[t]
             values = [returns[j][k] for j, k in members]
             if not _spread(values):
                 continue
             if len(shared) > 1:
-                action = sample.action(t)
-                same = [returns[j][k] for j, k in shared if samples[j].action(k) == action]
+                same = [returns[j][k] for j, k in shared if actions[j][k] == actions[i][t]]
                 q = sum(same) / len(same)
             else:
                 q = returns[i][t]
