@@ -2,7 +2,7 @@
 (started as the docs say, its token in ``AGENTBOLT_TOKEN``) against a server with tokens. Each
 probe (tests/security/sandbox_probe.py) tries one thing; each test asserts it was refused or
 contained, with the failure kind naming the limit where one applies, and that the runner then
-served the next rollout. The limits are low (64 MB, 32 processes, 10 MB files, 1 CPU second),
+served the next rollout. The limits are low (256 MB, 32 processes, 10 MB files, 1 CPU second),
 so a containment that failed could not exhaust the machine."""
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ REPO = Path(__file__).parents[2]
 PROBE = Path(__file__).with_name("sandbox_probe.py")
 PYTHON = "/usr/bin/python3"  # the system's: a root runner's program runs as nobody, who must read it
 NODE_AGENT = REPO / "examples" / "node_agent"
-LOW = ["--limit-memory", "64M", "--limit-processes", "32", "--limit-file-size", "10M", "--limit-cpu-s", "1"]
+# a fork bomb's processes each hold a few MB of their own (the pages Python writes after a fork):
+# under load its 32 went over 64 MB before the process limit once; 256 MB leaves them room
+LOW = ["--limit-memory", "256M", "--limit-processes", "32", "--limit-file-size", "10M", "--limit-cpu-s", "1"]
 DOCUMENTED = {
     "OPENAI_BASE_URL",
     "OPENAI_API_KEY",
