@@ -13,14 +13,13 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from agentbolt import Task, Trainer
+from agentbolt import Trainer
 from agentbolt.algorithms.grpo import GRPO
 from agentbolt.engine import tiny_model_dir
 from agentbolt.memory import descendants
-from agentbolt.runner.llm import async_openai
-from agentbolt.schemas import LLM, Mode
+from agentbolt.schemas import Mode
 from agentbolt.store import open_store
-from tests.algorithms.training_agents import VictimAgent, VowelAgent
+from tests.algorithms.training_agents import LengthAgent, VictimAgent, VowelAgent
 from tests.conftest import tiny_grpo
 
 
@@ -73,20 +72,6 @@ def test_grpo_smoke_run_and_resume(tiny, tmp_path):
     assert [h["step"] for h in resumed.history] == [0, 1, 2, 3]
     assert resumed.history[:3] == result.history[:3]
     assert json.loads((run_dir / "checkpoint" / "state.json").read_text())["step"] == 3
-
-
-class LengthAgent(VowelAgent):
-    """Reward: the reply's length (a random model's replies all but never tie within a group)."""
-
-    async def execute_rollout(self, task: Task) -> float:
-        llm: LLM = self.get_resource("llm")
-        response = await async_openai(llm).chat.completions.create(
-            model=llm.model,
-            messages=[{"role": "user", "content": task.data["q"]}],
-            max_tokens=8,
-            temperature=1.0,
-        )
-        return len(response.choices[0].message.content or "") / 40
 
 
 def test_grpo_against_a_remote_vllm_style_server(tiny, tmp_path):

@@ -44,6 +44,20 @@ class VowelAgent(LitAgent):
         return letters.count("a") / len(letters) if letters else 0.0
 
 
+class LengthAgent(VowelAgent):
+    """Reward: the reply's length (a random model's replies all but never tie within a group)."""
+
+    async def execute_rollout(self, task: Task) -> float:
+        llm: LLM = self.get_resource("llm")
+        response = await async_openai(llm).chat.completions.create(
+            model=llm.model,
+            messages=[{"role": "user", "content": task.data["q"]}],
+            max_tokens=8,
+            temperature=1.0,
+        )
+        return len(response.choices[0].message.content or "") / 40
+
+
 class VictimAgent(VowelAgent):
     """VowelAgent, except that the first rollout of the run (whichever runner process claims it)
     makes its model call, writes its process id to ``victim.pid`` and waits to be killed."""
