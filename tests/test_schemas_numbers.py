@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import inspect
 import json
-from typing import Any, get_args
+from typing import Annotated, Any, get_args
 
 import pytest
 from pydantic import BaseModel, ValidationError
@@ -74,3 +74,16 @@ def test_a_numeric_field_takes_json_numbers_only(cls, name, integer):
     if integer:
         with pytest.raises(ValidationError):
             cls.model_validate({**base, name: 2.5})
+
+
+def test_a_request_model_with_an_unmarked_numeric_field_is_refused_when_defined():
+    with pytest.raises(TypeError, match="numeric fields without NUMBER: count"):
+
+        class _Unmarked(schemas._Strict):
+            name: str
+            count: int | None = None
+
+    class _Marked(schemas._Strict):
+        count: Annotated[int | None, schemas.NUMBER] = None
+
+    assert _Marked.model_validate({"count": 2}).count == 2

@@ -8,6 +8,13 @@ until :meth:`~SqliteDatabase.commit_group` are savepoints of one ``BEGIN IMMEDIA
 transaction, committed once. Each still rolls back alone on error; the caller answers none of
 them before the group's commit (see :class:`agentbolt.server.store_caller.StoreCaller`), so an
 answer never reports a write the database might not keep.
+
+Checkpoints off the writer's path: once a group opens (the server), a thread of its own copies
+the WAL into the database file every :data:`CHECKPOINT_EVERY` seconds (a passive checkpoint,
+on a connection of its own). SQLite would otherwise checkpoint inside a commit every 1,000
+pages, and a checkpoint syncs the database file: a stall of the event loop, for every request
+waiting on it. The writer still checkpoints itself past :data:`WAL_BOUND_PAGES` pages, should
+the thread fall behind. Durability is unchanged: a commit is in the WAL when it returns.
 """
 
 from __future__ import annotations
@@ -20,7 +27,12 @@ from typing import Any
 
 from agentbolt.store.database import Database, Tx
 
-__all__ = ["SqliteDatabase"]
+__all__ = ["CHECKPOINT_EVERY", "WAL_BOUND_PAGES", "SqliteDatabase"]
+
+CHECKPOINT_EVERY = 0.5
+"""Seconds between the checkpoint thread's passive checkpoints."""
+WAL_BOUND_PAGES = 20_000
+"""The writer checkpoints itself past this many WAL pages (80 MB): a bound, not the rule."""
 
 
 class _SqliteTx(Tx):
@@ -110,12 +122,22 @@ class SqliteDatabase(Database):
         self._group_lost: BaseException | None = None  # why SQLite ended the group's transaction
         self._tx = _SqliteTx(self.conn)  # holds nothing of its own: one serves every transaction
         self._autocommit = _Autocommit(self)
+        self._checkpoints: _Checkpointer | None = None
+
+    def _checkpoint_off_path(self) -> None:
+        """Start the checkpoint thread (once; a file database only: see the module docstring)."""
+        if self._checkpoints is None and self.path != ":memory:":
+            self.conn.execute(f"PRAGMA wal_autocheckpoint = {WAL_BOUND_PAGES}")
+            self._checkpoints = _Checkpointer(self.path)
+            self._checkpoints.start()
 
     def open_group(self) -> None:
         """Begin a group's transaction; this thread holds the connection until
         :meth:`commit_group` (another thread's transactions wait for it)."""
         self._lock.acquire()
         try:
+            if self._checkpoints is None:
+                self._checkpoint_off_path()
             self.conn.execute("BEGIN IMMEDIATE")
         except BaseException:
             self._lock.release()
@@ -154,5 +176,32 @@ class SqliteDatabase(Database):
         pass  # BEGIN IMMEDIATE holds the database's one write lock already
 
     def close(self) -> None:
+        if self._checkpoints is not None:
+            self._checkpoints.stop()
         with self._lock:
-            self.conn.close()
+            self.conn.close()  # the last connection to close checkpoints what is left
+
+
+class _Checkpointer(threading.Thread):
+    """Passive checkpoints every :data:`CHECKPOINT_EVERY` seconds on a connection of its own
+    (the sqlite3 module lets other threads run while SQLite copies and syncs)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(name="agentbolt-sqlite-checkpoint", daemon=True)
+        self.path = path
+        self._stopping = threading.Event()
+
+    def run(self) -> None:
+        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30)
+        try:
+            while not self._stopping.wait(CHECKPOINT_EVERY):
+                try:
+                    conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                except sqlite3.Error:  # the file went away or is locked: the next round tries again
+                    continue
+        finally:
+            conn.close()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self.join(timeout=30)

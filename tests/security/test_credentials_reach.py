@@ -37,7 +37,10 @@ from agentbolt.client import Client
 from agentbolt.schemas import RolloutCreate, RolloutStatus, Task
 from agentbolt.server import Role, ServerConfig, ServerThread
 
-RUNNER = "run-token-reach-37cc"
+# one token per test process: under pytest-xdist another worker's runner, run as nobody too, is
+# readable by this probe while it starts (before it makes itself undumpable); its token is its
+# own, not the one this test guards
+RUNNER = f"run-token-reach-{os.getpid()}"
 NOBODY = 65534
 REPO = Path(__file__).parents[2]
 PROGRAMS = Path(__file__).parent / "programs"

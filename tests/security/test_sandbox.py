@@ -346,16 +346,31 @@ def _scratch_holding(secret: str) -> Path:
 
 def _uids_of_probes(runner_pid: int) -> set[int]:
     """The real uids, seen from outside, of the processes running the probe (bubblewrap's
-    included), but the runner's."""
-    uids = set()
+    included) under this test's runner, the runner left out (other tests on other workers run
+    probes too)."""
+    parents: dict[int, int] = {}
+    uids: dict[int, int] = {}
     for status in Path("/proc").glob("[0-9]*/status"):
         try:
             cmdline = (status.parent / "cmdline").read_bytes()
-            if PROBE.name.encode() in cmdline and status.parent.name != str(runner_pid):
-                uids.add(int(re.search(r"^Uid:\s+(\d+)", status.read_text(), re.M).group(1)))  # type: ignore[union-attr]
-        except (OSError, AttributeError):
+            text = status.read_text()
+            pid = int(status.parent.name)
+            parents[pid] = int(re.search(r"^PPid:\s+(\d+)", text, re.M).group(1))  # type: ignore[union-attr]
+            if PROBE.name.encode() in cmdline and pid != runner_pid:
+                uids[pid] = int(re.search(r"^Uid:\s+(\d+)", text, re.M).group(1))  # type: ignore[union-attr]
+        except (OSError, AttributeError, ValueError):
             continue
-    return uids
+    return {uid for pid, uid in uids.items() if _descends_from(pid, runner_pid, parents)}
+
+
+def _descends_from(pid: int, ancestor: int, parents: dict[int, int]) -> bool:
+    seen = set()
+    while pid in parents and pid not in seen:
+        seen.add(pid)
+        pid = parents[pid]
+        if pid == ancestor:
+            return True
+    return False
 
 
 # ---------------------------------------------------------------------- programs that must work
