@@ -31,6 +31,8 @@ EXTRA_OF = {
     "datasets": "export",
     "ray": "ray",
     "kubernetes": "kubernetes",
+    "reasoning_gym": "envs",
+    "gymnasium": "envs",
 }
 
 

@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # the tests also need the scale-out extras (a real local Ray cluster, the Kubernetes client)
-source scripts/install.sh test,ray,kubernetes
+source scripts/install.sh test,ray,kubernetes,envs
 if [ "${1:-}" = "--lint" ]; then
   shift
   .venv/bin/ruff check agentbolt tests benchmarks examples

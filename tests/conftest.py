@@ -117,6 +117,8 @@ def serve_smollm2(**engine_options: Any) -> Iterator[Any]:
 # the others stand idle. Only the order changes: every test still runs.
 LONG_FIRST = (
     "tests/tasks/test_chain_with_smollm2.py",
+    "tests/tasks/test_external_with_smollm2.py",
+    "tests/tasks/test_external.py",
     "tests/evaluators/test_judge_smollm2.py",
     "tests/examples/test_program_examples.py",
     "tests/algorithms/test_distributed_fsdp.py",

@@ -4,11 +4,14 @@ The default task, ``calculator``, is the quick one (a few minutes): the model mu
 calculator tool and then answer. ``--task chain`` is the multi-turn one: three operations, one
 tool call each, the results carried from turn to turn, a step reward per correct call; it is
 where per-turn credit assignment (``--advantage turn`` or ``gigpo``) has something to work on.
-Tasks, rewards and the train / held-out split live in :mod:`agentbolt.tasks`.
+Tasks, rewards and the train / held-out split live in :mod:`agentbolt.tasks`; ``--task`` also
+takes a spec of an environment another project wrote (``reasoning_gym:<dataset>?...``,
+``gymnasium:<env id>?...``: :mod:`agentbolt.tasks.external`), trained 30 steps by default.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, cast
@@ -31,7 +34,11 @@ _DEFAULT_STEPS = {"calculator": 8, "chain": 30, "guess": 30}
 @needs_extra("agentbolt demo", "server", "train")
 def demo_command(
     task: Annotated[
-        str, typer.Option(help="Built-in task: calculator (quick), chain (multi-turn), guess.")
+        str,
+        typer.Option(
+            help="Built-in task: calculator (quick), chain (multi-turn), guess; or a task spec: "
+            "'reasoning_gym:<dataset>?option=value&...', 'gymnasium:<env id>?...' (docs/training.md)."
+        ),
     ] = ("calculator"),
     steps: Annotated[
         int | None, typer.Option(help="GRPO steps (default: 8 for calculator, 30 for the others).")
@@ -54,12 +61,12 @@ def demo_command(
     ] = 32,
 ) -> None:
     """Train SmolLM2-135M with GRPO on a built-in task; prints held-out success before and after."""
-    from agentbolt.tasks import TASKS
+    from agentbolt.tasks import get_task
 
-    if task not in TASKS:
-        raise typer.BadParameter(
-            f"unknown task {task!r}; choose one of: {', '.join(TASKS)}", param_hint="--task"
-        )
+    try:
+        get_task(task)  # a spec's options and its package, checked before any work
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--task") from None
     if advantage not in ("rollout", "turn", "gigpo"):
         raise typer.BadParameter(f"{advantage!r}: choose rollout, turn or gigpo", param_hint="--advantage")
     if resume and run_dir is None:
@@ -70,7 +77,7 @@ def demo_command(
         raise typer.BadParameter(f"no checkpoint to resume in {run_dir}", param_hint="--run-dir")
     _run(
         task,
-        steps or _DEFAULT_STEPS[task],
+        steps or _DEFAULT_STEPS.get(task, 30),
         model,
         lr,
         seed,
@@ -109,12 +116,13 @@ def _run(
     from agentbolt.algorithms.train_state import fast_bf16
     from agentbolt.console import make_console, print_line
     from agentbolt.engine.matmul import keep_plain_weights
-    from agentbolt.tasks import TASKS
+    from agentbolt.tasks import get_task
     from agentbolt.trainer import Trainer
 
-    task = TASKS[name]
+    task = get_task(name)
     console = make_console()
-    run_dir = run_dir or Path("runs") / f"demo-{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    folder = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)  # a task spec holds : ? & =
+    run_dir = run_dir or Path("runs") / f"demo-{folder}-{time.strftime('%Y%m%d-%H%M%S')}"
     # bfloat16 only where the hardware has it: emulated on an AVX2-only CPU, its matrix products
     # run 6-8x slower than float32 (train_state.fast_bf16)
     bf16 = fast_bf16("cuda" if torch.cuda.is_available() else "cpu")

@@ -40,6 +40,9 @@ from agentbolt.cli.rewards import REWARD_PANEL, evaluators, reward_parameters
 from agentbolt.errors import ConfigError
 from agentbolt.extras import needs_extra
 
+if typing.TYPE_CHECKING:
+    from agentbolt.tasks.base import Split
+
 __all__ = [
     "ALGORITHMS",
     "ALGORITHM_NAMES",
@@ -229,10 +232,17 @@ def _common_parameters() -> list[inspect.Parameter]:
             "command", str | None, "--command", "-c", help="The agent as a program: an argv template."
         ),
         keyword_option(
-            "train_file", Path | None, "--train", help="Training tasks: a JSON list or JSON-lines file."
+            "train_file",
+            Path | None,
+            "--train",
+            help="Training tasks: a JSON list or JSON-lines file, or a task spec such as "
+            "'reasoning_gym:spell_backward?size=256' or 'gymnasium:FrozenLake-v1' (docs/training.md).",
         ),
         keyword_option(
-            "val_file", Path | None, "--val", help="Validation tasks: a JSON list or JSON-lines file."
+            "val_file",
+            Path | None,
+            "--val",
+            help="Validation tasks: a JSON list or JSON-lines file, or a task spec (held-out items).",
         ),
         keyword_option("config", Path | None, "--config", help="Settings file (.toml, .yaml or .yml)."),
         keyword_option(
@@ -323,8 +333,8 @@ def _train(name: str, cls: type, sections: list[_Section], params: dict[str, Any
         agent = _agent(params, values.get("program", {}))
     except ConfigError as exc:
         raise fail(str(exc)) from None
-    train = load_tasks(params["train_file"]) if params["train_file"] else []
-    val = load_tasks(params["val_file"]) if params["val_file"] else []
+    train = _tasks(params["train_file"], "train", "--train")
+    val = _tasks(params["val_file"], "heldout", "--val")
     if not train and not val:
         raise fail("no tasks: give --train FILE and/or --val FILE")
     nproc = params.get("nproc")
@@ -419,10 +429,44 @@ def _scorer(spec: Any) -> Any:
     return load_object(spec, "scorer")
 
 
+def _tasks(path: Path | None, split: Split, flag: str) -> list[Any]:
+    """The tasks of ``--train`` / ``--val``: a file's, or those a task spec draws for ``split``."""
+    from agentbolt.tasks.external import SPEC_FORMS, is_spec, spec_tasks
+
+    if path is None:
+        return []
+    if not is_spec(str(path)):
+        if ":" in str(path) and not path.exists():
+            raise fail(f"{flag} {path}: neither a task file nor a task spec ({SPEC_FORMS})")
+        return load_tasks(path)
+    try:
+        return spec_tasks(str(path), split)[1]
+    except ValueError as exc:
+        raise fail(f"{flag}: {exc}") from None
+
+
+def _spec_agent(params: dict[str, Any]) -> Any:
+    """The agent of the task spec given as --train (else --val); None without a spec."""
+    from agentbolt.tasks.external import external_task, is_spec
+
+    specs = [str(p) for p in (params["train_file"], params["val_file"]) if p is not None and is_spec(str(p))]
+    if not specs:
+        return None
+    try:
+        return external_task(specs[0]).agent()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def _agent(params: dict[str, Any], program: dict[str, Any]) -> Any:
     spec, command = params["agent"], params["command"]
+    if spec is None and command is None and (own := _spec_agent(params)) is not None:
+        return own  # the task spec's own agent: it plays the environment
     if (spec is None) == (command is None):
-        raise ConfigError("give the agent as exactly one of --agent module:object or --command '...'")
+        raise ConfigError(
+            "give the agent as exactly one of --agent module:object or --command '...' (or give a "
+            "task spec as --train / --val: its own agent plays it)"
+        )
     if command is None:
         from agentbolt.runner.worker import load_agent
 

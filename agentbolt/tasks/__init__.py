@@ -8,6 +8,11 @@ tests use them too. Each task is plain agent code over the OpenAI client, run li
   six model turns at most, a step reward per correct call. The multi-turn task (see ``docs/training.md`` for the
   measurements that chose it).
 - ``guess``: find a hidden number from higher/lower hints; five guesses at most.
+
+Environments other projects wrote are tasks too, named by a spec (:mod:`agentbolt.tasks.external`):
+``get_task("reasoning_gym:spell_backward?max_word_len=4")`` (a reasoning-gym dataset, scored by its
+own scorer) or ``get_task("gymnasium:FrozenLake-v1?map_size=4")`` (a Gymnasium toy-text environment,
+one model turn per step). They need ``pip install 'agentbolt[envs]'``.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ class BuiltinTask:
     max_tokens: int = 24
 
     def agent(self) -> TextGameAgent:
-        agent = TextGameAgent(self.episode, self.worked)
+        agent = TextGameAgent(self.episode, self.worked, self.system_prompt)
         agent.max_tokens = self.max_tokens
         return agent
 
@@ -74,8 +79,16 @@ TASKS: dict[str, BuiltinTask] = {
 
 
 def get_task(name: str) -> BuiltinTask:
-    """The built-in task ``name``; ValueError naming the choices otherwise."""
+    """The built-in task ``name``, or the external task a spec names (``reasoning_gym:<dataset>?...``,
+    ``gymnasium:<env id>?...``); ValueError naming the choices otherwise, MissingExtra when the
+    spec's package is not installed."""
+    from agentbolt.tasks.external import SPEC_FORMS, external_task, is_spec
+
+    if is_spec(name):
+        return external_task(name)
     try:
         return TASKS[name]
     except KeyError:
-        raise ValueError(f"unknown task {name!r}; choose one of: {', '.join(TASKS)}") from None
+        raise ValueError(
+            f"unknown task {name!r}; choose one of: {', '.join(TASKS)}, or a spec: {SPEC_FORMS}"
+        ) from None

@@ -130,14 +130,22 @@ class Episode(ABC):
 
 
 class TextGameAgent(LitAgent):
-    """Plays an :class:`Episode` against the ``llm`` resource, one chat message per turn."""
+    """Plays an :class:`Episode` against the ``llm`` resource, one chat message per turn. The
+    system prompt is the ``system_prompt`` resource; without one, ``system_prompt`` given here
+    (``agentbolt train`` on a task spec publishes none)."""
 
     max_tokens = 24
 
-    def __init__(self, episode: Callable[[dict[str, Any]], Episode], worked: list[dict[str, str]]) -> None:
+    def __init__(
+        self,
+        episode: Callable[[dict[str, Any]], Episode],
+        worked: list[dict[str, str]],
+        system_prompt: str | None = None,
+    ) -> None:
         super().__init__()
         self.episode = episode
         self.worked = worked
+        self.system_prompt = system_prompt
 
     async def tool_latency(self, use: Any) -> float:
         """The tool call's duration in milliseconds; the game computes the answer at once. A
@@ -146,7 +154,11 @@ class TextGameAgent(LitAgent):
 
     async def execute_rollout(self, task: Task) -> float:  # type: ignore[override]
         llm: LLM = self.get_resource("llm")
-        prompt = self.get_resource("system_prompt")
+        published = self.rollout.resources
+        own = self.system_prompt is not None and (
+            published is None or "system_prompt" not in published.resources
+        )
+        prompt = self.system_prompt if own else self.get_resource("system_prompt")
         client = async_openai(llm, timeout=600)
         episode = self.episode(task.data)
         messages = [
