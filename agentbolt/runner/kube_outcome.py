@@ -27,6 +27,9 @@ log = logging.getLogger("agentbolt.kubernetes")
 LOG_READ_LIMIT = 16 * 1024 * 1024
 """Bytes of a pod's log read back (of which ``output_limit`` are recorded, head and tail)."""
 
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+"""The label the Job controller puts on each pod of a Job."""
+
 _NO_RESULT = Path("/nonexistent/agentbolt-result.json")
 """A Job has no result file the launcher can read: its reward comes from events or a scorer."""
 
@@ -51,6 +54,7 @@ class JobOutcomes:
         self, ctx: RolloutContext, name: str, job: dict[str, Any], pod: dict[str, Any] | None
     ) -> Outcome:
         """Record the pod's log and the Job's exit on the attempt, then its outcome."""
+        pod = await self._pod_now(name, pod)
         state = kube_state.container_state(pod, self.container)
         text = await self._log(pod)
         if text is not None and text.total:
@@ -82,6 +86,16 @@ class JobOutcomes:
             except ProgramFailed as exc:
                 return failed(ctx, exc.kind, str(exc))
         return judge(ctx, reward)
+
+    async def _pod_now(self, job: str, seen: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The Job's pod as it is now, read once as the Job ends: the pods' watch is a stream
+        of its own, and may not have shown the pod's end yet when the Job's shows the Job's."""
+        try:
+            pods, _ = await asyncio.to_thread(self.api.listing, "pods", f"{JOB_NAME_LABEL}={job}")
+        except KubeError as exc:
+            log.warning("could not read the pod of Job %s: %s", job, exc)
+            return seen
+        return kube_state.pods_by_job(pods).get(job, seen)
 
     async def _log(self, pod: dict[str, Any] | None) -> CappedOutput | None:
         if pod is None:

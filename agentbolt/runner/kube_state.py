@@ -6,7 +6,15 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["IMAGE_ERRORS", "container_state", "failure", "finished", "image_error", "pods_by_job"]
+__all__ = [
+    "IMAGE_ERRORS",
+    "container_state",
+    "failure",
+    "finished",
+    "image_error",
+    "pods_by_job",
+    "waiting_for_secret",
+]
 
 IMAGE_ERRORS = frozenset(
     {"ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull", "CreateContainerConfigError"}
@@ -46,6 +54,16 @@ def container_state(pod: dict[str, Any] | None, container: str | None) -> dict[s
 def image_error(pod: dict[str, Any] | None, container: str | None) -> bool:
     waiting = container_state(pod, container).get("waiting") or {}
     return waiting.get("reason") in IMAGE_ERRORS
+
+
+def waiting_for_secret(pod: dict[str, Any] | None, container: str | None, secret: str) -> bool:
+    """The container waits for the Secret ``secret`` (the kubelet's ``CreateContainerConfigError``
+    ``secret "NAME" not found``): a pod that started before its Job's Secret was created; the
+    kubelet retries it, and it starts once the Secret exists."""
+    waiting = container_state(pod, container).get("waiting") or {}
+    return waiting.get("reason") == "CreateContainerConfigError" and f'secret "{secret}" not found' in str(
+        waiting.get("message") or ""
+    )
 
 
 def failure(job: dict[str, Any], pod: dict[str, Any] | None, container: str | None) -> tuple[str, str] | None:

@@ -8,6 +8,7 @@ template is one :class:`~agentbolt.errors.ConfigError` line naming the file and 
 
 from __future__ import annotations
 
+import base64
 import copy
 import hashlib
 import json
@@ -27,9 +28,11 @@ __all__ = [
     "LAUNCHER_LABEL",
     "MANAGED_BY",
     "ROLLOUT_ANNOTATION",
+    "SECRET_KEY",
     "TASK_ENV_LIMIT",
     "JobTemplate",
     "job_name",
+    "job_secret",
     "label_value",
     "schema_problem",
 ]
@@ -42,6 +45,9 @@ ATTEMPT_ANNOTATION = "agentbolt.dev/attempt-id"
 """The attempt's id exactly (a label value is limited to 63 characters of a narrow alphabet)."""
 ROLLOUT_ANNOTATION = "agentbolt.dev/rollout-id"
 MANAGED_BY = ("app.kubernetes.io/managed-by", "agentbolt")
+
+SECRET_KEY = "agent-key"
+"""The key, in each Job's Secret, of the attempt's agent key (the container's ``OPENAI_API_KEY``)."""
 
 TASK_ENV_LIMIT = 256 * 1024
 """Bytes of task JSON passed in ``AGENTBOLT_TASK``: a Job is one API object (etcd keeps at
@@ -95,6 +101,8 @@ class Injected:
     annotations: dict[str, str]
     env: dict[str, str]
     deadline: float | None
+    secret_env: dict[str, str] = field(default_factory=dict)
+    """Variables read from the Job's Secret (same name as the Job): name -> key in it."""
 
 
 @dataclass
@@ -263,10 +271,13 @@ class JobTemplate:
         task: Mapping[str, Any],
         variables: Mapping[str, str],
         timeout: float | None,
+        secret_env: Mapping[str, str] | None = None,
     ) -> dict[str, Any]:
-        """The Job for one attempt. ``variables`` are the contract's (gateway, key, ids...);
-        the ``env`` and ``command`` templates are filled from ``task`` (a missing field fails
-        the attempt: :class:`ProgramFailed`)."""
+        """The Job for one attempt. ``variables`` are the contract's (gateway, ids...);
+        ``secret_env`` names those the container reads from the Job's Secret (:func:`job_secret`,
+        named as the Job), ``{variable: key}``: their values never appear in the Job. The
+        ``env`` and ``command`` templates are filled from ``task`` (a missing field fails the
+        attempt: :class:`ProgramFailed`)."""
         env = dict(variables)
         task_json = json.dumps(dict(task), separators=(",", ":"))
         if len(task_json.encode()) > TASK_ENV_LIMIT:
@@ -286,7 +297,10 @@ class JobTemplate:
             ROLLOUT_LABEL: label_value(rollout_id),
         }
         annotations = {ATTEMPT_ANNOTATION: attempt_id, ROLLOUT_ANNOTATION: rollout_id}
-        injected = Injected(job_name(attempt_id), labels, annotations, env, timeout)
+        secret_env = dict(secret_env or {})
+        for name in secret_env:
+            env.pop(name, None)
+        injected = Injected(job_name(attempt_id), labels, annotations, env, timeout, secret_env)
         return self._build(injected, argv)
 
     def _build(self, injected: Injected, argv: list[str] | None) -> dict[str, Any]:
@@ -315,8 +329,13 @@ class JobTemplate:
         if argv is not None:
             agent["command"] = argv
             agent.pop("args", None)
-        kept = [v for v in agent.get("env") or [] if v.get("name") not in injected.env]
-        agent["env"] = kept + [{"name": k, "value": v} for k, v in injected.env.items()]
+        ours = {*injected.env, *injected.secret_env}
+        kept = [v for v in agent.get("env") or [] if v.get("name") not in ours]
+        from_secret = [
+            {"name": k, "valueFrom": {"secretKeyRef": {"name": injected.name, "key": key}}}
+            for k, key in injected.secret_env.items()
+        ]
+        agent["env"] = kept + [{"name": k, "value": v} for k, v in injected.env.items()] + from_secret
         return job
 
     @property
@@ -328,7 +347,7 @@ class JobTemplate:
         """The Job as an attempt would get it (placeholder values): what :func:`schema_problem`
         checks at start."""
         fields: dict[str, Any] = _Anything()
-        variables = {name: "x" for name in ("OPENAI_API_KEY", "AGENTBOLT_ROLLOUT_ID", "AGENTBOLT_ATTEMPT_ID")}
+        variables = {name: "x" for name in ("AGENTBOLT_ROLLOUT_ID", "AGENTBOLT_ATTEMPT_ID")}
         env = {name: "x" for name in self.env}
         argv = ["x" for _ in self.command] if self.command else None
         injected = Injected(
@@ -337,8 +356,33 @@ class JobTemplate:
             {ATTEMPT_ANNOTATION: "x", ROLLOUT_ANNOTATION: "x"},
             {**variables, "AGENTBOLT_TASK": json.dumps(fields), **env},
             60.0,
+            {"OPENAI_API_KEY": SECRET_KEY},
         )
         return self._build(injected, argv)
+
+
+def job_secret(job: Mapping[str, Any], data: Mapping[str, str]) -> dict[str, Any]:
+    """The Secret of a created ``job`` (its uid known): named as the Job, holding ``data``, with
+    the Job's labels and annotations, and the Job as its owner, so that Kubernetes' garbage
+    collector deletes it with the Job (the launcher deletes it too). Not ``blockOwnerDeletion``:
+    that would need ``update`` on ``jobs/finalizers`` where the OwnerReferencesPermission
+    admission plugin runs, and nothing needs the Job's deletion to wait for its Secret's."""
+    meta = job["metadata"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {
+            "name": meta["name"],
+            "namespace": meta["namespace"],
+            "labels": dict(meta.get("labels") or {}),
+            "annotations": dict(meta.get("annotations") or {}),
+            "ownerReferences": [
+                {"apiVersion": "batch/v1", "kind": "Job", "name": meta["name"], "uid": meta["uid"]}
+            ],
+        },
+        "data": {key: base64.b64encode(value.encode()).decode() for key, value in data.items()},
+    }
 
 
 class _Anything(dict[str, Any]):

@@ -5,19 +5,23 @@ from the user's template (:mod:`agentbolt.runner.kube_template`), its agent cont
 the attempt's variables: the program runner's contract (docs/agents.md), with the task in
 ``AGENTBOLT_TASK`` (there is no shared file system) and every URL on the server's
 cluster-reachable address (``public_url``). It talks to the cluster through
-:mod:`agentbolt.runner.kube_api` and keeps the two in step with a reconcile loop; the store
-stays the source of truth. What it tells the server of each attempt (lease, events, finish)
-is the runner's own cycle (:mod:`agentbolt.runner.attempt`):
+:mod:`agentbolt.runner.kube_api`: it lists its Jobs and pods once, then follows them with the
+client's watch (:mod:`agentbolt.runner.kube_watch`: resumed from the last resourceVersion when
+a stream drops, listed again on 410 Gone), and acts on each change; the store stays the source
+of truth. What it tells the server of each attempt (lease, events, finish) is the runner's own
+cycle (:mod:`agentbolt.runner.attempt`):
 
 * a claimed attempt gets one Job, named after the attempt (so a second create for it is
   answered 409 by the API server, and taken as the Job it already has), labelled with the
   launcher, rollout and attempt; ``backoffLimit: 0`` (one pod: retrying is the store's
-  decision), ``activeDeadlineSeconds`` from the timeout, ``ttlSecondsAfterFinished``;
+  decision), ``activeDeadlineSeconds`` from the timeout, ``ttlSecondsAfterFinished``; the
+  attempt's key is not in the Job but in a Secret owned by it
+  (:mod:`agentbolt.runner.kube_launch` says why, and in which order);
 * while the Job runs, the launcher heartbeats the attempt's lease;
 * a Job that ends is reported with its outcome (:mod:`agentbolt.runner.kube_outcome`): the
   reward the program posted, else the scorer's; or a failure with its reason;
 * a Job whose attempt is no longer running in the store (cancelled, lease lost, finished) is
-  deleted, and so is each Job once its attempt is reported;
+  deleted, and so is each Job once its attempt is reported, its Secret with it;
 * after a restart the launcher lists its Jobs by label and adopts those whose attempts it
   still holds (it acts under a stable worker id, ``worker_id``, for that reason).
 
@@ -34,9 +38,7 @@ import logging
 import signal
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 from agentbolt.client import AsyncClient, Client, RetryPolicy
 from agentbolt.errors import (
@@ -51,6 +53,15 @@ from agentbolt.runner import kube_state
 from agentbolt.runner.agent import RolloutContext
 from agentbolt.runner.attempt import AttemptCycle, claim
 from agentbolt.runner.kube_api import KubeApi, KubeError
+from agentbolt.runner.kube_launch import (
+    SECRET_ENV,
+    SecretFailed,
+    Tracked,
+    check_public_url,
+    create_job,
+    create_secret,
+    variables,
+)
 from agentbolt.runner.kube_outcome import JobOutcomes, failed
 from agentbolt.runner.kube_template import (
     ATTEMPT_ANNOTATION,
@@ -59,10 +70,10 @@ from agentbolt.runner.kube_template import (
     JobTemplate,
     label_value,
 )
-from agentbolt.runner.program import PLACEHOLDER_KEY, llm_of
+from agentbolt.runner.kube_watch import Follower, Watched
 from agentbolt.runner.program_io import OUTPUT_LIMIT, ProgramFailed
 from agentbolt.runner.program_reward import AttemptAccess, ProgramRun, Scorer, reward_sources
-from agentbolt.schemas import LLM, AttemptStatus, Claim
+from agentbolt.schemas import AttemptStatus, Claim
 
 __all__ = ["JobLauncher"]
 
@@ -70,24 +81,6 @@ log = logging.getLogger("agentbolt.kubernetes")
 
 
 # ---------------------------------------------------------------------------- the launcher
-
-
-@dataclass
-class _Tracked:
-    """One attempt this launcher holds, and its Job."""
-
-    attempt_id: str
-    rollout_id: str
-    job: str
-    cycle: AttemptCycle | None = None
-    """The attempt's talk with the server: its lease, events and finish."""
-    lease_seconds: float | None = None
-    created: float | None = None
-    """When (monotonic) the Job was known to exist; None while it is being created."""
-    keeper: asyncio.Task[None] | None = None
-    ending: bool = False
-    """Being reported or deleted: the reconcile pass leaves it alone."""
-    adopted: bool = False
 
 
 class JobLauncher:
@@ -102,7 +95,11 @@ class JobLauncher:
     * ``max_jobs``: Jobs at a time; ``timeout``: each Job's ``activeDeadlineSeconds`` (default
       the rollout's own timeout, if it has one);
     * ``scorer`` / ``scorer_command`` / ``reward_from`` / ``reward_later``: as :class:`~agentbolt.runner.Program`;
-    * ``resync``: seconds between reconcile passes (list Jobs and pods).
+    * ``resync``: seconds between passes over the watched Jobs (no API call: the watch keeps
+      them current); they adopt a Job of this launcher's it does not track, and retry a delete
+      that failed;
+    * ``watch_timeout``: seconds each watch request lasts (the API server's ``timeoutSeconds``)
+      before it is resumed from its last resourceVersion.
     """
 
     def __init__(
@@ -125,8 +122,9 @@ class JobLauncher:
         llm: str | None = None,
         lease_seconds: float | None = None,
         poll_wait: float = 5.0,
-        resync: float = 2.0,
+        resync: float = 10.0,
         max_rollouts: int | None = None,
+        watch_timeout: int = 300,
     ) -> None:
         if max_jobs < 1:
             raise ConfigError(f"max_jobs must be at least 1, not {max_jobs}")
@@ -135,13 +133,14 @@ class JobLauncher:
         self.template, self.api = template, api
         self.namespace = api.namespace
         self.public_url = (public_url or server_url).rstrip("/")
-        _check_public_url(self.public_url, public_url is None)
+        check_public_url(self.public_url, public_url is None)
         self.name = name
         self.label = label_value(name)
         self.selector = f"{LAUNCHER_LABEL}={self.label}"
         self.worker_id = worker_id or f"k8s-{self.namespace}-{name}"
         self.max_jobs, self.timeout, self.max_rollouts = max_jobs, timeout, max_rollouts
         self.llm, self.lease_seconds, self.poll_wait, self.resync = llm, lease_seconds, poll_wait, resync
+        self.watch_timeout = watch_timeout
         # Retry forever while the server is down (as a runner does): the Jobs go on meanwhile.
         self.client = AsyncClient(
             server_url, token, retry=RetryPolicy(attempts=0, base_delay=0.2, max_delay=5.0)
@@ -151,11 +150,14 @@ class JobLauncher:
         outcomes = (scoring, reward_later, output_limit, reward_sources(reward_from, scoring.present))
         self.outcomes = JobOutcomes(api, template.container_name, access, *outcomes)
         self._sync = Client(server_url, token, retry=RetryPolicy(attempts=5, base_delay=0.2, max_delay=5.0))
-        self.tracked: dict[str, _Tracked] = {}
+        self.tracked: dict[str, Tracked] = {}
         self.completed = self.failed = self.lost = self.adopted = self.deleted = 0
         self._stopping: asyncio.Event | None = None
         self._room: asyncio.Event | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.watched = Watched()
+        self.followers: list[Follower] = []
+        self._adopting: set[str] = set()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -174,22 +176,23 @@ class JobLauncher:
             *(self.name, self.max_jobs, self.namespace, self.worker_id, self.public_url),
         )
         try:
-            await self._reconcile()  # adopt first: what runs counts against max_jobs
+            await self._follow()  # adopt first: what runs counts against max_jobs
             claimer = asyncio.create_task(self._claim_loop())
             while not self._done:
                 await self._sleep(self.resync)
                 if self._stopping.is_set():
                     break
                 try:
-                    await self._reconcile()
-                except KubeError as exc:
-                    log.warning("reconcile: %s; trying again in %.0f s", exc, self.resync)
+                    await self._sweep(None)
                 except Exception:
-                    log.exception("reconcile failed; trying again in %.0f s", self.resync)
+                    log.exception("a pass over the Jobs failed; trying again in %.0f s", self.resync)
+            await asyncio.wait({claimer}, timeout=30)  # a launch in flight ends: its Job gets its Secret
             claimer.cancel()
             await asyncio.gather(claimer, return_exceptions=True)
             await self._wind_down()
         finally:
+            for follower in self.followers:
+                follower.stop()
             await self.client.aclose()
             self._sync.close()
 
@@ -234,7 +237,7 @@ class JobLauncher:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _untrack(self, tracked: _Tracked) -> None:
+    def _untrack(self, tracked: Tracked) -> None:
         self.tracked.pop(tracked.attempt_id, None)
         if tracked.keeper is not None and tracked.keeper is not asyncio.current_task():
             tracked.keeper.cancel()
@@ -276,16 +279,18 @@ class JobLauncher:
     async def _launch(self, claim: Claim) -> None:
         attempt_id = claim.attempt.id
         cycle = AttemptCycle(self, RolloutContext(claim.rollout, claim.attempt, claim.resources))
-        tracked = _Tracked(attempt_id, claim.rollout.id, "", cycle, claim.lease_seconds)
+        tracked = Tracked(attempt_id, claim.rollout.id, "", cycle, claim.lease_seconds)
         self.tracked[attempt_id] = tracked
+        env, secret = variables(claim, self.public_url, self.llm)
         try:
             body = self.template.render(
                 attempt_id=attempt_id,
                 rollout_id=claim.rollout.id,
                 launcher=self.label,
                 task=claim.rollout.task.data,
-                variables=self._variables(claim),
+                variables=env,
                 timeout=self.timeout or claim.rollout.timeout_seconds,
+                secret_env=SECRET_ENV,
             )
         except ProgramFailed as exc:
             self.tracked.pop(attempt_id, None)
@@ -294,76 +299,35 @@ class JobLauncher:
         tracked.job = body["metadata"]["name"]
         tracked.keeper = asyncio.create_task(self._keep(tracked))  # the lease, while creating too
         try:
-            await self._create(tracked, body)
+            job = await create_job(self.api, body, attempt_id)
+            await create_secret(self.api, job, secret)  # after the Job: see kube_launch
+            tracked.secret = True
         except KubeError as exc:
             self._untrack(tracked)
+            what = "Secret" if isinstance(exc, SecretFailed) else "Job"
             if tracked.ending:  # no longer ours meanwhile: nothing to report
                 return
             if exc.transient:  # not this attempt's fault: hand it back, try again later
-                log.warning("could not create Job %s (%s); attempt %s released", tracked.job, exc, attempt_id)
+                log.warning(
+                    "could not create %s %s (%s); attempt %s released", what, tracked.job, exc, attempt_id
+                )
                 with contextlib.suppress(LeaseLost, NotFound):
                     await cycle.finish(AttemptStatus.RELEASED, None, f"Kubernetes API: {exc}")
                 await self._sleep(2.0)
             else:
-                await self._report_failure(
-                    tracked, "JobRejected", f"Kubernetes refused the Job {tracked.job}: {exc}"
-                )
+                said = f"Kubernetes refused the {what} {tracked.job}: {exc}"
+                await self._report_failure(tracked, "JobRejected", said)
             return
         if tracked.ending:  # the store took the attempt back while the Job was being created
             await self._delete(tracked)
             return
         tracked.created = time.monotonic()
         log.info("attempt %s: Job %s created", attempt_id, tracked.job)
-
-    async def _create(self, tracked: _Tracked, body: dict[str, Any]) -> None:
-        """Create the Job; a create whose answer was lost is tried again, and 409 AlreadyExists
-        for this attempt's own Job means it exists: taken as created, never a second one."""
-        for attempt in range(3):
-            try:
-                await asyncio.to_thread(self.api.create_job, body)
-                return
-            except KubeError as exc:
-                if exc.status == 409 and exc.reason == "AlreadyExists":
-                    existing = await asyncio.to_thread(self.api.read_job, tracked.job)
-                    notes = ((existing or {}).get("metadata") or {}).get("annotations") or {}
-                    if notes.get(ATTEMPT_ANNOTATION) == tracked.attempt_id:
-                        log.info(
-                            "Job %s already exists for attempt %s: adopted", tracked.job, tracked.attempt_id
-                        )
-                        return
-                    raise KubeError(
-                        409, "AlreadyExists", f"Job {tracked.job} exists for another attempt"
-                    ) from None
-                if not exc.transient or attempt == 2:
-                    raise
-                await asyncio.sleep(0.5 * (attempt + 1))
-
-    def _variables(self, claim: Claim) -> dict[str, str]:
-        """The contract's variables (docs/agents.md), on the public address."""
-        rollout_id, attempt_id = claim.rollout.id, claim.attempt.id
-        env: dict[str, str] = {}
-        llm = self._llm_resource(claim)
-        if llm is not None:
-            env.update(
-                OPENAI_BASE_URL=f"{self.public_url}/gateway/{rollout_id}/{attempt_id}/v1",
-                OPENAI_MODEL=llm.model,
-                AGENTBOLT_MODEL=llm.model,
-            )
-        env.update(
-            OPENAI_API_KEY=claim.agent_key or PLACEHOLDER_KEY,
-            AGENTBOLT_TASK_ID=claim.rollout.task.id,
-            AGENTBOLT_ROLLOUT_ID=rollout_id,
-            AGENTBOLT_ATTEMPT_ID=attempt_id,
-            AGENTBOLT_EVENTS_URL=f"{self.public_url}/agent/{rollout_id}/{attempt_id}/events",
-        )
-        return env
-
-    def _llm_resource(self, claim: Claim) -> LLM | None:
-        return llm_of(claim.resources, self.llm)
+        self._consider(tracked.job)  # the watch may have shown it ending meanwhile
 
     # ------------------------------------------------------------------ keeping the lease
 
-    async def _keep(self, tracked: _Tracked) -> None:
+    async def _keep(self, tracked: Tracked) -> None:
         """Heartbeat the attempt while its Job runs; once the store says it is no longer ours
         (cancelled, lease lost, finished elsewhere), delete the Job."""
         cycle = tracked.cycle
@@ -379,48 +343,90 @@ class JobLauncher:
         if tracked.created is not None:  # else the launch deletes it once created
             await self._delete(tracked)
 
-    async def _delete(self, tracked: _Tracked) -> None:
+    async def _delete(self, tracked: Tracked) -> None:
+        """Delete the Job, then its Secret (which the garbage collector would delete too)."""
         try:
             if await asyncio.to_thread(self.api.delete_job, tracked.job):
                 self.deleted += 1
+            self.watched.deleted(tracked.job)
         except KubeError as exc:  # the next pass finds it again (not ours any more) and retries
             log.warning("could not delete Job %s: %s", tracked.job, exc)
+        try:
+            await asyncio.to_thread(self.api.delete_secret, tracked.job)
+        except KubeError as exc:  # owned by the Job: the garbage collector deletes it
+            log.warning(
+                "could not delete Secret %s (its Job's garbage collection will): %s", tracked.job, exc
+            )
         self._untrack(tracked)
 
-    # ------------------------------------------------------------------ reconciling
+    # ------------------------------------------------------------------ following the Jobs
 
-    async def _reconcile(self) -> None:
-        """One pass: adopt this launcher's Jobs it does not track, delete those whose attempts
-        are not ours, and report the finished ones."""
+    async def _follow(self) -> None:
+        """List the Jobs and pods, act on them, then follow them with watches from there."""
         listed = time.monotonic()
-        jobs = await asyncio.to_thread(self.api.list_jobs, self.selector)
-        pods = await asyncio.to_thread(self.api.list_pods, self.selector)
-        by_attempt: dict[str, dict[str, Any]] = {}
-        for job in jobs:
+        jobs, jobs_version = await asyncio.to_thread(self.api.listing, "jobs", self.selector)
+        pods, pods_version = await asyncio.to_thread(self.api.listing, "pods", self.selector)
+        self.watched.apply("pods", "SYNC", (pods, listed))
+        self.watched.apply("jobs", "SYNC", (jobs, listed))
+        await self._sweep(listed)
+        for kind, version in (("jobs", jobs_version), ("pods", pods_version)):
+            follower = Follower(
+                self.api, kind, self.selector, version, self._deliver, timeout=self.watch_timeout
+            )
+            self.followers.append(follower)
+            follower.start()
+
+    def _deliver(self, kind: str, change: str, payload: Any) -> None:
+        """From a watch's thread: hand the change to the event loop."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the launcher has ended
+            self._loop.call_soon_threadsafe(self._on_change, kind, change, payload)
+
+    def _on_change(self, kind: str, change: str, payload: Any) -> None:
+        """A change a watch saw, or ``SYNC``: the whole list again (after 410 Gone)."""
+        concerned = self.watched.apply(kind, change, payload)
+        if change == "SYNC" and kind == "jobs":
+            self._spawn(self._sweep(payload[1]))
+            return
+        for name, what in concerned:
+            self._consider(name, adopt=what == "ADDED", gone=what == "DELETED")
+
+    def _consider(self, name: str, *, adopt: bool = False, gone: bool = False) -> None:
+        """Act on what the watch shows of Job ``name``: report it once it ended, or vanished
+        (``gone``); adopt it (``adopt``) if it is this launcher's but not tracked."""
+        tracked = next((t for t in self.tracked.values() if t.job == name), None)
+        job = self.watched.jobs.get(name)
+        if tracked is None:
+            if adopt and job is not None and name not in self._adopting:
+                self._spawn(self._adopt(job))
+            return
+        if tracked.ending or tracked.created is None or (job is None and not gone):
+            return
+        if job is None:
+            tracked.ending = True
+            self._spawn(self._end(tracked, None, None))
+            return
+        pod, container = self.watched.pod_of(name), self.template.container_name
+        stuck = kube_state.image_error(pod, container)
+        if stuck and tracked.secret and kube_state.waiting_for_secret(pod, container, name):
+            stuck = False  # the pod started before its Secret existed: the kubelet retries it
+        if kube_state.finished(job) or stuck:
+            tracked.ending = True
+            self._spawn(self._end(tracked, job, pod))
+
+    async def _sweep(self, listed: float | None) -> None:
+        """A pass over the watched Jobs: adopt this launcher's that it does not track, act on
+        the tracked. After a list begun at ``listed``, a tracked Job created before it and not
+        in it is gone."""
+        for name, job in list(self.watched.jobs.items()):
             attempt_id = (job["metadata"].get("annotations") or {}).get(ATTEMPT_ANNOTATION)
-            if attempt_id:
-                by_attempt[attempt_id] = job
-            else:
-                log.warning(
-                    "Job %s carries this launcher's label but no attempt: left alone", job["metadata"]["name"]
-                )
-        pod_of = kube_state.pods_by_job(pods)
-        for attempt_id, job in by_attempt.items():
-            if attempt_id not in self.tracked:
+            if not attempt_id:
+                log.warning("Job %s carries this launcher's label but no attempt: left alone", name)
+            elif attempt_id not in self.tracked and name not in self._adopting | self.watched.gone:
                 await self._adopt(job)
         for tracked in list(self.tracked.values()):
-            if tracked.ending or tracked.created is None:
-                continue
-            found = by_attempt.get(tracked.attempt_id)
-            if found is None:
-                if tracked.created < listed:  # listed after it was created, and gone
-                    tracked.ending = True
-                    self._spawn(self._end(tracked, None, None))
-                continue
-            pod = pod_of.get(found["metadata"]["name"])
-            if kube_state.finished(found) or kube_state.image_error(pod, self.template.container_name):
-                tracked.ending = True
-                self._spawn(self._end(tracked, found, pod))
+            vanished = tracked.job not in self.watched.jobs
+            created_before = listed is not None and tracked.created is not None and tracked.created < listed
+            self._consider(tracked.job, gone=vanished and created_before)
 
     async def _adopt(self, job: dict[str, Any]) -> None:
         """A Job of this launcher's that it does not track (it restarted): keep it if the store
@@ -428,11 +434,19 @@ class JobLauncher:
         meta = job["metadata"]
         notes = meta.get("annotations") or {}
         attempt_id, rollout_id = notes[ATTEMPT_ANNOTATION], notes.get(ROLLOUT_ANNOTATION, "")
-        tracked = _Tracked(attempt_id, rollout_id, meta["name"], adopted=True)
+        tracked = Tracked(attempt_id, rollout_id, meta["name"], adopted=True)
+        self._adopting.add(meta["name"])
+        try:
+            await self._take(tracked)
+        finally:
+            self._adopting.discard(meta["name"])
+
+    async def _take(self, tracked: Tracked) -> None:
+        attempt_id = tracked.attempt_id
         try:
             attempt = await self.client.heartbeat(attempt_id, self.worker_id, self.lease_seconds)
         except (LeaseLost, NotFound) as exc:
-            log.info("Job %s: its attempt is not ours (%s): deleted", meta["name"], exc)
+            log.info("Job %s: its attempt is not ours (%s): deleted", tracked.job, exc)
             await self._delete(tracked)
             return
         rollout = await asyncio.to_thread(self._sync.get_rollout, attempt.rollout_id)
@@ -440,42 +454,42 @@ class JobLauncher:
         tracked.cycle = AttemptCycle(self, RolloutContext(rollout, attempt, None))
         lease = attempt.lease_expires_at - attempt.heartbeat_at if attempt.lease_expires_at else None
         tracked.lease_seconds = lease if lease and lease > 0 else None
+        # a Job whose launcher stopped before creating its Secret never starts: not waited for
+        with contextlib.suppress(KubeError):
+            tracked.secret = await asyncio.to_thread(self.api.read_secret, tracked.job) is not None
         tracked.created = time.monotonic()
         self.tracked[attempt_id] = tracked
         tracked.keeper = asyncio.create_task(self._keep(tracked))
         self.adopted += 1
-        log.info("adopted Job %s (attempt %s)", meta["name"], attempt_id)
+        log.info("adopted Job %s (attempt %s)", tracked.job, attempt_id)
+        self._consider(tracked.job)
 
     # ------------------------------------------------------------------ reporting
 
-    async def _end(self, tracked: _Tracked, job: dict[str, Any] | None, pod: dict[str, Any] | None) -> None:
+    async def _end(self, tracked: Tracked, job: dict[str, Any] | None, pod: dict[str, Any] | None) -> None:
         """Report a Job that ended (or vanished), then delete it. The lease is kept meanwhile
         (a scorer may take a while)."""
         try:
-            if job is None:
-                await self._report_failure(
-                    tracked,
-                    "JobDeleted",
-                    f"Job {tracked.job} was deleted before it finished (not by this launcher)",
-                )
-                self._untrack(tracked)
-                return
-            await self._report(tracked, job, pod)
+            if job is None:  # its Secret is deleted below (its garbage collector may be slower)
+                said = f"Job {tracked.job} was deleted before it finished (not by this launcher)"
+                await self._report_failure(tracked, "JobDeleted", said)
+            else:
+                await self._report(tracked, job, pod)
         except Exception:
             log.exception("reporting attempt %s failed", tracked.attempt_id)
         await self._delete(tracked)
 
-    async def _report(self, tracked: _Tracked, job: dict[str, Any], pod: dict[str, Any] | None) -> None:
+    async def _report(self, tracked: Tracked, job: dict[str, Any], pod: dict[str, Any] | None) -> None:
         assert tracked.cycle is not None
         status, reward, error = await self.outcomes.read(tracked.cycle.ctx, tracked.job, job, pod)
         await self._send(tracked, status, reward, error)
 
-    async def _report_failure(self, tracked: _Tracked, kind: str, message: str) -> None:
+    async def _report_failure(self, tracked: Tracked, kind: str, message: str) -> None:
         assert tracked.cycle is not None
         await self._send(tracked, *failed(tracked.cycle.ctx, kind, message))
 
     async def _send(
-        self, tracked: _Tracked, status: AttemptStatus, reward: float | None, error: str | None
+        self, tracked: Tracked, status: AttemptStatus, reward: float | None, error: str | None
     ) -> None:
         """Upload the events (those the server refuses are dropped, and fail the attempt with
         the reason), then finish the attempt."""
@@ -484,15 +498,3 @@ class JobLauncher:
         if ended is not None:
             said = f": {error}" if error and ended == status else ""
             log.info("attempt %s %s%s", tracked.attempt_id, ended.value, said)
-
-
-def _check_public_url(url: str, defaulted: bool) -> None:
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"--public-url {url!r} must be an http(s) URL of the server")
-    if parts.hostname in ("127.0.0.1", "localhost", "::1") or parts.hostname.startswith("127."):
-        hint = "the server URL is a loopback address" if defaulted else f"--public-url {url!r} is loopback"
-        raise ConfigError(
-            f"{hint}, which a pod cannot reach: give --public-url, the server's address inside the "
-            "cluster (e.g. http://agentbolt-server.agentbolt.svc:8765)"
-        )

@@ -2,15 +2,16 @@
 
 No cluster runs here: the Kubernetes API is a TEST DOUBLE (tests/runner/k8s/kube_api_double.py)
 serving JSON in the real API's shape from the files under tests/runner/k8s/, over real HTTP on
-127.0.0.1, to the real `kubernetes` client. The agentbolt server, its SQLite store and the
+127.0.0.1, to the real `kubernetes` client (its watches too: chunked JSON-line streams). The agentbolt server, its SQLite store and the
 attempts' credentials are real. The test plays the pod: it reads the variables the launcher
-put in the Job, posts the reward to the events URL with the attempt's key (the URL is the
+put in the Job (the key from the Job's Secret, as the kubelet would), posts the reward to the events URL with the attempt's key (the URL is the
 server's public address, which the test maps to 127.0.0.1), and moves the Job to the state
 chosen (complete; failed by deadline, by the backoff limit; an image that cannot be pulled).
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import threading
@@ -18,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import kubernetes_validate
@@ -78,7 +80,7 @@ def _launcher(srv: ServerThread, double: KubeDouble, tmp_path: Path, **kw) -> Jo
         secrets=(RUNNER,),
     )
     api = KubeApi(kube.ApiClient(kube.Configuration(host=double.url)), NS)
-    options = {"public_url": PUBLIC, "lease_seconds": LEASE, "poll_wait": 0.2, "resync": 0.1, "timeout": 300}
+    options = {"public_url": PUBLIC, "lease_seconds": LEASE, "poll_wait": 0.2, "timeout": 300}
     return JobLauncher(template, api, srv.url, token=RUNNER, **(options | kw))
 
 
@@ -118,14 +120,24 @@ def _attempt(admin: Client, rollout_id: str):
     return attempts[-1]  # type: ignore[index]
 
 
-def _env(job: dict) -> dict[str, str]:
+def _env(job: dict, double: KubeDouble | None = None) -> dict[str, Any]:
+    """The agent container's variables; with ``double``, those from a Secret resolved as the
+    kubelet does (else left out)."""
     agent = job["spec"]["template"]["spec"]["containers"][0]
-    return {v["name"]: v["value"] for v in agent["env"]}
+    env = {v["name"]: v["value"] for v in agent["env"] if "value" in v}
+    for var in agent["env"]:
+        ref = (var.get("valueFrom") or {}).get("secretKeyRef")
+        if ref and double is not None:
+            # as the kubelet does, wait for it (the launcher creates it right after the Job)
+            name = ref["name"]
+            secret = wait_until(lambda name=name: double.secret(name), said=f"the Secret {name}")
+            env[var["name"]] = base64.b64decode(secret["data"][ref["key"]]).decode()
+    return env
 
 
-def _as_pod(srv: ServerThread, job: dict, reward: float) -> None:
+def _as_pod(srv: ServerThread, job: dict, reward: float, double: KubeDouble) -> None:
     """What the agent in the pod does: report its reward with the attempt's own key."""
-    env = _env(job)
+    env = _env(job, double)
     url = env["AGENTBOLT_EVENTS_URL"].replace(PUBLIC, srv.url)
     answer = httpx.post(
         url, json={"reward": reward}, headers={"authorization": f"Bearer {env['OPENAI_API_KEY']}"}, timeout=10
@@ -157,7 +169,8 @@ def test_one_job_per_attempt_with_the_contract_and_each_outcome(server, double, 
         assert env["OPENAI_BASE_URL"] == f"{PUBLIC}/gateway/{ok}/{a.id}/v1"
         assert env["AGENTBOLT_EVENTS_URL"] == f"{PUBLIC}/agent/{ok}/{a.id}/events"
         assert env["OPENAI_MODEL"] == env["AGENTBOLT_MODEL"] == "tiny"
-        assert env["OPENAI_API_KEY"].startswith("ak_")
+        assert "OPENAI_API_KEY" not in env  # not in the Job: in its Secret
+        assert _env(job, double)["OPENAI_API_KEY"].startswith("ak_")
         assert env["AGENTBOLT_ROLLOUT_ID"] == ok and env["AGENTBOLT_ATTEMPT_ID"] == a.id
         assert json.loads(env["AGENTBOLT_TASK"]) == {"question": "2+2?"} and env["QUESTION"] == "2+2?"
         assert env["AGENTBOLT_TASK_ID"] == admin.get_rollout(ok).task.id
@@ -175,7 +188,7 @@ def test_one_job_per_attempt_with_the_contract_and_each_outcome(server, double, 
         for rid in attempts:
             assert admin.list_attempts(rid)[-1].status == AttemptStatus.RUNNING
         # the pods: one succeeds with a posted reward, the others fail their ways
-        _as_pod(srv, job, 0.75)
+        _as_pod(srv, job, 0.75, double)
         double.set_state(names[ok], "complete", log="thinking\nanswer: 4\n")
         double.set_state(names[deadline], "deadline")
         double.set_state(names[exits], "backoff", log="Traceback: boom\n")
@@ -241,7 +254,7 @@ def test_an_event_the_server_refuses_is_dropped_alone_and_fails_the_attempt_with
             wait_until(lambda: double.job(name), said="the Job")
             job = double.job(name)
             assert job is not None
-            _as_pod(srv, job, 0.75)
+            _as_pod(srv, job, 0.75, double)
             double.set_state(name, "complete", log="answer: 4\n" * 15_000)
             rollout = _final(admin, rid)
         assert launcher.failed == 1 and launcher.completed == 0
@@ -298,7 +311,7 @@ def test_a_restarted_launcher_adopts_its_jobs_and_deletes_stale_ones(server, dou
         for rid, reward in ((first, 1.0), (second, 0.5)):
             job = double.job(names[rid])
             assert job is not None
-            _as_pod(srv, job, reward)
+            _as_pod(srv, job, reward, double)
             double.set_state(names[rid], "complete")
         assert _final(admin, first).reward == 1.0 and _final(admin, second).reward == 0.5
     assert double.count("POST", r"/jobs$") == 2  # no second Job for any attempt
@@ -315,7 +328,7 @@ def test_a_create_whose_answer_was_lost_is_adopted_on_409_not_duplicated(server,
         assert double.job_names() == [name] and len(double.created) == 1
         job = double.job(name)
         assert job is not None
-        _as_pod(srv, job, 0.25)
+        _as_pod(srv, job, 0.25, double)
         double.set_state(name, "complete")
         assert _final(admin, rid).reward == 0.25
     assert admin.list_attempts(rid)[-1].status == AttemptStatus.SUCCEEDED
@@ -360,3 +373,96 @@ def test_loopback_public_url_is_refused(server, double, tmp_path):
         _launcher(srv, double, tmp_path, public_url=None)
     with pytest.raises(ConfigError, match="loopback"):
         _launcher(srv, double, tmp_path, public_url="http://localhost:8765")
+
+
+def _versions(job: dict) -> str:
+    return str(job["metadata"]["resourceVersion"])
+
+
+def test_jobs_are_followed_through_the_watch_and_the_key_is_in_a_secret_owned_by_the_job(
+    server, double, tmp_path
+):
+    srv, admin = server
+    ok, crash = _enqueue(admin, ["2+2?", "crash"])
+    with running(_launcher(srv, double, tmp_path, max_jobs=2)):
+        names = {rid: job_name(_attempt(admin, rid).id) for rid in (ok, crash)}
+        for name in names.values():
+            wait_until(lambda name=name: double.secret(name), said=f"the Secret of {name}")
+        job, secret = double.job(names[ok]), double.secret(names[ok])
+        assert job is not None and secret is not None
+        # the Job holds no key: its container reads it from the Secret of the same name
+        key = base64.b64decode(secret["data"]["agent-key"]).decode()
+        assert key.startswith("ak_") and key not in json.dumps(double.created)
+        [ref] = [v for v in job["spec"]["template"]["spec"]["containers"][0]["env"] if "valueFrom" in v]
+        assert ref == {
+            "name": "OPENAI_API_KEY",
+            "valueFrom": {"secretKeyRef": {"name": names[ok], "key": "agent-key"}},
+        }
+        # the Secret: Opaque, labelled as its Job, owned by it (the garbage collector deletes it)
+        assert secret["type"] == "Opaque"
+        assert secret["metadata"]["labels"]["agentbolt.dev/launcher"] == "default"
+        owner = {"apiVersion": "batch/v1", "kind": "Job", "name": names[ok], "uid": job["metadata"]["uid"]}
+        assert secret["metadata"]["ownerReferences"] == [owner]
+        for body in double.created_secrets:  # as sent, it fits the API's schema
+            assert kubernetes_validate.validate(body, "1.33", strict=True)
+        # a pod that reached the kubelet before its Secret existed waits; it is not failed
+        double.set_state(names[ok], "secret-pending")
+        time.sleep(1.0)
+        assert admin.list_attempts(ok)[-1].status == AttemptStatus.RUNNING
+        _as_pod(srv, job, 0.5, double)
+        double.set_state(names[ok], "complete")
+        double.set_state(names[crash], "backoff", log="Traceback: boom\n")
+        assert _final(admin, ok).reward == 0.5
+        assert "BackoffLimitExceeded" in _final(admin, crash).error
+        for name in names.values():  # each reported Job is deleted, its Secret with it
+            wait_until(lambda name=name: double.job(name) is None and double.secret(name) is None)
+            assert double.count("DELETE", rf"/jobs/{name}(\?|$)") == 1
+            assert double.count("DELETE", rf"/secrets/{name}(\?|$)") == 1
+    # followed, not polled: one list of each kind, then watches from its version; no Job read
+    assert double.lists("jobs") == 1 and double.lists("pods") == 1 + 2  # + each ended Job's pod
+    assert double.watches("jobs") and double.watches("pods")
+    assert double.count("GET", r"/jobs/agentbolt-") == 0
+
+
+def test_a_dropped_watch_resumes_from_the_last_version_and_410_lists_again(server, double, tmp_path):
+    srv, admin = server
+    (rid,) = _enqueue(admin, ["2+2?"])
+    with running(_launcher(srv, double, tmp_path)) as launcher:
+        name = job_name(_attempt(admin, rid).id)
+        wait_until(lambda: double.secret(name), said="the Secret")
+        wait_until(lambda: name in launcher.watched.jobs, said="the Job seen through the watch")
+        jobs, pods = launcher.followers
+        # the stream breaks off (no chunked end) right after it sends the Job running
+        double.drop_after_next_event("jobs")
+        double.set_state(name, "running")
+        running_version = _versions(double.job(name) or {})
+        wait_until(lambda: jobs.resumed == 1, said="the watch resumed")
+        wait_until(lambda: running_version in double.watches("jobs"), said="a watch from the last version")
+        assert double.watches("jobs")[-1] == running_version and jobs.relisted == 0
+        # the API server no longer has that version: 410 Expired, then a list and a watch from it
+        double.expire()
+        wait_until(lambda: jobs.relisted == 1 and pods.relisted == 1, said="both listed again")
+        assert double.lists("jobs") == 2
+        wait_until(lambda: int(double.watches("jobs")[-1]) >= double.oldest, said="watching again")
+        job = double.job(name)
+        assert job is not None
+        _as_pod(srv, job, 1.0, double)
+        double.set_state(name, "complete")
+        assert _final(admin, rid).reward == 1.0
+        wait_until(lambda: double.job(name) is None, said="the Job deleted")
+    assert launcher.completed == 1 and double.count("GET", r"/jobs/agentbolt-") == 0
+
+
+def test_a_secret_that_cannot_be_created_deletes_its_job_and_fails_the_attempt(server, double, tmp_path):
+    srv, admin = server
+    double.refuse_secrets = 1  # 403: the launcher's Role may not create secrets
+    (rid,) = _enqueue(admin, ["no secret"])
+    with running(_launcher(srv, double, tmp_path)) as launcher:
+        rollout = _final(admin, rid)
+        name = job_name(admin.list_attempts(rid)[-1].id)
+        assert rollout.status == RolloutStatus.FAILED
+        assert "403 Forbidden" in rollout.error and "cannot create resource" in rollout.error
+        assert f"Secret {name}" in rollout.error and "the Job was deleted" in rollout.error
+        assert double.count("POST", r"/jobs$") == 1 and double.count("DELETE", rf"/jobs/{name}(\?|$)") == 1
+        assert not double.job_names() and double.secret(name) is None
+        assert not launcher.tracked

@@ -267,11 +267,20 @@ def _validate_status(body: dict) -> None:
 
 @pytest.mark.parametrize("path", sorted(RECORDED.glob("*.json")), ids=lambda p: p.name)
 def test_the_recorded_responses_fit_the_schema(path):
-    """The files the API double serves are in the real API's shape."""
+    """The files the API double serves are in the real API's shape (a watch event: its object;
+    a bookmark's object is partial by design: only its resourceVersion counts)."""
     body = json.loads(path.read_text())
-    if body["kind"] == "Status":
+    if "type" in body and "object" in body:
+        assert body["type"] in ("ADDED", "MODIFIED", "DELETED", "BOOKMARK", "ERROR") and len(body) == 2
+        if body["type"] == "BOOKMARK":
+            assert body["object"]["metadata"]["resourceVersion"].isdigit()
+            return
+        text = json.dumps(body["object"])
+        body = body["object"]
+    else:
         text = path.read_text()
-        for hole in ("{name}", "{uid}", "{field}", "{detail}"):
+    if body["kind"] == "Status":
+        for hole in ("{name}", "{uid}", "{field}", "{detail}", "{version}", "{oldest}"):
             text = text.replace(hole, "x")
         _validate_status(json.loads(text))
         with pytest.raises(Exception, match="is not of type"):  # the check has teeth
@@ -322,3 +331,35 @@ def test_the_command_lines_mistakes_are_one_line_each(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "kubernetes", None)  # as if the extra were not installed
     with pytest.raises(MissingExtra, match=r"pip install 'agentbolt\[kubernetes\]'"):
         _cli(tmp_path)
+
+
+def test_the_key_goes_in_the_jobs_secret_not_in_the_job(tmp_path):
+    from agentbolt.runner.kube_template import SECRET_KEY, job_secret
+
+    template = JobTemplate(_write(tmp_path, PLAIN), "agents")
+    variables = {k: v for k, v in VARIABLES.items() if k != "OPENAI_API_KEY"}
+    job = _render(template, variables=variables, secret_env={"OPENAI_API_KEY": SECRET_KEY})
+    assert "ak_attempt_key" not in json.dumps(job)
+    agent = job["spec"]["template"]["spec"]["containers"][1]
+    refs = [v for v in agent["env"] if v["name"] == "OPENAI_API_KEY"]  # the template's stale one replaced
+    assert refs == [
+        {
+            "name": "OPENAI_API_KEY",
+            "valueFrom": {"secretKeyRef": {"name": job["metadata"]["name"], "key": SECRET_KEY}},
+        }
+    ]
+    assert kubernetes_validate.validate(job, "1.33", strict=True)
+    assert schema_problem(template.sample()) is None  # the sample the launcher checks at start reads it too
+    created = {**job, "metadata": {**job["metadata"], "uid": "5f0c1a52-8a43-4c8e-9a51-2f6b3f0f7d11"}}
+    secret = job_secret(created, {SECRET_KEY: "ak_attempt_key"})
+    assert kubernetes_validate.validate(secret, "1.33", strict=True)
+    assert secret["type"] == "Opaque" and secret["metadata"]["name"] == job["metadata"]["name"]
+    assert secret["data"] == {SECRET_KEY: "YWtfYXR0ZW1wdF9rZXk="}  # base64 of the key
+    assert secret["metadata"]["ownerReferences"] == [
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "name": job["metadata"]["name"],
+            "uid": "5f0c1a52-8a43-4c8e-9a51-2f6b3f0f7d11",
+        }
+    ]
