@@ -119,9 +119,26 @@ class ModelEngine:
     def start(self) -> ModelEngine:
         with self._start_lock:
             if not self._started:
+                log.info("%s", self.serving())
                 self._batcher.start()
                 self._started = True
         return self
+
+    def serving(self) -> str:
+        """One line: what serves the attention and the small ops (the C kernels or PyTorch, and
+        why), the forward pass and the products; the engine logs it as it starts."""
+        b = self._batcher
+        if b.attention == "kernel":
+            from agentbolt.engine import kernels
+
+            small = f"the C kernels ({kernels.status()})"
+        else:
+            small = f"PyTorch ({b.attention_note or 'kernels off'})"
+        forward = "the engine's own" if b.own_forward is not None else f"transformers' ({b.forward_note})"
+        return (
+            f"engine: attention and small ops by {small}; forward pass {forward}; "
+            f"products {b.matmul_kind or 'native'}, dtype {str(next(self.model.parameters()).dtype).removeprefix('torch.')}"
+        )
 
     def run_here(self) -> None:
         """Run the engine's loop, and so every forward pass, in the calling thread until
