@@ -23,6 +23,7 @@ import abc
 import contextlib
 import logging
 import re
+import secrets
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -185,12 +186,20 @@ class RemotePolicy(PolicyServer):
         self.base_model_path, self.adapter_dir, self.timeout = base_model_path, adapter_dir, timeout
         self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self._last = ""
+        # vLLM refuses (400) to load a name it has loaded already: a resumed run syncs its
+        # checkpoint's step again, and two runs may share one server. A tag per policy (per
+        # process) keeps every name new without replacing another run's adapter in place.
+        self.tag = secrets.token_hex(3)
 
     def sync(self, model: nn.Module, version: int | str, saved: Path | None = None) -> str:
         path = saved.resolve() if saved is not None else self._write(model, version)
         if not _is_adapter(path):
             raise ConfigError("a remote policy server takes LoRA adapters: train with lora=True")
-        name = f"policy-step-{version}" if isinstance(version, int) else f"policy-{version}"
+        name = (
+            f"policy-{self.tag}-step-{version}"
+            if isinstance(version, int)
+            else f"policy-{self.tag}-{version}"
+        )
 
         def load(url: str) -> None:
             response = httpx.post(

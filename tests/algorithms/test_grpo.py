@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -96,8 +97,8 @@ def test_grpo_against_a_remote_vllm_style_server(tiny, tmp_path):
         adapter = run_dir / "adapters" / "step-00001"
         assert (adapter / "adapter_config.json").exists()
         served_models = [m["id"] for m in httpx.get(f"{served.base_url}/models").json()["data"]]
-        assert "policy-step-1" in served_models
-        assert engine.version == "policy-step-1"
+        [name] = [m for m in served_models if re.fullmatch(r"policy-[0-9a-f]{6}-step-1", m)]
+        assert engine.version == name
 
 
 def _kill_the_victim(folder: Path, killed: list[int], stop: threading.Event) -> None:

@@ -29,6 +29,7 @@ def _reset_upstream(request: pytest.FixtureRequest) -> None:
     if "upstream" in request.fixturenames:
         double = request.getfixturevalue("upstream")
         double.calls.clear()
+        double.adapters.clear()
         double.fail_next.clear()
         double.delay_next.clear()
         double.strict, double.model_version, double.delay = False, "7", 0.0

@@ -420,14 +420,18 @@ def test_remote_sync_loads_the_adapter_on_every_live_server(pair, tiny, tmp_path
     assert policy.servers == [a.url, b.url]
 
     b.stop()
-    assert policy.sync(state.model, 1, saved=saved) == "policy-step-1"
+    first = f"policy-{policy.tag}-step-1"
+    assert policy.sync(state.model, 1, saved=saved) == first
     assert policy.serving == [a.url] and policy.base_url == a.url and policy.upstreams == []
-    assert a.engine.version == "policy-step-1"
+    assert a.engine.version == first
 
     b.start()
     policy.sync(state.model, 2, saved=saved)
     assert policy.serving == [a.url, b.url] and policy.upstreams == [b.url]
-    assert a.engine.version == b.engine.version == "policy-step-2"
+    assert a.engine.version == b.engine.version == f"policy-{policy.tag}-step-2"
+    # a policy made later (a resumed run, another run on the same servers) loads new names
+    again = RemotePolicy(a.url, "tiny", str(tiny), tmp_path / "adapters")
+    assert again.tag != policy.tag and again.sync(state.model, 2, saved=saved) == f"policy-{again.tag}-step-2"
 
 
 def test_serve_url_takes_several_servers(tiny, tmp_path):

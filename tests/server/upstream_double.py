@@ -14,6 +14,14 @@ it), ``model_version`` (sent as ``x-model-version``), models
 named ``error-500`` (a 500 that echoes the caller's Authorization header, to test scrubbing)
 and ``broken-stream`` (a stream cut off mid-way). ``serves_responses``: answer ``/v1/responses`` as a
 hosted API does (a fixed Responses body or its events, no token ids); off, that path is a 404. ``calls`` holds what each request carried.
+
+LoRA as vLLM 0.34.0 does it (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``): ``/v1/load_lora_adapter``
+answers 200 with a text body, refuses (400) a missing name or path, the base model's name, and a
+name already loaded unless ``load_inplace``, and 404s a path with no adapter;
+``/v1/unload_lora_adapter`` 404s an unknown name. Loaded adapters (``adapters``: name -> path)
+are listed by ``/v1/models``. As in vLLM, unknown request fields are ignored, never an error
+(unless ``strict`` names them). The shapes come from vLLM's source:
+``tests/contracts/vllm_0_34_0.json``, checked by ``tests/contracts/test_vllm_contract.py``.
 """
 
 from __future__ import annotations
@@ -24,16 +32,18 @@ import json
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from agentbolt.server.run import free_port
 
 WORDS = [" The", " answer", " is", " 42", ".", " Sure", ",", " here", " it", " comes", " ok", " done"]
 CREATED = 1_700_000_000
+BASE_MODEL = "double"
 
 
 @dataclass
@@ -64,6 +74,11 @@ def _arguments(tool: dict[str, Any], question: str) -> dict[str, Any]:
     props = tool.get("function", {}).get("parameters", {}).get("properties", {})
     fill = {"string": question[-40:] or "x", "integer": 7, "number": 1.5, "boolean": True}
     return {name: fill.get(schema.get("type"), "x") for name, schema in props.items()}
+
+
+def _error(message: str, status: int, type: str = "InvalidUserInput") -> JSONResponse:
+    """vLLM's ErrorResponse: ``{"error": {"message", "type", "param", "code"}}``."""
+    return JSONResponse({"error": {"message": message, "type": type, "param": None, "code": status}}, status)
 
 
 @dataclass
@@ -144,6 +159,7 @@ class UpstreamDouble:
         self.fail_next: list[int] = []
         self.strict: bool | set[str] = False
         self.serves_responses = False
+        self.adapters: dict[str, str] = {}  # LoRA name -> path, loaded through /v1/load_lora_adapter
         self.model_version: str | None = "7"
         self.delay = 0.0
         self.delay_next: list[float] = []
@@ -186,10 +202,27 @@ class UpstreamDouble:
 
         @app.get("/v1/models")
         async def models() -> dict[str, Any]:
-            return {
-                "object": "list",
-                "data": [{"id": "double", "object": "model", "created": CREATED, "owned_by": "tests"}],
-            }
+            base = {"id": BASE_MODEL, "object": "model", "created": CREATED, "owned_by": "tests"}
+            loras = [  # vLLM's card for an adapter: root is its path, parent the base model
+                {
+                    "id": n,
+                    "object": "model",
+                    "created": CREATED,
+                    "owned_by": "vllm",
+                    "root": p,
+                    "parent": BASE_MODEL,
+                }
+                for n, p in self.adapters.items()
+            ]
+            return {"object": "list", "data": [base, *loras]}
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: Request) -> Any:
+            return await self._lora(request, load=True)
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request) -> Any:
+            return await self._lora(request, load=False)
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request) -> Any:
@@ -213,17 +246,16 @@ class UpstreamDouble:
             await asyncio.sleep(wait)
         if self.fail_next:
             status = self.fail_next.pop(0)
-            return JSONResponse({"error": {"message": f"injected {status}", "type": "server_error"}}, status)
+            error = {"message": f"injected {status}", "type": "server_error", "param": None, "code": status}
+            return JSONResponse({"error": error}, status)
         rejected = self._rejected(body)
         if rejected is not None:
             message = f"Unrecognized request argument supplied: {rejected}"
-            error = {"message": message, "type": "invalid_request_error", "param": rejected}
+            error = {"message": message, "type": "invalid_request_error", "param": rejected, "code": 400}
             return JSONResponse({"error": error}, 400)
         if body.get("model") == "error-500":
             auth = request.headers.get("authorization", "")
-            return JSONResponse(
-                {"error": {"message": f"backend failed for {auth}", "type": "server_error"}}, 500
-            )
+            return _error(f"backend failed for {auth}", 500, "server_error")
         choices = [_generate(body, i) for i in range(int(body.get("n") or 1))]
         headers = {"x-model-version": self.model_version} if self.model_version else {}
         prompt_ids = _ids(_prompt_text(body))
@@ -293,6 +325,33 @@ class UpstreamDouble:
             for i, e in enumerate(events)
         )
         return StreamingResponse(iter([lines]), media_type="text/event-stream")
+
+    async def _lora(self, request: Request, load: bool) -> Any:
+        """vLLM's load/unload of a LoRA adapter (``vllm/entrypoints/openai/models/serving.py``)."""
+        body = await request.json()
+        self.calls.append(Seen(request.url.path, dict(request.headers), body))
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not load:
+            if not name:
+                return _error("'lora_name' needs to be provided to unload a LoRA adapter.", 400)
+            if name not in self.adapters:
+                return _error(f"The lora adapter '{name}' cannot be found.", 404, "NotFoundError")
+            del self.adapters[name]
+            return Response(f"Success: LoRA adapter '{name}' removed successfully.")
+        if not name or not path:
+            return _error("Both 'lora_name' and 'lora_path' must be provided.", 400)
+        if name == BASE_MODEL:
+            return _error(f"The lora adapter '{name}' conflicts with a served base model.", 400)
+        if name in self.adapters and not body.get("load_inplace"):
+            message = (
+                f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                "adapter in place, set 'load_inplace' to True."
+            )
+            return _error(message, 400)
+        if not (Path(path) / "adapter_config.json").is_file():
+            return _error(f"Loading lora {name} failed: No adapter found for {path}", 404, "NotFoundError")
+        self.adapters[name] = path
+        return Response(f"Success: LoRA adapter '{name}' added successfully.")
 
     def _rejected(self, body: dict[str, Any]) -> str | None:
         """The first parameter of the request that ``strict`` makes this double reject."""
