@@ -12,6 +12,9 @@ if [ "${1:-}" = "--lint" ]; then
   .venv/bin/ruff format --check agentbolt tests benchmarks examples
   .venv/bin/mypy agentbolt
 fi
+# one string-hash seed: reasoning-gym's generators then draw in-process the items every other
+# process draws (agentbolt/tasks/reasoning_gym.py), not in a child interpreter per draw
+export PYTHONHASHSEED=0
 # 4 workers on 2 cores: most of the suite waits on servers, subprocesses and sockets; a
 # worker that runs out of tests takes some of a busy one's (worksteal), so no long tail
 exec .venv/bin/python -m pytest -q -n 4 --dist worksteal "$@"

@@ -27,7 +27,10 @@ import functools
 import hashlib
 import itertools
 import json
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -120,7 +123,44 @@ def _items(name: str, options: dict[str, Any], seed: int) -> Iterator[dict[str, 
 
 
 def make_tasks(name: str, options: dict[str, Any], n: int, seed: int, split: Split) -> list[Task]:
-    """``n`` distinct items of ``split`` (by the hash of question and answer), drawn from ``seed``."""
+    """``n`` distinct items of ``split`` (by the hash of question and answer), drawn from ``seed``:
+    the same items in every process. Some generators iterate over Python sets (isomorphic_strings
+    does), whose order follows the interpreter's string hashing, randomised per process unless
+    ``PYTHONHASHSEED`` is fixed; elsewhere the items are drawn in a child interpreter with
+    ``PYTHONHASHSEED=0`` (about two seconds), so a resumed run and another process get the same
+    tasks for the same seed."""
+    if sys.flags.hash_randomization:  # started without PYTHONHASHSEED=0
+        return _drawn_elsewhere(name, options, n, seed, split)
+    return _draw_here(name, options, n, seed, split)
+
+
+@functools.lru_cache(maxsize=64)
+def _drawn_cached(name: str, options_json: str, n: int, seed: int, split: Split) -> str:
+    command = [
+        sys.executable,
+        "-m",
+        "agentbolt.tasks.reasoning_gym",
+        name,
+        options_json,
+        str(n),
+        str(seed),
+        split,
+    ]
+    done = subprocess.run(
+        command, env={**os.environ, "PYTHONHASHSEED": "0"}, capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ValueError(last.removeprefix("ValueError: "))
+    return done.stdout
+
+
+def _drawn_elsewhere(name: str, options: dict[str, Any], n: int, seed: int, split: Split) -> list[Task]:
+    text = _drawn_cached(name, json.dumps(options, sort_keys=True), n, seed, split)
+    return [Task.model_validate(item) for item in json.loads(text)]
+
+
+def _draw_here(name: str, options: dict[str, Any], n: int, seed: int, split: Split) -> list[Task]:
     items = _items(name, options, seed)
 
     def draw(_rng: Any) -> tuple[str, dict[str, Any]]:
@@ -185,3 +225,9 @@ def reasoning_gym_task(name: str, options: dict[str, Any], label: str) -> Builti
         functools.partial(make_tasks, name, options),
         max_tokens=48,
     )
+
+
+if __name__ == "__main__":  # the child of :func:`make_tasks`: the tasks as JSON on stdout
+    _name, _options, _n, _seed, _split = sys.argv[1:6]
+    _tasks = _draw_here(_name, json.loads(_options), int(_n), int(_seed), _split)  # type: ignore[arg-type]
+    sys.stdout.write(json.dumps([t.model_dump(mode="json") for t in _tasks]))

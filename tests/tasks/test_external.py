@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -129,6 +132,26 @@ def test_splits_hold_across_configs_and_are_reproducible() -> None:
     large_ids = {_content(t.data): t.id for t in large.heldout_tasks(120, seed=2)}
     common = small_ids.keys() & large_ids.keys()
     assert common and all(small_ids[c] != large_ids[c] for c in common)
+
+
+def test_the_same_seed_draws_the_same_items_in_every_process() -> None:
+    """isomorphic_strings' generator iterates over sets, whose order follows the per-process
+    string hashing: two interpreters with different hash seeds still get the same tasks."""
+    script = (
+        "from agentbolt.tasks.reasoning_gym import make_tasks; "
+        "print([t.id for t in make_tasks('isomorphic_strings', {}, 8, 2, 'heldout')])"
+    )
+    drawn = [
+        subprocess.run(
+            [sys.executable, "-c", script],
+            env={**os.environ, "PYTHONHASHSEED": hash_seed, "PYTHONPATH": str(Path(__file__).parents[2])},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for hash_seed in ("1", "2", "random")
+    ]
+    assert drawn[0] == drawn[1] == drawn[2] and drawn[0].count("rg-isomorphic_strings-heldout-") == 8
 
 
 def test_the_worked_example_is_from_the_training_split() -> None:
