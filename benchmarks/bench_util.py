@@ -6,10 +6,12 @@ from __future__ import annotations
 import os
 import statistics
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 
 def cpu_seconds(pid: int) -> float:
@@ -59,3 +61,34 @@ def store_url(backend: str, pg: str, settings: dict[str, str] | None = None) -> 
     finally:
         with psycopg.connect(pg, autocommit=True) as conn:
             conn.execute(f"DROP SCHEMA {schema} CASCADE")
+
+
+def grpo_on_task(
+    task: Any, prefix: str, train: list[Any], heldout: list[Any], **grpo: Any
+) -> tuple[Any, Path, float]:
+    """GRPO from the untrained bundled model on a built-in or external ``task``
+    (:class:`agentbolt.tasks.BuiltinTask`) as the learning benchmarks run it: 4 tasks x 8 rollouts
+    a step, no checkpoints, plot or validation between steps (``grpo`` overrides or adds), one
+    runner of 32 rollouts, the task's system prompt published, the trainer's output in
+    ``log.txt`` of a fresh run folder. Returns the result, the run folder and the seconds taken."""
+    from rich.console import Console
+
+    from agentbolt import PromptTemplate, Trainer
+    from agentbolt.algorithms.grpo import GRPO
+
+    settings: dict[str, Any] = dict(
+        tasks_per_step=4, group_size=8, val_every=0, checkpoint_every=0, plot=False
+    )
+    algo = GRPO(**{**settings, **grpo})
+    run_dir = Path(tempfile.mkdtemp(prefix=prefix))
+    t0 = time.perf_counter()
+    with (run_dir / "log.txt").open("w") as log:
+        result = Trainer(
+            algo,
+            n_runners=1,
+            runner_concurrency=32,
+            run_dir=run_dir,
+            console=Console(file=log, width=200),
+            resources={"system_prompt": PromptTemplate(template=task.system_prompt, engine="plain")},
+        ).fit(task.agent(), train, heldout)
+    return result, run_dir, time.perf_counter() - t0

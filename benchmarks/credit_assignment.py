@@ -24,46 +24,29 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
+
+from bench_util import grpo_on_task
 
 
 def train(
     task_name: str, mode: str, seed: int, steps: int, val_tasks: int, validate_before: bool
 ) -> dict[str, Any]:
-    from rich.console import Console
-
-    from agentbolt import PromptTemplate, Trainer
-    from agentbolt.algorithms.grpo import GRPO
     from agentbolt.tasks import TASKS
 
     task = TASKS[task_name]
-    run_dir = Path(tempfile.mkdtemp(prefix=f"bench-credit-{mode}-s{seed}-"))
-    algo = GRPO(
+    result, run_dir, seconds = grpo_on_task(
+        task,
+        f"bench-credit-{mode}-s{seed}-",
+        task.train_tasks(256, seed=1),
+        task.heldout_tasks(val_tasks, seed=2),
         steps=steps,
-        tasks_per_step=4,
-        group_size=8,
         seed=seed,
-        advantage=mode,  # type: ignore[arg-type]
+        advantage=mode,
         asynchronous=False,  # on-policy, as docs/training.md's figures were measured: only the credit differs
-        val_every=0,
         validate_before=validate_before,
-        checkpoint_every=0,
-        plot=False,
     )
-    log = (run_dir / "log.txt").open("w")
-    t0 = time.perf_counter()
-    result = Trainer(
-        algo,
-        n_runners=1,
-        runner_concurrency=32,
-        run_dir=run_dir,
-        console=Console(file=log, width=200),
-        resources={"system_prompt": PromptTemplate(template=task.system_prompt, engine="plain")},
-    ).fit(task.agent(), task.train_tasks(256, seed=1), task.heldout_tasks(val_tasks, seed=2))
-    log.close()
     steps_ = [h for h in result.history if h.get("step", 0) > 0]
     return {
         "mode": mode,
@@ -74,7 +57,7 @@ def train(
         "greedy_after": result.val_greedy_after,
         "train_success": [h["success"] for h in steps_],
         "train_tokens": sum(h.get("train_tokens", 0.0) for h in steps_),
-        "seconds": time.perf_counter() - t0,
+        "seconds": seconds,
         "run_dir": str(run_dir),
     }
 

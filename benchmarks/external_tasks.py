@@ -27,11 +27,11 @@ import json
 import os
 import statistics
 import sys
-import tempfile
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
+from bench_util import grpo_on_task
 
 DEFAULT_TASKS = "gymnasium:FrozenLake-v1?p=0.9,reasoning_gym:isomorphic_strings"
 
@@ -43,37 +43,20 @@ def result_path(results: Path, spec: str, seed: int) -> Path:
 
 
 def train(spec: str, seed: int, steps: int, val_tasks: int, lr: float) -> dict[str, Any]:
-    from rich.console import Console
-
-    from agentbolt import PromptTemplate, Trainer
-    from agentbolt.algorithms.grpo import GRPO
     from agentbolt.tasks import get_task
 
     task = get_task(spec)
     heldout = task.heldout_tasks(val_tasks, seed=2)
-    run_dir = Path(tempfile.mkdtemp(prefix=f"bench-external-s{seed}-"))
-    algo = GRPO(
+    result, run_dir, seconds = grpo_on_task(
+        task,
+        f"bench-external-s{seed}-",
+        task.train_tasks(256, seed=1),
+        heldout,
         steps=steps,
-        tasks_per_step=4,
-        group_size=8,
         seed=seed,
         lr=lr,
-        val_every=0,
         validate_before=True,
-        checkpoint_every=0,
-        plot=False,
     )
-    log = (run_dir / "log.txt").open("w")
-    t0 = time.perf_counter()
-    result = Trainer(
-        algo,
-        n_runners=1,
-        runner_concurrency=32,
-        run_dir=run_dir,
-        console=Console(file=log, width=200),
-        resources={"system_prompt": PromptTemplate(template=task.system_prompt, engine="plain")},
-    ).fit(task.agent(), task.train_tasks(256, seed=1), heldout)
-    log.close()
     steps_ = [h for h in result.history if h.get("step", 0) > 0]
     return {
         "task": spec,
@@ -86,7 +69,7 @@ def train(spec: str, seed: int, steps: int, val_tasks: int, lr: float) -> dict[s
         "greedy_after": result.val_greedy_after,
         "train_success": [h["success"] for h in steps_],
         "constant": constant_answer([t.data.get("answer") for t in heldout]),
-        "seconds": time.perf_counter() - t0,
+        "seconds": seconds,
         "run_dir": str(run_dir),
     }
 
