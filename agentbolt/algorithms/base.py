@@ -1,5 +1,6 @@
 """What every algorithm shares: the context the Trainer hands it, running a batch of rollouts
-to completion with a progress bar and a bound on waiting, and a validation pass at a version."""
+to completion with a progress bar and a bound on waiting, a validation pass at a version, and
+the line a trainer prints for the model calls it skipped for lack of token ids."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ __all__ = [
     "TrainContext",
     "Validation",
     "greedy_version",
+    "no_ids_note",
     "run_rollouts",
     "run_sampled_and_greedy",
     "validate",
@@ -38,6 +40,15 @@ DEFAULT_MAX_ATTEMPTS = 3
 """Attempts per rollout unless the user says otherwise. The store retries only infrastructure
 failures (a lost lease, a dead runner, a released attempt); an agent that raises fails its rollout
 at once, so a retry never turns a bad run into a good one."""
+
+
+def no_ids_note(skipped: int) -> str:
+    """What GRPO and SFT print when calls had no token ids: nothing of them was trained on."""
+    calls = "llm call" if skipped == 1 else "llm calls"
+    return (
+        f"{skipped} {calls} skipped for lack of token ids (recorded text-only: the model server "
+        "returned none; see docs/deployment.md)"
+    )
 
 
 @dataclass

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from agentbolt.adapters import STATE_EVENT, TrajectoryRow, latest_attempt, to_trajectories
+from agentbolt.adapters import STATE_EVENT, AdapterStats, TrajectoryRow, latest_attempt, to_trajectories
 from agentbolt.algorithms.async_grpo import InFlightGroup, version_lag
 from agentbolt.algorithms.base import BatchResult
 from agentbolt.algorithms.batch import TrainRow
@@ -64,9 +64,12 @@ def step_rows(config: GRPOConfig, client: Client, batch: BatchResult, tasks: Seq
 def rows_of(
     config: GRPOConfig, kept: dict[str, list[Rollout]], batch: BatchResult, events: dict[str, list[Event]]
 ) -> StepRows:
-    """The rows of the ``kept`` groups' rollouts, with the advantages ``config`` asks for."""
+    """The rows of the ``kept`` groups' rollouts, with the advantages ``config`` asks for;
+    ``skipped_no_ids`` counts their model calls recorded without token ids (nothing to train
+    on: :class:`~agentbolt.adapters.AdapterStats`)."""
     traj_rows: list[TrajectoryRow] = []
-    gen_tokens = mismatches = 0
+    gen_tokens = 0
+    adapter = AdapterStats()
     for rollouts in kept.values():
         for r in rollouts:
             # Only the attempt that finished: a retried rollout's lost attempt may have made
@@ -75,14 +78,15 @@ def rows_of(
                 latest_attempt(events[r.id]), reward=batch.value(r), group_id=r.group_id, task_id=r.task.id
             )
             traj_rows += rows
-            mismatches += stats.prefix_mismatches
+            adapter += stats
             gen_tokens += sum(row.num_model_tokens for row in rows)
     train_rows, adv = compute_advantages(traj_rows, config.advantage, config.gamma, config.step_weight)
     data = {
         "samples": len({(row.rollout_id, row.attempt_id) for row in traj_rows}),
         "groups": adv.groups,
         "zero_spread_groups": adv.zero_spread_groups,
-        "prefix_mismatches": mismatches,
+        "prefix_mismatches": adapter.prefix_mismatches,
+        "skipped_no_ids": adapter.skipped_no_ids,
         **adv.metrics(),
         # the program's own grade against the reward trained on: a reward-hacking signal
         **claim_counts({r.id: events[r.id] for rs in kept.values() for r in rs}),

@@ -10,6 +10,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from agentbolt.algorithms.base import no_ids_note
 from agentbolt.algorithms.collapse import CollapseWatch
 from agentbolt.algorithms.metrics import MetricsLog
 from agentbolt.console import print_line
@@ -104,8 +105,9 @@ def line(row: dict[str, Any], shown: Columns = COLUMNS) -> str:
 class StepRecord:
     """A run's step rows as they are recorded: each is checked by the collapse watch (its warning
     printed and kept in the row), appended to ``history``, written to the metrics log and shown
-    in the live table, and, on a console that shows nothing live, printed as one line. A resumed
-    run's ``history`` is shown again and continues the watch's count."""
+    in the live table, and, on a console that shows nothing live, printed as one line. A step
+    whose rollouts made model calls recorded without token ids says how many it skipped, on a
+    line of its own. A resumed run's ``history`` is shown again and continues the watch's count."""
 
     console: Console
     log: MetricsLog
@@ -125,6 +127,9 @@ class StepRecord:
         if warning:
             row["warning"] = warning
             print_line(self.console, f"warning: {warning}")
+        skipped = row.get("skipped_no_ids")
+        if skipped:
+            print_line(self.console, f"step {row.get('step')}: {no_ids_note(skipped)}")
         self.history.append(row)
         self.log.write(row)
         add_row(self.table, row, self.shown)

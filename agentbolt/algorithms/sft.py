@@ -48,6 +48,7 @@ from agentbolt.algorithms.base import (
     Algorithm,
     BatchResult,
     TrainContext,
+    no_ids_note,
     run_rollouts,
     validate,
 )
@@ -253,7 +254,7 @@ class SFT(RewardOptions, Algorithm):
         pool = [*batch.rollouts, *arrived]
         kept = select_rollouts(pool, self.min_reward, self.top_fraction, self.reward)
         late += [x for x in batch.succeeded if resolve(x, self.reward).state == "pending"]
-        rows, duplicates, adapter = self._rows(ctx, kept)
+        rows, duplicates, adapter = self._rows(ctx, kept, r)
         result = RoundResult(
             round=r,
             rollouts=len(batch.rollouts),
@@ -306,17 +307,23 @@ class SFT(RewardOptions, Algorithm):
             rewards=self.reward_plan(),
         )
 
-    def _rows(self, ctx: TrainContext, kept: Sequence[Rollout]) -> tuple[list[TrainRow], int, AdapterStats]:
+    def _rows(
+        self, ctx: TrainContext, kept: Sequence[Rollout], r: int
+    ) -> tuple[list[TrainRow], int, AdapterStats]:
+        """Round ``r``'s rows from the kept rollouts' calls; says how many calls it skipped for
+        lack of token ids, when any."""
         trajectories: list[TrajectoryRow] = []
         adapter = AdapterStats()
-        by_rollout = ctx.client.events_of([r.id for r in kept], type=[EventType.LLM_CALL.value])
-        for r in kept:
-            events = latest_attempt(by_rollout[r.id])
-            reward = resolve(r, self.reward).value
-            found, stats = to_trajectories(events, reward=reward, group_id=r.group_id, task_id=r.task.id)
+        by_rollout = ctx.client.events_of([x.id for x in kept], type=[EventType.LLM_CALL.value])
+        for x in kept:
+            events = latest_attempt(by_rollout[x.id])
+            reward = resolve(x, self.reward).value
+            found, stats = to_trajectories(events, reward=reward, group_id=x.group_id, task_id=x.task.id)
             trajectories += found
             adapter += stats
         rows, duplicates = sft_rows(trajectories)
+        if adapter.skipped_no_ids:
+            print_line(ctx.console, f"SFT round {r}: {no_ids_note(adapter.skipped_no_ids)}")
         return rows, duplicates, adapter
 
     def _train(self, ctx: TrainContext, state: TrainState, rows: list[TrainRow], r: int) -> TrainStats:

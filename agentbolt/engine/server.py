@@ -2,8 +2,12 @@
 
 Routes are thin: each parses JSON, calls the engine, and maps ``EngineRequestError`` to an
 OpenAI error body (``{"error": {"message", "type", "param", "code"}}``) with its status.
-Weight updates (vLLM's ``/v1/load_lora_adapter`` and ``/v1/update_weights``) run in a worker
-thread so the event loop keeps serving while running requests drain.
+Weight updates (``/v1/load_lora_adapter``, vLLM's route and body, and ``/v1/update_weights``
+with a checkpoint ``path``, this engine's own) run in a worker thread so the event loop keeps
+serving while running requests drain. vLLM 0.34.0 has no ``/v1/update_weights``: its
+``POST /update_weights`` (no ``/v1``, only with ``VLLM_SERVER_DEV_MODE=1``) takes
+``update_info`` for a weight-transfer engine (NCCL or IPC), not a path
+(``tests/contracts/vllm_0_34_0.json``, ``behaviour.update_weights``).
 """
 
 from __future__ import annotations

@@ -3,8 +3,10 @@
 ``/gateway/{rollout_id}/{attempt_id}/v1/{chat/completions,completions,responses,models}`` forwards
 to the upstream named by the rollout's ``LLM`` resource (the ``base_url`` as published; with
 ``upstreams`` too, one of those servers per attempt: :mod:`.gateway_upstreams`). A
-Responses call goes to an upstream's own ``/responses`` as it is (recorded text-only unless the
-answer carries ids); where that is a 404 or 405 (remembered per upstream: the embedded engine,
+Responses call goes to an upstream's own ``/responses`` as the agent wrote it, plus vLLM's asks
+for token ids and logprobs (``enable_response_messages``, ``include``: :mod:`.responses_ids`),
+and is recorded with those ids (text-only where the upstream gives none: a hosted API, a
+gpt-oss model); where that is a 404 or 405 (remembered per upstream: the embedded engine,
 most model servers) it goes out as a chat completion (:mod:`.responses`) and is recorded as
 one, with ``endpoint: "responses"``, the agent's request and the ``chat_request`` it became;
 ``previous_response_id`` then continues from the attempt's recorded call. It asks the
@@ -28,8 +30,9 @@ Choices worth knowing:
   server down; an answer the server may have started (a read timeout, a dropped connection
   after the request went out, a broken stream) is reported, never sent elsewhere. A 429/502/503
   is retried on the same server. Each record names the server in ``upstream`` (its URL, no key).
-- An upstream that rejects ``return_token_ids`` or ``logprobs`` the gateway added (a 400 naming
-  it) is asked again without just that one, and that is remembered per upstream; an extra the
+- An upstream that rejects ``return_token_ids`` or ``logprobs`` the gateway added (on
+  ``/responses``: ``enable_response_messages`` or ``logprobs``; a 400 naming it) is asked again
+  without just that one, and that is remembered per upstream; an extra the
   agent asked for itself is never dropped (its 400 goes back to the agent). A call answered
   without ids is recorded text-only: ``token_ids: false`` in its data.
 - A call the agent's client retried is one record: a try with the same ``Idempotency-Key``, or
@@ -72,7 +75,7 @@ from agentbolt.server.gateway_access import UpstreamKeys
 from agentbolt.server.gateway_call import CallTry, ForwardedCall, Refused, Target, json_answer
 from agentbolt.server.gateway_quota import CallQuota, key_reused
 from agentbolt.server.gateway_record import CallRecorder
-from agentbolt.server.gateway_responses import PASSED, ResponsesUpstream, chat_for
+from agentbolt.server.gateway_responses import ResponsesUpstream, chat_for
 from agentbolt.server.gateway_send import UpstreamSender
 from agentbolt.server.gateway_stream import relay
 from agentbolt.server.gateway_upstreams import rank_servers
@@ -192,10 +195,11 @@ class Gateway:
             return exc.response()
         responses = asked.responses
         if responses is not None and self.responses.may_serve(server):
+            payload, wants = self.responses.prepare(server, responses)
             passed = ForwardedCall(
-                target, resource, llm, RESPONSES, responses, PASSED, key, started, t0, try_of, upstream=server
+                target, resource, llm, RESPONSES, responses, wants, key, started, t0, try_of, upstream=server
             )
-            answer = await self.responses.send(passed)
+            answer = await self.responses.send(passed, payload)
             if answer is not None:
                 return answer
             server, key = passed.upstream, passed.key  # where the pass-through went

@@ -1,5 +1,6 @@
 """The gateway's Responses API side that needs the upstream or the store: passing a call
-through to an upstream that serves ``/responses``, and the conversation behind a
+through to an upstream that serves ``/responses`` (asking it for token ids and logprobs, and
+recording them: :mod:`agentbolt.server.responses_ids`), and the conversation behind a
 ``previous_response_id`` (see :mod:`agentbolt.server.gateway`; the translation itself is
 :mod:`agentbolt.server.responses`)."""
 
@@ -21,13 +22,13 @@ from agentbolt.server.gateway_record import CallRecorder
 from agentbolt.server.gateway_send import UpstreamSender
 from agentbolt.server.openai_format import RESPONSES, Wants, openai_error
 from agentbolt.server.responses import Untranslatable, chat_choice, chat_usage, history_of, to_chat
+from agentbolt.server.responses_ids import prepare, recorded_ids, strip, strip_event
 from agentbolt.server.store_caller import StoreCaller
 
-__all__ = ["PASSED", "ResponsesUpstream", "chat_for"]
+__all__ = ["ResponsesUpstream", "chat_for"]
 
 log = logging.getLogger("agentbolt.gateway")
 
-PASSED = Wants(token_ids=True, logprobs=True, usage=True)  # a passed-through answer is not stripped
 _FINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
 
 
@@ -42,11 +43,18 @@ class ResponsesUpstream:
     def may_serve(self, base_url: str) -> bool:
         return self.serves.get(base_url, True)
 
-    async def send(self, call: ForwardedCall) -> Response | None:
-        """Send a Responses call as it is to an upstream that serves /responses; ``None`` when
-        it has none (a 404 or 405, remembered): the call is then translated."""
+    def prepare(self, server: str, body: dict[str, Any]) -> tuple[dict[str, Any], Wants]:
+        """The request for ``server``'s /responses (the agent's, with the asks for ids and
+        logprobs it does not refuse) and what the agent itself asked for."""
+        rejected = self.sender.rejected(server, RESPONSES)
+        return prepare(body, "enable_response_messages" not in rejected, "logprobs" not in rejected)
+
+    async def send(self, call: ForwardedCall, payload: dict[str, Any]) -> Response | None:
+        """Send a Responses call (``payload``: :meth:`prepare`'s) to an upstream that serves
+        /responses; ``None`` when it has none (a 404 or 405, remembered): the call is then
+        translated."""
         try:
-            upstream = await self.sender.send_as_is(call)
+            upstream = await self.sender.send(call, payload)
         except httpx.HTTPError as exc:
             return await self.recorder.unsent(call, exc)
         base = call.upstream  # the server that answered (another one when the first sent nothing)
@@ -72,29 +80,33 @@ class ResponsesUpstream:
             full = orjson.loads(await upstream.aread())
         except (orjson.JSONDecodeError, httpx.HTTPError) as exc:
             return await self.recorder.unreadable(call, exc, upstream.status_code)
-        call_id = await self.recorder.record(call, self._data(call, upstream.status_code, full))
-        return json_answer(full, upstream.status_code, call_id)
+        data = self._data(call, upstream.status_code, full)
+        call_id = await self.recorder.record(call, data)
+        return json_answer(data["response"], upstream.status_code, call_id)
 
     async def _relay(self, call: ForwardedCall, upstream: httpx.Response) -> AsyncIterator[bytes]:
-        """A passed-through Responses stream, line by line; recorded from its final event,
-        which then goes on with the call's id in its response (``agentbolt``)."""
-        final: dict[str, Any] | None = None
+        """A passed-through Responses stream, line by line, without what the agent did not ask
+        for; recorded from its final event, which then goes on with the call's id in its
+        response (``agentbolt``)."""
         recorded = False
         try:
             async for line in upstream.aiter_lines():
-                if line.startswith("data:") and not recorded:
+                if line.startswith("data:"):
                     with contextlib.suppress(orjson.JSONDecodeError):
                         event = orjson.loads(line[5:].strip())
-                        if isinstance(event, dict) and event.get("type") in _FINAL_EVENTS:
+                        if isinstance(event, dict):
                             final = event.get("response")
-                            if isinstance(final, dict):
+                            if (
+                                event.get("type") in _FINAL_EVENTS
+                                and isinstance(final, dict)
+                                and not recorded
+                            ):
                                 recorded = True
+                                data = self._data(call, upstream.status_code, final)
                                 with anyio.CancelScope(shield=True):
-                                    call_id = await self.recorder.record(
-                                        call, self._data(call, upstream.status_code, final)
-                                    )
-                                event = {**event, "response": with_call_id(final, call_id)}
-                                line = "data: " + orjson.dumps(event).decode()
+                                    call_id = await self.recorder.record(call, data)
+                                event = {**event, "response": with_call_id(data["response"], call_id)}
+                            line = "data: " + orjson.dumps(strip_event(event, call.wants)).decode()
                 yield line.encode() + b"\n"
         finally:
             with anyio.CancelScope(shield=True):
@@ -106,16 +118,20 @@ class ResponsesUpstream:
                     )
 
     def _data(self, call: ForwardedCall, status: int, full: dict[str, Any]) -> dict[str, Any]:
-        """The record of a passed-through answer: text-only unless the upstream sent ids."""
-        data = self.recorder.base_data(call, status, full)
-        choice = chat_choice(full)
+        """The record of a passed-through answer, in the chat shape: the ids and logprobs the
+        upstream sent (text-only without them), and in ``response`` the answer as the agent gets
+        it (``full`` is stripped in place)."""
+        prompt_ids, token_ids, logprobs = recorded_ids(full)
+        out = strip(full, call.wants)
+        data = self.recorder.base_data(call, status, out)
+        choice = {**chat_choice(out), "token_ids": token_ids, "logprobs": logprobs}
         data.update(
-            prompt_token_ids=full.get("prompt_token_ids"),
+            prompt_token_ids=prompt_ids,
             choices=[choice],
-            usage=chat_usage(full.get("usage")),
-            model=full.get("model") or data["model"],
+            usage=chat_usage(out.get("usage")),
+            model=out.get("model") or data["model"],
         )
-        data["token_ids"] = data["prompt_token_ids"] is not None and choice["token_ids"] is not None
+        data["token_ids"] = prompt_ids is not None and token_ids is not None
         return data
 
     async def history(self, target: Target, response_id: str) -> list[dict[str, Any]]:

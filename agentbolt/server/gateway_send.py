@@ -29,7 +29,7 @@ from agentbolt.server.gateway_call import ForwardedCall, LeanRequest, LeanRespon
 from agentbolt.server.gateway_upstreams import Upstreams
 from agentbolt.server.openai_format import CHAT, COMPLETIONS, RESPONSES
 
-__all__ = ["MAX_TRIES", "RETRY_STATUSES", "UpstreamSender"]
+__all__ = ["EXTRAS", "MAX_TRIES", "RETRY_STATUSES", "UpstreamSender", "asked_in"]
 
 log = logging.getLogger("agentbolt.gateway")
 
@@ -39,11 +39,18 @@ MAX_TRIES = 4
 # (a pool timeout is this gateway's own limit: it says nothing about the server)
 _UNSENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.WriteError, httpx.WriteTimeout, httpx.PoolTimeout)
 _PATHS = {CHAT: "chat/completions", COMPLETIONS: "completions", RESPONSES: "responses"}
-# What the gateway adds to a request and may drop again when an upstream rejects it by name
-# (a whole word: "top_logprobs" does not name "logprobs").
-_EXTRAS = {
+# What the gateway adds to a request, per endpoint, and may drop again when an upstream rejects
+# it by name (a whole word: "top_logprobs" does not name "logprobs"). A Responses call asks for
+# logprobs in its ``include`` (:mod:`.responses_ids`).
+EXTRAS = {
+    CHAT: ("return_token_ids", "logprobs"),
+    COMPLETIONS: ("return_token_ids", "logprobs"),
+    RESPONSES: ("enable_response_messages", "logprobs"),
+}
+_NAMED = {
     name: re.compile(rf"(?<![A-Za-z0-9_]){name}(?![A-Za-z0-9_])".encode())
-    for name in ("return_token_ids", "logprobs")
+    for names in EXTRAS.values()
+    for name in names
 }
 _JSON_HEADERS = [(b"content-type", b"application/json"), (b"accept", b"application/json")]
 
@@ -58,7 +65,8 @@ class UpstreamSender:
         self.config, self.keys = config, keys
         self.upstreams = Upstreams(self.status_of)
         self._http: httpx.AsyncClient | None = None
-        self._rejected: dict[str, frozenset[str]] = {}  # base URL -> the extras it rejects
+        # (base URL, a Responses call?) -> the extras it rejects
+        self._rejected: dict[tuple[str, bool], frozenset[str]] = {}
         self._urls: dict[tuple[str, str], httpx.URL] = {}
         # as many calls at once to plain-http upstreams as the https client below allows
         self._h1 = Http1Transport(max_connections=1000)
@@ -82,9 +90,10 @@ class UpstreamSender:
             self._http = None
         await self._h1.aclose()
 
-    def rejected(self, server: str) -> frozenset[str]:
-        """The extras (``return_token_ids``, ``logprobs``) this server is known to reject."""
-        return self._rejected.get(server, frozenset())
+    def rejected(self, server: str, endpoint: str = CHAT) -> frozenset[str]:
+        """The extras (:data:`EXTRAS`) this server is known to reject on ``endpoint`` (chat
+        and completions share theirs; a server's ``/responses`` has its own)."""
+        return self._rejected.get((server, endpoint == RESPONSES), frozenset())
 
     async def status_of(self, url: str, timeout: float) -> int:
         """The status of ``GET url`` (no key), read within ``timeout``: a health probe."""
@@ -103,14 +112,10 @@ class UpstreamSender:
         gateway's connections, timeouts and retries; the response is streamed: read or close it."""
         return await self._send(functools.partial(self._post_request, url, content, key))
 
-    async def send_as_is(self, call: ForwardedCall) -> httpx.Response:
-        """Send the call's request unchanged (a Responses call passed through)."""
-        return await self._send(functools.partial(self._request, call, call.request), call)
-
     async def send(self, call: ForwardedCall, payload: dict[str, Any]) -> httpx.Response:
         """Send ``payload``; where the upstream's 400 names extras the gateway added, send again
         without them (each at most once) and remember them for this upstream."""
-        for _ in range(len(_EXTRAS) + 1):
+        for _ in range(len(EXTRAS[call.endpoint]) + 1):
             response = await self._send(functools.partial(self._request, call, payload), call)
             named = await _rejected_extras(call, payload, response)
             if not named:
@@ -122,8 +127,8 @@ class UpstreamSender:
                 self.upstreams.public(base),
                 ", ".join(named),
             )
-            self._rejected[base] = self.rejected(base) | named
-            payload = {k: v for k, v in payload.items() if k not in named}
+            self._rejected[(base, call.endpoint == RESPONSES)] = self.rejected(base, call.endpoint) | named
+            payload = _without(call, payload, named)
         return response
 
     def _request(self, call: ForwardedCall, payload: dict[str, Any]) -> httpx.Request | LeanRequest:
@@ -230,11 +235,31 @@ async def _rejected_extras(
     none for what the agent asked for itself (its own bad request is never altered)."""
     if response.status_code not in (400, 422):
         return frozenset()
-    added = [n for n in _EXTRAS if n in payload and call.request.get(n) != payload[n]]
+    added = [n for n in EXTRAS[call.endpoint] if _added(call, payload, asked_in(call.endpoint, n))]
     if not added:
         return frozenset()
     text = await response.aread()
-    return frozenset(n for n in added if _EXTRAS[n].search(text))
+    return frozenset(n for n in added if _NAMED[n].search(text))
+
+
+def asked_in(endpoint: str, extra: str) -> str:
+    """The request field an extra is asked for with: a Responses call's logprobs in ``include``."""
+    return "include" if endpoint == RESPONSES and extra == "logprobs" else extra
+
+
+def _added(call: ForwardedCall, payload: dict[str, Any], field: str) -> bool:
+    return field in payload and call.request.get(field) != payload[field]
+
+
+def _without(call: ForwardedCall, payload: dict[str, Any], named: frozenset[str]) -> dict[str, Any]:
+    """``payload`` with the fields of the ``named`` extras as the agent sent them (or without)."""
+    out = dict(payload)
+    for field in {asked_in(call.endpoint, n) for n in named}:
+        if field in call.request:
+            out[field] = call.request[field]
+        else:
+            out.pop(field, None)
+    return out
 
 
 def _backoff(attempt: int) -> float:

@@ -341,8 +341,9 @@ def _usage(usage: Any) -> dict[str, Any] | None:
 
 
 def chat_choice(response: dict[str, Any]) -> dict[str, Any]:
-    """A Responses answer as the chat choice the record keeps (``message``, ``finish_reason``,
-    ``token_ids`` when the upstream sent them), so every reader of llm_call sees one shape."""
+    """A Responses answer as the chat choice the record keeps (``message``, ``finish_reason``;
+    ``token_ids`` and ``logprobs`` none: :mod:`.responses_ids` fills them where the upstream
+    sent them), so every reader of llm_call sees one shape."""
     text, calls = [], []
     for item in response.get("output") or []:
         if item.get("type") == "message":
@@ -358,7 +359,7 @@ def chat_choice(response: dict[str, Any]) -> dict[str, Any]:
         "index": 0,
         "message": message,
         "finish_reason": finish,
-        "token_ids": response.get("token_ids"),
+        "token_ids": None,
         "logprobs": None,
     }
 

@@ -154,8 +154,30 @@ def test_rows_come_from_the_last_attempt_only(tmp_path: Path) -> None:
         val_tasks=[],  # type: ignore[arg-type]
         run_dir=tmp_path,
     )
-    rows, duplicates, stats = SFT()._rows(ctx, [make_rollout("ro-1", "t", 1.0)])
+    rows, duplicates, stats = SFT()._rows(ctx, [make_rollout("ro-1", "t", 1.0)], 1)
     assert [r.input_ids for r in rows] == [(1, 2, 5, 6)] and stats.calls == 1
+
+
+def test_a_round_prints_how_many_calls_it_skipped_for_lack_of_ids(tmp_path: Path) -> None:
+    text_only = llm_call([1, 2], [5, 6], rollout_id="ro-2")  # as the gateway records one without ids
+    text_only.data.update(prompt_token_ids=None, token_ids=False)
+    text_only.data["choices"][0].update(token_ids=None, logprobs=None)
+    events = {"ro-1": [llm_call([1, 2], [5, 6])], "ro-2": [text_only]}
+    out = io.StringIO()
+    ctx = TrainContext(
+        client=_FakeClient(events),
+        server_url="",
+        train_tasks=[],
+        val_tasks=[],  # type: ignore[arg-type]
+        run_dir=tmp_path,
+        console=Console(file=out, width=200),
+    )
+    kept = [make_rollout("ro-1", "t", 1.0), make_rollout("ro-2", "t", 1.0)]
+    rows, _, stats = SFT()._rows(ctx, kept, 3)
+    assert len(rows) == 1 and stats.skipped_no_ids == 1 and stats.calls == 2
+    assert "SFT round 3: 1 llm call skipped for lack of token ids" in out.getvalue()
+    SFT()._rows(ctx, kept[:1], 4)  # none skipped: nothing said
+    assert "round 4" not in out.getvalue()
 
 
 # ---------------------------------------------------------------------------- training

@@ -35,8 +35,18 @@ ROUTES = {
     "POST /v1/load_lora_adapter": "vllm/entrypoints/serve/lora/api_router.py",
     "POST /v1/unload_lora_adapter": "vllm/entrypoints/serve/lora/api_router.py",
 }
-# Read for behaviour, not fields: what a LoRA load answers and refuses, and /v1/models' cards.
-ALSO_READ = ["vllm/entrypoints/openai/models/serving.py", "vllm/exceptions.py", "vllm/_version.py"]
+# Read for behaviour, not fields: what a LoRA load answers and refuses, /v1/models' cards, what
+# fills a Response's input/output messages, and the weight-update routes (which the project does
+# not call: the weight sync loads LoRA adapters).
+ALSO_READ = [
+    "vllm/entrypoints/openai/models/serving.py",
+    "vllm/entrypoints/openai/responses/context.py",
+    "vllm/entrypoints/openai/responses/serving.py",
+    "vllm/entrypoints/rl/online/api_router.py",
+    "vllm/entrypoints/launchers/api_server/routers.py",
+    "vllm/exceptions.py",
+    "vllm/_version.py",
+]
 
 _CHAT_LOGPROBS = {"": "ChatCompletionLogProbs", "content[]": "ChatCompletionLogProbsContent"}
 _COMPLETION_LOGPROBS = {"": "CompletionLogProbs"}
@@ -146,8 +156,15 @@ SPEC: dict[str, dict[str, Any]] = {
     },
     "POST /v1/responses": {
         "request": {"": "ResponsesRequest"},
-        "sends": [],  # passed through as the agent wrote it
-        "response": {"": "ResponsesResponse", "usage": "ResponseUsage"},
+        # passed through as the agent wrote it, plus the asks for token ids and logprobs
+        # (``include: ["message.output_text.logprobs"]``)
+        "sends": ["enable_response_messages", "include"],
+        "response": {
+            "": "ResponsesResponse",
+            "usage": "ResponseUsage",
+            "input_messages[]": "ResponseRawMessageAndToken",
+            "output_messages[]": "ResponseRawMessageAndToken",
+        },
         "reads": [
             "id",
             "model",
@@ -155,12 +172,22 @@ SPEC: dict[str, dict[str, Any]] = {
             "output",
             "usage.input_tokens",
             "usage.output_tokens",
-            "prompt_token_ids",
-            "token_ids",
+            "top_logprobs",
+            "input_messages",
+            "input_messages[].type",
+            "input_messages[].tokens",
+            "output_messages",
+            "output_messages[].type",
+            "output_messages[].tokens",
         ],
         # the stream's final event (response.completed / response.incomplete) carries the body
-        "stream": {"": "ResponseCompletedEvent", "response": "ResponsesResponse"},
-        "stream_reads": ["response"],
+        "stream": {
+            "": "ResponseCompletedEvent",
+            "response": "ResponsesResponse",
+            "response.input_messages[]": "ResponseRawMessageAndToken",
+            "response.output_messages[]": "ResponseRawMessageAndToken",
+        },
+        "stream_reads": ["response", "response.input_messages[].tokens", "response.output_messages[].tokens"],
     },
     "GET /v1/models": {
         "response": {"": "ModelList", "data[]": "ModelCard"},
@@ -244,6 +271,8 @@ def extract(root: Path) -> dict[str, Any]:
     classes = _classes(root)
     version = re.search(r"__version__ = version = '([^']+)'", (root / "vllm/_version.py").read_text())
     assert version, "no version in vllm/_version.py"
+    weights = (root / "vllm/entrypoints/rl/online/api_router.py").read_text(encoding="utf-8")
+    assert '@router.post("/update_weights")' in weights and "/v1/update_weights" not in weights
     used: set[str] = set(ERROR.values())  # response models: every field recorded
     requests: set[str] = set()  # request models: only where they are and their ``extra``
     endpoints: dict[str, Any] = {}
@@ -287,6 +316,18 @@ def extract(root: Path) -> dict[str, Any]:
             "load_lora_adapter_routes": "only with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True",
             "models_lists_adapters": "a loaded adapter is a ModelCard: id=lora_name, root=lora_path, "
             "parent=the base model",
+            "responses_token_ids": "with enable_response_messages, a model without the Harmony "
+            "format (SimpleContext) answers input_messages=[prompt] and output_messages=[completion], "
+            "each a ResponseRawMessageAndToken (raw_message_tokens: message, tokens); Harmony models "
+            "(gpt-oss) answer Harmony messages without tokens, and refuse (400, param logprobs) "
+            "include=['message.output_text.logprobs']; built-in tools that run several model "
+            "turns give one output message per turn and prompt",
+            "responses_logprobs": "with include=['message.output_text.logprobs'], one logprob per "
+            "generated token on the output_text part (top_logprobs: the request's, default 0)",
+            "update_weights": "POST /update_weights (no /v1 prefix), only with VLLM_SERVER_DEV_MODE=1 "
+            "(vllm/entrypoints/rl/online/api_router.py); its body is {update_info: ...} for the "
+            "weight-transfer engine that /init_weight_transfer_engine set up (NCCL or IPC), between "
+            "/start_weight_update and /finish_weight_update: no checkpoint path",
         },
     }
 

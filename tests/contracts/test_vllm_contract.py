@@ -21,9 +21,9 @@ import httpx
 import pytest
 
 from agentbolt.algorithms.policy import RemotePolicy
-from agentbolt.server import openai_format
-from agentbolt.server.gateway_send import _EXTRAS
-from agentbolt.server.openai_format import CHAT, COMPLETIONS, StreamAssembler, extract, prepare
+from agentbolt.server import openai_format, responses_ids
+from agentbolt.server.gateway_send import EXTRAS, asked_in
+from agentbolt.server.openai_format import CHAT, COMPLETIONS, RESPONSES, StreamAssembler, extract, prepare
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "server"))
@@ -31,17 +31,17 @@ from upstream_double import BASE_MODEL, UpstreamDouble  # noqa: E402
 
 SHAPES = json.loads((Path(__file__).parent / "vllm_0_34_0.json").read_text(encoding="utf-8"))
 ENDPOINTS: dict[str, Any] = SHAPES["endpoints"]
-ROUTE = {CHAT: "POST /v1/chat/completions", COMPLETIONS: "POST /v1/completions"}
+ROUTE = {
+    CHAT: "POST /v1/chat/completions",
+    COMPLETIONS: "POST /v1/completions",
+    RESPONSES: "POST /v1/responses",
+}
 LORA = "POST /v1/load_lora_adapter"
 
 # What the project reads that vLLM 0.34.0 does not send, and why that is harmless (or not).
 NOT_IN_VLLM = {
     # stripped from the agent's answer when it did not ask for ids; vLLM only has it on chat
     ("POST /v1/completions", "response", "choices[].prompt_text"),
-    # a passed-through Responses answer: vLLM's ResponsesResponse has no token ids (only
-    # input_messages/output_messages with enable_response_messages), so it is recorded text-only
-    ("POST /v1/responses", "response", "prompt_token_ids"),
-    ("POST /v1/responses", "response", "token_ids"),
 }
 # Keys the gateway reads that are not vLLM's: the embedded engine's weight-version reports, and
 # the items of a Responses ``output`` (the ``openai`` package's types, which vLLM imports).
@@ -59,6 +59,9 @@ READERS = [
     ("agentbolt/server/gateway_responses.py", "ResponsesUpstream._data"),
     ("agentbolt/server/responses.py", "chat_choice"),
     ("agentbolt/server/responses.py", "chat_usage"),
+    ("agentbolt/server/responses_ids.py", "recorded_ids"),
+    ("agentbolt/server/responses_ids.py", "_tokens"),
+    ("agentbolt/server/responses_ids.py", "_logprobs"),
 ]
 # The project's own dicts inside those functions (not the upstream's answer).
 OWN = {"state", "record", "out", "data", "slot", "merged", "headers", "self"}
@@ -195,8 +198,24 @@ def test_what_the_gateway_adds_to_a_request_is_recorded_with_vllms_type(endpoint
 
 
 def test_the_extras_the_gateway_may_drop_are_vllm_request_fields():
-    for route in ROUTE.values():
-        assert set(_EXTRAS) <= set(ENDPOINTS[route]["request"]["sends"])
+    for endpoint, route in ROUTE.items():
+        fields = {asked_in(endpoint, name) for name in EXTRAS[endpoint]}
+        assert fields <= set(ENDPOINTS[route]["request"]["sends"]), route
+
+
+@pytest.mark.parametrize("asked", [{}, {"include": ["reasoning.encrypted_content"]}])
+def test_what_the_gateway_adds_to_a_responses_request_is_recorded_with_vllms_type(asked):
+    body = {"model": BASE_MODEL, "input": "hi", **asked}
+    upstream, wants = responses_ids.prepare(body, ask_token_ids=True, ask_logprobs=True)
+    assert not wants.token_ids and not wants.logprobs
+    sends = ENDPOINTS[ROUTE[RESPONSES]]["request"]["sends"]
+    added = {k for k in upstream if upstream[k] != body.get(k)}
+    assert added == {"enable_response_messages", "include"} == set(sends)
+    for name in added:
+        vllm_type = sends[name].split(": ", 1)[1].split(" | ")[0]
+        assert type(upstream[name]).__name__ == vllm_type.split("[")[0], f"{name}: vLLM's is {sends[name]}"
+    assert upstream["include"] == [*asked.get("include", []), responses_ids.LOGPROBS]
+    assert repr(responses_ids.LOGPROBS) in sends["include"]  # one of vLLM's literals
 
 
 def test_the_extras_the_gateway_strips_are_recorded():
@@ -313,17 +332,28 @@ def test_the_double_answers_completions_with_vllms_shapes(double):
 
 
 def test_the_double_answers_responses_and_models_with_vllms_shapes(double):
+    body = {"model": BASE_MODEL, "input": "hi"}
+    asked, _ = responses_ids.prepare(body, ask_token_ids=True, ask_logprobs=True)
     double.serves_responses = True
     try:
-        body = {"model": BASE_MODEL, "input": "hi"}
-        answer = httpx.post(f"{double.base_url}/responses", json=body, timeout=10).json()
-        events = _sse(httpx.post(f"{double.base_url}/responses", json={**body, "stream": True}, timeout=10))
+        plain = httpx.post(f"{double.base_url}/responses", json=body, timeout=10).json()
+        answer = httpx.post(f"{double.base_url}/responses", json=asked, timeout=10).json()
+        events = _sse(httpx.post(f"{double.base_url}/responses", json={**asked, "stream": True}, timeout=10))
     finally:
         double.serves_responses = False
-    _check_answer([answer], "POST /v1/responses", "response", absent_ok=set())
     (final,) = [e for e in events if e["type"] == "response.completed"]
     # the event's own fields (type, sequence_number) are the openai package's: only its body is checked
-    assert set(final["response"]) <= set(_fields("ResponsesResponse"))
+    _check_answer([answer, final["response"]], ROUTE[RESPONSES], "response", absent_ok=set())
+    for path in ENDPOINTS[ROUTE[RESPONSES]]["stream"]["reads"]:
+        assert _at(final, path), f"the final event lacks {path}"
+    prompt_ids, token_ids, logprobs = responses_ids.recorded_ids(answer)
+    assert prompt_ids and token_ids and logprobs and len(logprobs) == len(token_ids)
+    assert responses_ids.recorded_ids(final["response"]) == (prompt_ids, token_ids, logprobs)
+    # not asked: vLLM's fields are there, null (the gateway strips its asks back to this)
+    assert plain["input_messages"] is plain["output_messages"] is plain["top_logprobs"] is None
+    assert plain["output"][0]["content"][0]["logprobs"] is None
+    stripped = responses_ids.strip(answer, responses_ids.prepare(body, False, False)[1])
+    assert stripped == plain
     models = httpx.get(f"{double.base_url}/models", timeout=10).json()
     _check_answer([models], "GET /v1/models", "response", absent_ok=set())
 

@@ -1,6 +1,7 @@
 """POST /v1/responses through the gateway: a real server on 127.0.0.1 and the real openai client;
 the upstream is the test double (tests/server/upstream_double.py), standing in for a model server
-that speaks chat completions only, so every call is translated."""
+that speaks chat completions only, so every call is translated; with ``serves_responses`` it
+answers ``/v1/responses`` as vLLM 0.34.0 does, and calls are passed through."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import json
 import httpx
 import openai
 import pytest
+import upstream_double_responses
 
+from agentbolt.adapters import to_trajectories, to_transitions
 from agentbolt.server import ServerConfig, ServerThread
 from agentbolt.server.responses import Untranslatable, to_chat, to_response
+from agentbolt.server.responses_ids import LOGPROBS
 
 TOOL = {
     "type": "function",
@@ -235,23 +239,78 @@ def hosted(upstream):
     upstream.serves_responses = False
 
 
-def test_upstream_with_responses_is_passed_through_and_recorded_text_only(rig, hosted):
+def test_a_call_to_a_vllm_responses_upstream_records_token_ids_that_train(rig, hosted):
+    """vLLM 0.34.0's /v1/responses (the double) is asked for its token ids and logprobs
+    (``enable_response_messages``, ``include``); the record holds them in the chat shape, the
+    adapters make training rows of them, and the agent gets none of what it did not ask for."""
     claim = rig.claim()
     client = _openai(claim)
-    answer = client.responses.create(model="double", input="Hi", tools=[{"type": "web_search"}])
+    raw = client.responses.with_raw_response.create(
+        model="double", input="Hi", tools=[{"type": "web_search"}]
+    )
+    answer = raw.parse()
     assert answer.id == "resp_hosted" and answer.output_text == "Hosted answer."
-    with client.responses.stream(model="double", input="Hi again") as stream:
+    with client.responses.stream(model="double", input="Hi again", instructions="Be brief.") as stream:
+        deltas = [e.logprobs for e in stream if e.type == "response.output_text.delta"]
         streamed = stream.get_final_response()
-    assert streamed.output_text == "Hosted answer."
+    assert streamed.output_text == "Hosted answer." and deltas == [[], [], []]
+    body = json.loads(raw.http_response.text)  # as the agent got it: vLLM's answer without the asks
+    assert body["input_messages"] is body["output_messages"] is body["top_logprobs"] is None
+    assert body["output"][0]["content"][0]["logprobs"] is None
     assert [c.path for c in hosted.calls] == ["/v1/responses", "/v1/responses"]
-    assert hosted.calls[0].body["tools"] == [{"type": "web_search"}]  # sent as the agent wrote it
+    sent = hosted.calls[0].body
+    assert sent["tools"] == [{"type": "web_search"}]  # the agent's request, plus the asks
+    assert sent["enable_response_messages"] is True and sent["include"] == [LOGPROBS]
     events = rig.llm_calls(claim.rollout.id)
     assert [e.data["stream"] for e in events] == [False, True]
+    prompts = [upstream_double_responses.prompt_text(c.body) for c in hosted.calls]
+    assert prompts == ["<user>Hi<assistant>", "<system>Be brief.<user>Hi again<assistant>"]
+    completion = upstream_double_responses.ids("Hosted answer.")
+    for event, prompt in zip(events, prompts, strict=True):
+        data = event.data
+        assert data["endpoint"] == "responses" and data["token_ids"] is True
+        assert data["prompt_token_ids"] == upstream_double_responses.ids(prompt)
+        [choice] = data["choices"]
+        assert choice["token_ids"] == completion and len(choice["logprobs"]) == len(completion)
+        assert choice["message"]["content"] == "Hosted answer."
+        assert data["response"]["input_messages"] is None  # the record keeps what the agent got
+        assert data["usage"]["prompt_tokens"] == len(data["prompt_token_ids"])
+    rows, stats = to_transitions(events)
+    assert stats.skipped_no_ids == 0 and len(rows) == 2
+    assert [r.prompt_ids for r in rows] == [tuple(upstream_double_responses.ids(p)) for p in prompts]
+    assert all(r.completion_ids == tuple(completion) and r.logprobs and r.logprobs[0] < 0 for r in rows)
+    trajectories, _ = to_trajectories(events)
+    assert [t.num_model_tokens for t in trajectories] == [len(completion)] * 2
+
+
+def test_an_agent_that_asks_for_the_messages_itself_gets_them(rig, hosted):
+    claim = rig.claim()
+    raw = _openai(claim).responses.with_raw_response.create(
+        model="double", input="Hi", extra_body={"enable_response_messages": True}
+    )
+    body = json.loads(raw.http_response.text)
+    assert body["input_messages"][0]["tokens"] == upstream_double_responses.ids("<user>Hi<assistant>")
+    assert body["output"][0]["content"][0]["logprobs"] is None  # logprobs it did not ask for
+    assert rig.llm_calls(claim.rollout.id)[0].data["token_ids"] is True
+
+
+def test_an_upstream_that_refuses_the_ask_for_ids_is_recorded_text_only(rig, hosted):
+    """A hosted API rejects ``enable_response_messages`` by name: the call goes again without
+    it, and the upstream's next calls are sent without it (remembered)."""
+    hosted.strict = {"enable_response_messages"}
+    claim = rig.claim()
+    client = _openai(claim)
+    for _ in range(2):
+        assert client.responses.create(model="double", input="Hi").output_text == "Hosted answer."
+    asked = [c.body.get("enable_response_messages") for c in hosted.calls]
+    assert asked == [True, None, None]  # refused once, then never asked again
+    assert all(c.body["include"] == [LOGPROBS] for c in hosted.calls)
+    events = rig.llm_calls(claim.rollout.id)
     for event in events:
-        assert event.data["endpoint"] == "responses" and event.data["token_ids"] is False
-        assert event.data["prompt_token_ids"] is None
+        assert event.data["token_ids"] is False and event.data["prompt_token_ids"] is None
         assert event.data["choices"][0]["message"]["content"] == "Hosted answer."
-        assert event.data["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    rows, stats = to_transitions(events)
+    assert not rows and stats.skipped_no_ids == 2
 
 
 def test_upstream_without_responses_is_asked_once_then_translated(rig, upstream):

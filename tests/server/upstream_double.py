@@ -12,8 +12,10 @@ every call waits), ``delay_next`` (seconds the next calls wait, one each), ``str
 ``return_token_ids`` as OpenAI does; or a set of the parameters to reject, each with a 400 naming
 it), ``model_version`` (sent as ``x-model-version``), models
 named ``error-500`` (a 500 that echoes the caller's Authorization header, to test scrubbing)
-and ``broken-stream`` (a stream cut off mid-way). ``serves_responses``: answer ``/v1/responses`` as a
-hosted API does (a fixed Responses body or its events, no token ids); off, that path is a 404. ``calls`` holds what each request carried.
+and ``broken-stream`` (a stream cut off mid-way). ``serves_responses``: answer ``/v1/responses`` as
+vLLM 0.34.0 does (a fixed answer, with token ids and logprobs when asked for them:
+``upstream_double_responses.py``); off, that path is a 404. ``calls`` holds what each request
+carried.
 
 LoRA as vLLM 0.34.0 does it (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``): ``/v1/load_lora_adapter``
 answers 200 with a text body, refuses (400) a missing name or path, the base model's name, and a
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import upstream_double_responses
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -279,52 +282,12 @@ class UpstreamDouble:
             return JSONResponse({"detail": "Not Found"}, 404)
         body = await request.json()
         self.calls.append(Seen(request.url.path, dict(request.headers), body))
-        text = "Hosted answer."
-        message = {
-            "type": "message",
-            "id": "msg_hosted",
-            "role": "assistant",
-            "status": "completed",
-            "content": [{"type": "output_text", "text": text, "annotations": []}],
-        }
-        usage = {
-            "input_tokens": 5,
-            "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": 2,
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": 7,
-        }
-        full = {
-            "id": "resp_hosted",
-            "object": "response",
-            "created_at": CREATED,
-            "status": "completed",
-            "model": body.get("model"),
-            "output": [message],
-            "parallel_tool_calls": True,
-            "tool_choice": "auto",
-            "tools": [],
-            "usage": usage,
-        }
-        if not body.get("stream"):
-            return JSONResponse(full)
-        at = {"item_id": "msg_hosted", "output_index": 0, "content_index": 0}
-        part = message["content"][0]
-        events = [
-            {"type": "response.created", "response": {**full, "status": "in_progress", "output": []}},
-            {"type": "response.output_item.added", "output_index": 0, "item": {**message, "content": []}},
-            {"type": "response.content_part.added", **at, "part": {**part, "text": ""}},
-            {"type": "response.output_text.delta", **at, "delta": text, "logprobs": []},
-            {"type": "response.output_text.done", **at, "text": text, "logprobs": []},
-            {"type": "response.content_part.done", **at, "part": part},
-            {"type": "response.output_item.done", "output_index": 0, "item": message},
-            {"type": "response.completed", "response": full},
-        ]
-        lines = "".join(
-            f"event: {e['type']}\ndata: {json.dumps({**e, 'sequence_number': i})}\n\n"
-            for i, e in enumerate(events)
-        )
-        return StreamingResponse(iter([lines]), media_type="text/event-stream")
+        rejected = self._rejected(body)
+        if rejected is not None:
+            message = f"Unrecognized request argument supplied: {rejected}"
+            error = {"message": message, "type": "invalid_request_error", "param": rejected, "code": 400}
+            return JSONResponse({"error": error}, 400)
+        return upstream_double_responses.respond(body)
 
     async def _lora(self, request: Request, load: bool) -> Any:
         """vLLM's load/unload of a LoRA adapter (``vllm/entrypoints/openai/models/serving.py``)."""
