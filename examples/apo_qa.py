@@ -23,7 +23,9 @@ prompt, a closing ``</prompt>``, then unrelated text - so it came back as the ol
 was rejected as a duplicate. Expect most rewrites to be rejected and counted in
 ``result.stats``, and the seed prompt to come back: the never-worse-than-the-seed rule at work.
 Offline, this example shows the machinery end to end (server, runners, gateway records,
-optimizer calls, versions); point it at a capable model to see prompts improve.
+optimizer calls, versions); point it at a capable model to see prompts improve, or use the
+``bootstrap`` method (``agentbolt train apo --method bootstrap``, the default), which needs no
+optimizer model: it gains offline (docs/training.md).
 
 Run: ``python examples/apo_qa.py [--rounds 2]``. To export the best prompt afterwards, serve the
 run's store (``agentbolt server --db runs/<time>/agentbolt.db``) and run
@@ -132,6 +134,7 @@ def main(model: str = "smollm2", rounds: int = 2, n_runners: int = 1, **apo: Any
     with ExitStack() as stack:
         llm = _remote_llm() or _embedded_llm(stack, model)
         settings: dict[str, Any] = dict(
+            method="rewrite",  # the seed's APO: an optimizer model rewrites the prompt
             rounds=rounds,
             beam_width=1,
             branch_factor=2,

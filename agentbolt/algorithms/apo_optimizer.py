@@ -91,6 +91,8 @@ class APOStats:
     skipped_candidates: int = 0
     """Children given up on after every try failed."""
     rollouts: int = 0
+    demos: int = 0
+    """Demonstrations the ``bootstrap`` method found in successful training runs."""
     budget_exhausted: bool = False
     stragglers: int = 0
     """Rollouts cancelled at a batch's deadline: left out of the scores (not scored 0)."""

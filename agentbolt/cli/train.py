@@ -57,7 +57,11 @@ __all__ = [
 # command name -> (class name in agentbolt.algorithms, the extras its run needs, what it does)
 ALGORITHMS = {
     "evaluate": ("Evaluate", ("server",), "Run every validation (else training) task once and report."),
-    "apo": ("APO", ("server",), "Optimize a prompt resource with an optimizer model."),
+    "apo": (
+        "APO",
+        ("server",),
+        "Optimize a prompt resource: worked examples from successful runs, or rewrites.",
+    ),
     "sft": ("SFT", ("server", "train"), "Fine-tune the policy on its best runs (rejection sampling)."),
     "grpo": ("GRPO", ("server", "train"), "Reinforcement learning on the policy's weights."),
 }
@@ -342,10 +346,14 @@ def _train(name: str, cls: type, sections: list[_Section], params: dict[str, Any
         _launch_ranks(name, nproc)
     with needs_extra(f"agentbolt train {name}", *ALGORITHMS[name][1]):
         from agentbolt.algorithms.distributed import DistributedError
+        from agentbolt.cli.train_resources import run_resources
         from agentbolt.trainer import Trainer
 
+        kwargs = sections[1].schema.kwargs(values["trainer"])
+        own = params["agent"] is None and params["command"] is None
         try:
-            Trainer(algorithm, **sections[1].schema.kwargs(values["trainer"])).fit(agent, train, val)
+            with run_resources(name, kwargs, agent if own else None) as resources:
+                Trainer(algorithm, **{**kwargs, "resources": resources}).fit(agent, train, val)
         except (ConfigError, DistributedError) as exc:
             raise fail(str(exc)) from None
 

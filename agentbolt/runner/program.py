@@ -48,6 +48,7 @@ from agentbolt.runner.program_io import (
     CappedOutput,
     ProgramFailed,
     check_template,
+    prompt_variables,
     render,
     secret_free_environ,
 )
@@ -260,6 +261,7 @@ class Program(LitAgent):
             AGENTBOLT_EVENTS_URL=f"{access.server_url}/agent/{rollout_id}/{attempt_id}/events",
             AGENTBOLT_RESULT_FILE=str(paths.result),
         )
+        env.update(prompt_variables(ctx.resources, paths.root / "prompts"))
         if self.run_as is not None:
             env.update(self.run_as.environment(paths.home))
         for name, template in self.env.items():

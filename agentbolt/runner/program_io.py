@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import string
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 from agentbolt.errors import AgentboltError, ConfigError
+from agentbolt.schemas import PromptTemplate, Resources
 
 __all__ = [
     "OUTPUT_LIMIT",
@@ -18,6 +21,7 @@ __all__ = [
     "CappedOutput",
     "ProgramFailed",
     "check_template",
+    "prompt_variables",
     "render",
     "secret_free_environ",
 ]
@@ -76,6 +80,25 @@ def render(template: str, fields: Mapping[str, Any], where: str) -> str:
             "TaskField",
             f"{where}: the task has no field {exc.args[0]!r} for {template!r} (its fields: {have})",
         ) from None
+
+
+def prompt_variables(resources: Resources | None, folder: Path) -> dict[str, str]:
+    """Every prompt resource of the rollout, for a program to read where it likes: its text in
+    ``AGENTBOLT_PROMPT_<NAME>`` and in the file ``folder/<name>.txt`` that
+    ``AGENTBOLT_PROMPT_<NAME>_FILE`` names (``NAME``: the resource's name in capitals, anything
+    but letters and digits as ``_``; ``system_prompt`` -> ``AGENTBOLT_PROMPT_SYSTEM_PROMPT``).
+    So a prompt optimizer's candidates reach a program agent with no change to its code."""
+    env: dict[str, str] = {}
+    for name, resource in (resources.resources if resources else {}).items():
+        if not isinstance(resource, PromptTemplate):
+            continue
+        key = re.sub(r"[^A-Za-z0-9]", "_", name).upper()
+        folder.mkdir(exist_ok=True)
+        path = folder / f"{key.lower()}.txt"
+        path.write_text(resource.template, encoding="utf-8")
+        env[f"AGENTBOLT_PROMPT_{key}"] = resource.template
+        env[f"AGENTBOLT_PROMPT_{key}_FILE"] = str(path)
+    return env
 
 
 def secret_free_environ(environ: Mapping[str, str], secrets: Iterable[str]) -> dict[str, str]:

@@ -165,7 +165,15 @@ def _fit(
 
 
 def _fast(**kw: Any) -> APO:
-    return APO(**{"optimizer_backoff": 0.0, "optimizer_timeout": 10.0, "batch_timeout": 60.0, **kw})
+    return APO(
+        **{
+            "method": "rewrite",
+            "optimizer_backoff": 0.0,
+            "optimizer_timeout": 10.0,
+            "batch_timeout": 60.0,
+            **kw,
+        }
+    )
 
 
 def _tasks(*kws: str, start: int = 0, **extra: Any) -> list[dict[str, Any]]:

@@ -31,14 +31,35 @@ function versionList(d, selected) {
     h("ol", {}, d.items.map((r) => {
       const changed = changedNames(d.items, r);
       const step = r.metadata?.step;
+      const val = apoScores(r)?.val;
       return h("li", { "data-key": `v${r.version}` },
         h("a", { href: `#/resources/${r.version}`, class: "version-link", "aria-current": r.version === selected.version ? "page" : null },
           h("span", { class: "version-line" }, h("span", { class: "version-num" }, `v${r.version}`),
             r.trial ? h("span", { class: "faint", title: TRIAL_NOTE }, "trial") : null,
             step !== undefined && step !== null ? h("span", { class: "faint" }, `step ${fmtNum(step)}`) : null,
+            typeof val === "number" ? h("span", { class: "faint apo-score", title: "validation score of this prompt (APO)" }, `val ${fmtNum(val)}`) : null,
             h("span", { class: "version-time" }, ago(r.created_at, d.now))),
           h("span", { class: "version-changes" }, changed.length ? changed.map((n) => h("span", { class: `mini-tag mk-${r.resources[n].type}` }, n)) : h("span", { class: "faint" }, "no changes"))));
     })));
+}
+
+/** An APO record's scores ({train, val}), or null for any other version. */
+function apoScores(r) {
+  const meta = r.metadata || {};
+  return meta.algorithm === "apo" && meta.scores && typeof meta.scores === "object" ? meta.scores : null;
+}
+
+/** Chips of an APO record: its scores, the version its rollouts ran with, its worked examples. */
+function apoChips(meta) {
+  const scores = meta.scores || {};
+  const chip = (label, value) => h("div", { class: "chip" }, h("dt", {}, label), h("dd", {}, value));
+  return [
+    meta.stage ? chip("APO", meta.stage) : null,
+    typeof scores.val === "number" ? chip("Validation score", fmtNum(scores.val)) : chip("Validation score", "—"),
+    typeof scores.train === "number" ? chip("Training score", fmtNum(scores.train)) : null,
+    meta.candidate ? chip("Rollouts ran with", h("a", { class: "link", href: `#/resources/${meta.candidate}` }, `v${meta.candidate}`)) : null,
+    Array.isArray(meta.demos) ? chip("Worked examples", meta.demos.length ? meta.demos.join(", ") : "none") : null,
+  ];
 }
 
 function diffView(oldText, newText) {
@@ -117,7 +138,8 @@ function versionDetail(d, r, ctx) {
       r.trial ? h("span", { class: "faint" }, `trial: ${TRIAL_NOTE}`) : null,
       h("span", { class: "muted", title: fmtFull(r.created_at) }, `published ${fmtTime(r.created_at)} · ${ago(r.created_at, d.now).textContent}`),
       h("a", { class: "btn btn-sm", href: hrefFor("/rollouts", { version: r.version }) }, "Rollouts with this version")),
-    meta.step !== undefined || metrics.length ? h("dl", { class: "chips" },
+    meta.step !== undefined || metrics.length || apoScores(r) ? h("dl", { class: "chips" },
+      apoScores(r) ? apoChips(meta) : null,
       meta.step !== undefined ? h("div", { class: "chip" }, h("dt", {}, "Step"), h("dd", {}, fmtNum(meta.step))) : null,
       metrics.map(([k, v]) => h("div", { class: "chip" }, h("dt", {}, k), h("dd", {}, typeof v === "number" ? fmtNum(v) : truncate(json(v, 0), 40))))) : null,
     Object.keys(rest).length ? h("details", { class: "more" }, h("summary", {}, "Other metadata"), codeBlock(json(rest), { label: "Version metadata" })) : null,

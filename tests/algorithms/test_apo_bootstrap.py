@@ -1,0 +1,327 @@
+"""APO's bootstrap method through the real server, gateway and runner.
+
+The agent's model is a TEST DOUBLE (:class:`ExampleModel`, a deterministic OpenAI-compatible
+endpoint on 127.0.0.1): it answers a task right when the task is easy, or when its system prompt
+holds a worked example, so what the search finds is known. The bundled model's run is in
+``tests/cli/test_train_apo.py``."""
+
+from __future__ import annotations
+
+import io
+import re
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from rich.console import Console
+
+from agentbolt import LLM, LitAgent, PromptTemplate, Task, Trainer
+from agentbolt.algorithms.apo import APO, APOResult
+from agentbolt.algorithms.apo_bootstrap import HEADER, compose, render_conversation
+from agentbolt.client import Client
+from agentbolt.errors import ConfigError
+from agentbolt.evaluators import FunctionEvaluator
+from agentbolt.evaluators.record import RolloutRecord
+from agentbolt.runner.agent import emit_reward
+from agentbolt.server import ServerConfig, ServerThread
+from agentbolt.server.run import free_port
+from tests.algorithms.test_apo import _answer
+
+SEED = "Answer with one line 'ANSWER: <word>'."
+
+
+@dataclass
+class ExampleModel:
+    """TEST DOUBLE of the agent's model: ``ANSWER: <the word asked for>`` when the question says
+    ``(easy)`` or the system prompt holds an ``Assistant: ANSWER:`` line (a worked example);
+    otherwise ``no idea``. ``systems`` keeps every system prompt it was sent."""
+
+    systems: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.port = free_port()
+        app = FastAPI()
+        app.post("/v1/chat/completions")(self._chat)
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        )
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def __enter__(self) -> ExampleModel:
+        threading.Thread(target=self.server.run, daemon=True).start()
+        while not self.server.started:
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+
+    async def _chat(self, request: Request) -> Any:
+        body = await request.json()
+        system = next((m["content"] for m in body["messages"] if m["role"] == "system"), "")
+        self.systems.append(system)
+        question = body["messages"][-1]["content"]
+        word = re.search(r"the word (\w+)", question)
+        shown = "Assistant: ANSWER:" in system
+        return _answer(
+            body, f"ANSWER: {word.group(1)}" if word and ("(easy)" in question or shown) else "no idea"
+        )
+
+
+class WordAgent(LitAgent):
+    """Asks for a word through the gateway; reward 1.0 when the reply is ``ANSWER: <word>``. With
+    ``lie``, it also reports a reward of 1.0 of its own for every run (a named one it may not give)."""
+
+    def __init__(self, lie: bool = False) -> None:
+        super().__init__()
+        self.lie = lie
+
+    def execute_rollout(self, task: Task) -> float:
+        prompt, llm = self.get_resource("system_prompt"), self.get_resource("llm")
+        client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key or "x", max_retries=0, timeout=30)
+        messages: Any = [{"role": "system", "content": prompt}, {"role": "user", "content": task.data["q"]}]
+        reply = client.chat.completions.create(model=llm.model, messages=messages).choices[0].message.content
+        if self.lie:
+            return 1.0
+        return float((reply or "").strip() == f"ANSWER: {task.data['word']}")
+
+
+def _tasks(prefix: str, words: list[str], easy: int) -> list[dict[str, Any]]:
+    return [
+        {"id": f"{prefix}-{i}", "q": f"Say the word {w}{' (easy)' if i < easy else ''}.", "word": w}
+        for i, w in enumerate(words)
+    ]
+
+
+TRAIN = _tasks("train", ["apple", "pear", "plum", "fig", "kiwi", "lime", "date", "yuzu"], easy=2)
+VAL = _tasks("val", ["red", "blue", "green", "black"], easy=1)
+
+
+def _right(record: RolloutRecord) -> float:
+    """The scorer outside the agent: the recorded answer is the task's word."""
+    return float(record.output == f"ANSWER: {record.task['word']}")
+
+
+@pytest.fixture
+def model() -> Iterator[ExampleModel]:
+    with ExampleModel() as m:
+        yield m
+
+
+def _fit(
+    apo: APO, model: ExampleModel, tmp_path: Path, agent: LitAgent | None = None, engine: str = "f-string"
+) -> tuple[APOResult, str, ServerThread]:
+    out = io.StringIO()
+    config = ServerConfig(db=str(tmp_path / "store.db"), lease_seconds=30.0, sweep_interval=0.1)
+    server = ServerThread(config).__enter__()
+    resources: dict[str, Any] = {
+        "system_prompt": PromptTemplate(template=SEED, engine=engine),  # type: ignore[arg-type]
+        "llm": LLM(base_url=model.base_url, model="double"),
+    }
+    trainer = Trainer(
+        apo, server_url=server.url, resources=resources, n_runners=1, console=Console(file=out, width=160)
+    )
+    result = trainer.fit(agent or WordAgent(), TRAIN, VAL)
+    return result, out.getvalue(), server
+
+
+@pytest.fixture
+def stopper() -> Iterator[list[ServerThread]]:
+    servers: list[ServerThread] = []
+    yield servers
+    for s in servers:
+        s.__exit__(None, None, None)
+
+
+def test_worked_examples_from_successful_training_runs_win(
+    model: ExampleModel, tmp_path: Path, stopper: list[ServerThread]
+) -> None:
+    apo = APO(bootstrap_tasks=4, bootstrap_rounds=2, trials=3, max_demos=2, batch_timeout=60.0)
+    result, out, server = _fit(apo, model, tmp_path)
+    stopper.append(server)
+    # the seed solves the one easy validation task; any prompt with an example solves them all
+    assert result.seed_val == pytest.approx(0.25) and result.best_val == 1.0
+    assert result.best_prompt.startswith(SEED + "\n\n" + HEADER)
+    # round 1: the seed solves the easy ones of its 4 training tasks (1 or 2: the order is
+    # shuffled); round 2, shown one, solves all 4 of its own (the seed alone would give <= 2)
+    assert result.stats.demos in (5, 6) and result.stats.rollouts == 4 + 4 + 4 + 3 * 4
+    examples = re.findall(r"User: (.*)\nAssistant: (.*)", result.best_prompt)
+    assert examples and all(answer == f"ANSWER: {q.split()[3].rstrip('.')}" for q, answer in examples), (
+        result.best_prompt
+    )
+    train_questions = {t["q"] for t in TRAIN}
+    assert {q for q, _ in examples} <= train_questions  # never a validation task
+    with Client(server.url) as client:
+        latest = client.latest_resources()
+        assert latest is not None and latest.version == result.published_version
+        assert latest.resources["system_prompt"].template == result.best_prompt  # type: ignore[union-attr]
+        versions = client.list_resources(limit=100).items
+        scored = [v for v in versions if v.metadata.get("stage") == "scored"]
+        assert all(
+            v.trial for v in versions if v.version not in (result.seed_version, result.published_version)
+        )
+        trials = [v for v in scored if v.metadata.get("method") == "bootstrap"]
+        assert len(trials) == 3 and all(v.metadata["scores"]["val"] is not None for v in trials)
+        assert all(
+            len(v.metadata["demos"]) >= 1 and set(v.metadata["demos"]) <= {t["id"] for t in TRAIN}
+            for v in trials
+        )
+    assert "APO" in out and "demos" in out
+
+
+def test_examples_come_only_from_runs_the_chosen_reward_scored(
+    model: ExampleModel, tmp_path: Path, stopper: list[ServerThread]
+) -> None:
+    """The agent says 1.0 for every run; the scorer (outside the agent) says which succeeded."""
+
+    apo = APO(
+        bootstrap_tasks=8,
+        bootstrap_rounds=1,
+        trials=2,
+        max_demos=3,
+        batch_timeout=60.0,
+        reward="score",
+        evaluators=[FunctionEvaluator(_right, "score")],
+    )
+    result, _, server = _fit(apo, model, tmp_path, agent=WordAgent(lie=True))
+    stopper.append(server)
+    # of the 8 bootstrap runs only the 2 easy ones scored 1 by the scorer: 2 examples, not 8
+    assert result.stats.demos == 2
+    assert "the word apple (easy)" in result.best_prompt and "pear" in result.best_prompt
+    assert "plum" not in result.best_prompt
+
+
+def test_without_a_successful_run_the_seed_is_kept(
+    model: ExampleModel, tmp_path: Path, stopper: list[ServerThread]
+) -> None:
+    global TRAIN
+    hard = [{**t, "q": t["q"].replace(" (easy)", "")} for t in TRAIN]
+    saved, TRAIN = TRAIN, hard
+    try:
+        result, out, server = _fit(APO(bootstrap_tasks=4, trials=2, batch_timeout=60.0), model, tmp_path)
+    finally:
+        TRAIN = saved
+    stopper.append(server)
+    assert result.best_prompt == SEED and result.stats.demos == 0
+    assert "no successful training run" in out
+
+
+def test_the_budget_counts_bootstrap_runs(
+    model: ExampleModel, tmp_path: Path, stopper: list[ServerThread]
+) -> None:
+    apo = APO(bootstrap_tasks=4, bootstrap_rounds=2, trials=5, rollout_budget=14, batch_timeout=60.0)
+    result, _, server = _fit(apo, model, tmp_path)
+    stopper.append(server)
+    assert result.stats.rollouts <= 14 and result.stats.budget_exhausted
+
+
+def test_braces_in_examples_are_text_in_an_f_string_prompt() -> None:
+    from agentbolt.algorithms.apo_bootstrap import Demo
+
+    demo = Demo(
+        "t1",
+        render_conversation(
+            [{"role": "user", "content": "Echo {x}"}, {"role": "assistant", "content": "{x}"}]
+        ),
+    )
+    prompt = compose("Answer {name}.", [demo], f_string=True)
+    assert (
+        PromptTemplate(template=prompt).format(name="Bo")
+        == f"Answer Bo.\n\n{HEADER}\n\nExample 1:\nUser: Echo {{x}}\nAssistant: {{x}}"
+    )
+    assert compose("Plain {x}", [demo], f_string=False).endswith("Assistant: {x}")
+    calls = [{"function": {"name": "calc", "arguments": '{"e": "1+1"}'}}]
+    assert render_conversation([{"role": "assistant", "content": None, "tool_calls": calls}]) == (
+        'Assistant: [calls calc({"e": "1+1"})]'
+    )
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"method": "evolve"}, "unknown method 'evolve'"),
+        ({"max_demos": 0}, "demos >= 1"),
+        ({"trials": -1}, "trials"),
+    ],
+)
+def test_bad_settings_are_named(
+    settings: dict[str, Any], message: str, model: ExampleModel, tmp_path: Path
+) -> None:
+    config = ServerConfig(db=str(tmp_path / "store.db"))
+    with ServerThread(config) as server:
+        resources: dict[str, Any] = {"system_prompt": PromptTemplate(template=SEED)}
+        trainer = Trainer(APO(**settings), server_url=server.url, resources=resources, n_runners=0)
+        with pytest.raises(ConfigError, match=message):
+            trainer.fit(WordAgent(), TRAIN, VAL)
+
+
+def test_an_agents_own_reward_post_does_not_make_an_example(
+    model: ExampleModel, tmp_path: Path, stopper: list[ServerThread]
+) -> None:
+    """A named reward the agent posts about itself is refused by the server: it never picks examples."""
+
+    class Boaster(WordAgent):
+        def execute_rollout(self, task: Task) -> float:
+            value = super().execute_rollout(task)
+            try:
+                emit_reward(1.0, name="score")
+            except Exception:  # noqa: BLE001 - refused or dropped: either way not a reward
+                pass
+            return value
+
+    apo = APO(
+        bootstrap_tasks=8,
+        bootstrap_rounds=1,
+        trials=1,
+        reward="score",
+        batch_timeout=60.0,
+        evaluators=[FunctionEvaluator(_right, "score")],
+    )
+    result, _, server = _fit(apo, model, tmp_path, agent=Boaster())
+    stopper.append(server)
+    assert result.stats.demos == 2
+
+
+PROGRAM = """
+import json, os, openai
+task = json.load(open(os.environ["AGENTBOLT_TASK_FILE"]))
+prompt = open(os.environ["AGENTBOLT_PROMPT_SYSTEM_PROMPT_FILE"]).read()
+assert prompt == os.environ["AGENTBOLT_PROMPT_SYSTEM_PROMPT"]
+client = openai.OpenAI(max_retries=0, timeout=30)
+messages = [{"role": "system", "content": prompt}, {"role": "user", "content": task["q"]}]
+reply = client.chat.completions.create(model=os.environ["OPENAI_MODEL"], messages=messages)
+print(reply.choices[0].message.content)
+"""
+
+
+def _said_the_word(run: Any) -> float:
+    return float(run.stdout.strip() == f"ANSWER: {run.task.data['word']}")
+
+
+def test_a_program_reading_its_prompt_from_a_file_is_optimized(
+    model: ExampleModel, tmp_path: Path, stopper: list[ServerThread]
+) -> None:
+    import sys
+
+    from agentbolt.runner.program import Program
+
+    script = tmp_path / "agent.py"
+    script.write_text(PROGRAM)
+    agent = Program([sys.executable, str(script)], scorer=_said_the_word, timeout=60)
+    apo = APO(bootstrap_tasks=8, bootstrap_rounds=1, trials=2, batch_timeout=120.0)
+    result, _, server = _fit(apo, model, tmp_path, agent=agent, engine="plain")
+    stopper.append(server)
+    assert result.seed_val == pytest.approx(0.25) and result.best_val == 1.0
+    assert result.stats.demos == 2 and HEADER in result.best_prompt
+    # the program sent the model the prompts it read from the file: the seed's, then candidates'
+    assert SEED in model.systems and any(HEADER in s for s in model.systems)
