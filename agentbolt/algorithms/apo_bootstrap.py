@@ -23,7 +23,8 @@ default; after DSPy's BootstrapFewShotWithRandomSearch, Khattab et al. 2023).
 Records and budget are the ``rewrite`` method's (see :mod:`agentbolt.algorithms.apo`): trials are
 trial versions, never the latest, each with a scored version in the dashboard (its score, its
 prompt, and which demonstrations it holds); ``rollout_budget`` counts every run, bootstrap
-included; the best prompt is published as the latest at the end.
+included (a bootstrap round runs only while the seed's validation and one trial still fit in
+it); the best prompt is published as the latest at the end.
 """
 
 from __future__ import annotations
@@ -161,7 +162,9 @@ class _Bootstrap:
             if len(self.demos) >= POOL * self.apo.max_demos:
                 break
             size = min(self.apo.bootstrap_tasks, len(tasks) - self.next_task)
-            if size <= 0 or not self.s._afford(size):
+            budget = self.apo.rollout_budget
+            reserve = 2 * len(self.s.val_tasks)  # the seed's validation and one trial's
+            if size <= 0 or (budget is not None and self.s.stats.rollouts + size + reserve > budget):
                 break
             batch = tasks[self.next_task : self.next_task + size]
             self.next_task += size

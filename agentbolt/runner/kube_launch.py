@@ -32,6 +32,7 @@ from agentbolt.runner.attempt import AttemptCycle
 from agentbolt.runner.kube_api import KubeApi, KubeError
 from agentbolt.runner.kube_template import ATTEMPT_ANNOTATION, SECRET_KEY, job_secret
 from agentbolt.runner.program import PLACEHOLDER_KEY, llm_of
+from agentbolt.runner.program_io import prompt_variables
 from agentbolt.schemas import Claim
 
 __all__ = [
@@ -92,6 +93,7 @@ def variables(claim: Claim, public_url: str, llm: str | None) -> tuple[dict[str,
         AGENTBOLT_ATTEMPT_ID=attempt_id,
         AGENTBOLT_EVENTS_URL=f"{public_url}/agent/{rollout_id}/{attempt_id}/events",
     )
+    env.update(prompt_variables(claim.resources, None))  # the prompts' text; no file in a pod
     return env, {SECRET_KEY: claim.agent_key or PLACEHOLDER_KEY}
 
 

@@ -82,22 +82,24 @@ def render(template: str, fields: Mapping[str, Any], where: str) -> str:
         ) from None
 
 
-def prompt_variables(resources: Resources | None, folder: Path) -> dict[str, str]:
+def prompt_variables(resources: Resources | None, folder: Path | None) -> dict[str, str]:
     """Every prompt resource of the rollout, for a program to read where it likes: its text in
     ``AGENTBOLT_PROMPT_<NAME>`` and in the file ``folder/<name>.txt`` that
     ``AGENTBOLT_PROMPT_<NAME>_FILE`` names (``NAME``: the resource's name in capitals, anything
-    but letters and digits as ``_``; ``system_prompt`` -> ``AGENTBOLT_PROMPT_SYSTEM_PROMPT``).
-    So a prompt optimizer's candidates reach a program agent with no change to its code."""
+    but letters and digits as ``_``; ``system_prompt`` -> ``AGENTBOLT_PROMPT_SYSTEM_PROMPT``);
+    without a ``folder``, the text only. So a prompt optimizer's candidates reach a program
+    agent with no change to its code."""
     env: dict[str, str] = {}
     for name, resource in (resources.resources if resources else {}).items():
         if not isinstance(resource, PromptTemplate):
             continue
         key = re.sub(r"[^A-Za-z0-9]", "_", name).upper()
-        folder.mkdir(exist_ok=True)
-        path = folder / f"{key.lower()}.txt"
-        path.write_text(resource.template, encoding="utf-8")
         env[f"AGENTBOLT_PROMPT_{key}"] = resource.template
-        env[f"AGENTBOLT_PROMPT_{key}_FILE"] = str(path)
+        if folder is not None:  # None: a Kubernetes pod, which shares no file system with us
+            folder.mkdir(exist_ok=True)
+            path = folder / f"{key.lower()}.txt"
+            path.write_text(resource.template, encoding="utf-8")
+            env[f"AGENTBOLT_PROMPT_{key}_FILE"] = str(path)
     return env
 
 

@@ -119,7 +119,12 @@ def model() -> Iterator[ExampleModel]:
 
 
 def _fit(
-    apo: APO, model: ExampleModel, tmp_path: Path, agent: LitAgent | None = None, engine: str = "f-string"
+    apo: APO,
+    model: ExampleModel,
+    tmp_path: Path,
+    agent: LitAgent | None = None,
+    engine: str = "f-string",
+    train: list[dict[str, Any]] | None = None,
 ) -> tuple[APOResult, str, ServerThread]:
     out = io.StringIO()
     config = ServerConfig(db=str(tmp_path / "store.db"), lease_seconds=30.0, sweep_interval=0.1)
@@ -131,7 +136,7 @@ def _fit(
     trainer = Trainer(
         apo, server_url=server.url, resources=resources, n_runners=1, console=Console(file=out, width=160)
     )
-    result = trainer.fit(agent or WordAgent(), TRAIN, VAL)
+    result = trainer.fit(agent or WordAgent(), TRAIN if train is None else train, VAL)
     return result, out.getvalue(), server
 
 
@@ -204,13 +209,10 @@ def test_examples_come_only_from_runs_the_chosen_reward_scored(
 def test_without_a_successful_run_the_seed_is_kept(
     model: ExampleModel, tmp_path: Path, stopper: list[ServerThread]
 ) -> None:
-    global TRAIN
     hard = [{**t, "q": t["q"].replace(" (easy)", "")} for t in TRAIN]
-    saved, TRAIN = TRAIN, hard
-    try:
-        result, out, server = _fit(APO(bootstrap_tasks=4, trials=2, batch_timeout=60.0), model, tmp_path)
-    finally:
-        TRAIN = saved
+    result, out, server = _fit(
+        APO(bootstrap_tasks=4, trials=2, batch_timeout=60.0), model, tmp_path, train=hard
+    )
     stopper.append(server)
     assert result.best_prompt == SEED and result.stats.demos == 0
     assert "no successful training run" in out
@@ -219,10 +221,15 @@ def test_without_a_successful_run_the_seed_is_kept(
 def test_the_budget_counts_bootstrap_runs(
     model: ExampleModel, tmp_path: Path, stopper: list[ServerThread]
 ) -> None:
-    apo = APO(bootstrap_tasks=4, bootstrap_rounds=2, trials=5, rollout_budget=14, batch_timeout=60.0)
-    result, _, server = _fit(apo, model, tmp_path)
+    """Budget 15, 4 validation tasks: bootstrap round 1 (4) leaves room for the seed's
+    validation and one trial; round 2 would not (4 + 4 + 2 x 4 > 15) and is not run; the seed's
+    validation (4) and one trial (4) make 12, and a second trial would pass 15."""
+    easy = [{**t, "q": t["q"].rstrip(".") + " (easy)."} if "(easy)" not in t["q"] else t for t in TRAIN]
+    apo = APO(bootstrap_tasks=4, bootstrap_rounds=2, trials=5, rollout_budget=15, batch_timeout=60.0)
+    result, _, server = _fit(apo, model, tmp_path, train=easy)
     stopper.append(server)
-    assert result.stats.rollouts <= 14 and result.stats.budget_exhausted
+    assert result.stats.demos == 4  # round 1's four runs, all successful; no round 2
+    assert result.stats.rollouts == 12 and result.stats.budget_exhausted
 
 
 def test_braces_in_examples_are_text_in_an_f_string_prompt() -> None:
@@ -325,3 +332,34 @@ def test_a_program_reading_its_prompt_from_a_file_is_optimized(
     assert result.stats.demos == 2 and HEADER in result.best_prompt
     # the program sent the model the prompts it read from the file: the seed's, then candidates'
     assert SEED in model.systems and any(HEADER in s for s in model.systems)
+
+
+def test_instructions_given_and_rewritten_are_searched_with_the_examples(
+    model: ExampleModel, tmp_path: Path, stopper: list[ServerThread]
+) -> None:
+    """The user's instruction and the optimizer's rewrite of the seed join the seed's as
+    candidates' instructions; the rewrite is asked from the seed's bootstrap runs."""
+    from tests.algorithms.test_apo import ScriptedOptimizer
+
+    mine = "Reply with ANSWER: and the word."
+    with ScriptedOptimizer(rewrite=lambda current, n: "<prompt>Rewritten: say ANSWER: word.</prompt>") as opt:
+        apo = APO(
+            bootstrap_tasks=8,
+            bootstrap_rounds=1,
+            trials=8,
+            instructions=[mine],
+            optimizer_base_url=opt.base_url,
+            optimizer_model="scripted",
+            branch_factor=1,
+            optimizer_backoff=0.0,
+            batch_timeout=60.0,
+        )
+        result, _, server = _fit(apo, model, tmp_path)
+        stopper.append(server)
+        assert len(opt.kinds("critique")) == 1 and len(opt.kinds("rewrite")) == 1
+        assert SEED in opt.kinds("critique")[0]  # the seed's own runs are the evidence
+    tried = [c for c in result.history if c.extra.get("method") == "bootstrap" and c.val is not None]
+    used = {c.extra.get("instruction") for c in tried}
+    starts = {c.prompt.split("\n\n")[0] for c in tried}
+    assert used == {0, 1, 2} and starts == {SEED, mine, "Rewritten: say ANSWER: word."}
+    assert result.best_val == 1.0

@@ -32,7 +32,7 @@ from agentbolt.errors import ConfigError
 from agentbolt.runner.kube_api import KubeApi
 from agentbolt.runner.kube_template import JobTemplate, job_name, schema_problem
 from agentbolt.runner.kubernetes import JobLauncher
-from agentbolt.schemas import LLM, AttemptStatus, RolloutCreate, RolloutStatus, Task
+from agentbolt.schemas import LLM, AttemptStatus, PromptTemplate, RolloutCreate, RolloutStatus, Task
 from agentbolt.server import Role, ServerConfig, ServerThread
 
 pytestmark = pytest.mark.timeout(90)
@@ -59,7 +59,10 @@ def server(tmp_path) -> Iterator[tuple[ServerThread, Client]]:
         db=str(tmp_path / "s.db"), tokens={ADMIN: Role.ADMIN, RUNNER: Role.RUNNER}, sweep_interval=0.1
     )
     with ServerThread(config) as srv, Client(srv.url, ADMIN) as admin:
-        admin.publish_resources({"llm": LLM(base_url="http://127.0.0.1:9/v1", model="tiny")})
+        prompt = PromptTemplate(template="Answer {{briefly}}.\nOne line.", engine="plain")
+        admin.publish_resources(
+            {"llm": LLM(base_url="http://127.0.0.1:9/v1", model="tiny"), "system_prompt": prompt}
+        )
         yield srv, admin
 
 
@@ -174,6 +177,9 @@ def test_one_job_per_attempt_with_the_contract_and_each_outcome(server, double, 
         assert env["AGENTBOLT_ROLLOUT_ID"] == ok and env["AGENTBOLT_ATTEMPT_ID"] == a.id
         assert json.loads(env["AGENTBOLT_TASK"]) == {"question": "2+2?"} and env["QUESTION"] == "2+2?"
         assert env["AGENTBOLT_TASK_ID"] == admin.get_rollout(ok).task.id
+        # the prompt resource's text (a pod shares no file with the runner: no _FILE variable)
+        assert env["AGENTBOLT_PROMPT_SYSTEM_PROMPT"] == "Answer {{briefly}}.\nOne line."
+        assert "AGENTBOLT_PROMPT_SYSTEM_PROMPT_FILE" not in env
         assert job["spec"]["template"]["spec"]["containers"][0]["command"] == ["python", "agent.py", "2+2?"]
         assert RUNNER not in json.dumps(double.created)  # never the runner's token
         spec = job["spec"]
