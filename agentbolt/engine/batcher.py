@@ -18,17 +18,7 @@ wastes attention work when lengths differ a lot; left columns that no running ro
 after every eviction. Identical prompts admitted together are prefilled once (``n`` > 1 and
 GRPO groups) and their cache rows copied.
 
-Shared prompt prefixes are computed once: the prompts admitted together are prefilled from their
-longest common prefix (at least ``MIN_SHARED_PREFIX`` tokens), whose keys and values are computed
-for one row and copied into every row. The keys and values of that prefix (or of the only prompt
-of a prefill) are kept for the next prefill, which reuses as much of them as its prompts share:
-a system prompt and chat-template header repeated by every request are computed once, not once
-per admission. Such rows hold the shared prefix, then padding, then their own tokens (padding
-can sit mid-row; the attention mask and position ids cover it). The kept prefix is one row, at
-most ``prefill_tokens`` long, and is dropped at every weight update. For 32 story requests of
-SmolLM2 (about 43 prompt tokens each, 30 of them shared) served over HTTP, the prefills went from
-a quarter of the served time to a tenth, and the engine process's CPU per generated token down
-by 15-20% (measured with and without, alternating, on a loaded 2-core machine).
+Shared prompt prefixes are computed once (:mod:`agentbolt.engine.prefix`).
 
 With ``forward="auto"`` or ``"engine"`` the forward passes of a Llama-family model (SmolLM2
 included) are the engine's own (:mod:`agentbolt.engine.forward`): no 4-D mask built by
@@ -73,6 +63,7 @@ from agentbolt.engine import kv_cache
 from agentbolt.engine.forward import FORWARDS, LlamaForward, unsupported_reason
 from agentbolt.engine.kernels import available as kernels_available
 from agentbolt.engine.matmul import PackedMatmul, make_matmul_mode
+from agentbolt.engine.prefix import MIN_SHARED_PREFIX, KeptPrefix
 from agentbolt.engine.sampling import sample_step
 from agentbolt.engine.sequence import Sequence
 from agentbolt.engine.threads import ThreadTuner
@@ -128,8 +119,7 @@ class Batcher:
         self._running: list[Sequence] = []
         self._admitting: list[Sequence] = []  # taken from the queue, not yet running
         self._cache: Any = None  # a DynamicCache whose layers hold .keys/.values
-        self._prefix: tuple[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] | None = None
-        """Tokens and their keys/values (one row per layer) kept from an earlier prefill."""
+        self._kept = KeptPrefix(prefill_tokens)
         self._mask_BL = torch.zeros(0, 0, dtype=torch.long)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -352,9 +342,10 @@ class Batcher:
         if self.tuner:
             self.tuner.prefill_threads()
         prompts = list(dict.fromkeys(tuple(g[0].prompt_ids) for g in groups))  # identical prompts once
-        shared, common = self._shared_length(prompts)
+        shared, common = self._kept.shared_length(prompts)
         if shared >= MIN_SHARED_PREFIX:
-            cache = kv_cache.cache_with_prefix(self._prefix_kv(prompts[0][:shared]), len(prompts))
+            kv = self._kept.keys_values(prompts[0][:shared], self._forward)
+            cache = kv_cache.cache_with_prefix(kv, len(prompts))
         else:
             shared, cache = 0, kv_cache.new_cache()
         suffixes = [p[shared:] for p in prompts]
@@ -364,7 +355,7 @@ class Batcher:
         mask_PL = torch.tensor([[1] * shared + [0] * (width - len(s)) + [1] * len(s) for s in suffixes])
         pos_PT = (mask_PL.cumsum(-1) - 1).clamp(min=0)[:, shared:]
         logits_PV = self._forward(ids_PT, mask_PL, pos_PT, cache)
-        self._remember_prefix(prompts[0][: common if len(prompts) > 1 else len(prompts[0])], cache, mask_PL)
+        self._kept.remember(prompts[0][: common if len(prompts) > 1 else len(prompts[0])], cache, mask_PL)
         seqs = [s for g in groups for s in g]
         rows = torch.tensor([prompts.index(tuple(s.prompt_ids)) for s in seqs])
         for seq in seqs:
@@ -372,34 +363,6 @@ class Batcher:
         kv_cache.select_rows(cache, rows)
         self._record(seqs, logits_PV[rows])
         self._merge(seqs, cache, mask_PL[rows])
-
-    def _shared_length(self, prompts: list[tuple[int, ...]]) -> tuple[int, int]:
-        """(prompt tokens to take from one shared prefix, common prefix of the prompts themselves)."""
-        common = _common_length(prompts) if len(prompts) > 1 else 0
-        cached = 0
-        if self._prefix is not None:
-            cached = min(_common_length([self._prefix[0], p]) for p in prompts)
-        limit = min(len(p) for p in prompts) - 1  # every row prefills at least its last token
-        return min(limit, max(common, cached)), common
-
-    def _prefix_kv(self, tokens: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Keys and values (one row per layer) of ``tokens``, from the kept prefix as far as it goes."""
-        base = 0 if self._prefix is None else _common_length([self._prefix[0], tokens])
-        kept = [] if self._prefix is None else [(k[:, :, :base], v[:, :, :base]) for k, v in self._prefix[1]]
-        if base == len(tokens):
-            return kept
-        cache = kv_cache.cache_with_prefix(kept, 1) if base else kv_cache.new_cache()
-        n = len(tokens)
-        ids = torch.tensor([tokens[base:]])
-        self._forward(ids, torch.ones(1, n, dtype=torch.long), torch.arange(base, n)[None], cache)
-        return [(layer.keys, layer.values) for layer in cache.layers]
-
-    def _remember_prefix(self, tokens: tuple[int, ...], cache: Any, mask_PL: torch.Tensor) -> None:
-        """Keep row 0's keys and values for ``tokens`` (its first tokens) for later prefills."""
-        if not MIN_SHARED_PREFIX <= len(tokens) <= self.prefill_tokens:
-            return
-        columns = mask_PL[0].nonzero().squeeze(1)[: len(tokens)]
-        self._prefix = (tokens, kv_cache.row_columns(cache, 0, columns))
 
     def _decode(self) -> None:
         seqs = self._running
@@ -468,7 +431,8 @@ class Batcher:
             kv_cache.cut_left(self._cache, cut)
 
     def _fail_running(self, exc: BaseException) -> None:
-        running, self._running, self._cache, self._prefix = self._running, [], None, None
+        running, self._running, self._cache = self._running, [], None
+        self._kept.clear()
         self._mask_BL = torch.zeros(0, 0, dtype=torch.long)
         for seq in dict.fromkeys(running + self._admitting):  # a merge may have run already
             seq.finish(error=exc)
@@ -477,7 +441,7 @@ class Batcher:
         update = self._update
         if update is None or (self._running and time.monotonic() < update.deadline):
             return
-        self._prefix = None  # computed with the old weights
+        self._kept.clear()  # computed with the old weights
         try:
             with torch.no_grad():
                 self.version = update.apply()
@@ -497,17 +461,6 @@ class Batcher:
 
 GATHER_LIMIT = 10
 """An idle batcher's longest wait for a burst of requests, in units of ``Batcher.gather_s``."""
-
-MIN_SHARED_PREFIX = 8
-"""Fewest shared prompt tokens worth prefilling once (below it, every row computes its own)."""
-
-
-def _common_length(prompts: list[tuple[int, ...]]) -> int:
-    first, n = prompts[0], min(len(p) for p in prompts)
-    for i in range(n):
-        if any(p[i] != first[i] for p in prompts):
-            return i
-    return n
 
 
 def _is_over(seq: Sequence) -> bool:

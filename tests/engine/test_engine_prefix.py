@@ -10,7 +10,7 @@ import pytest
 from engine_helpers import make_engine, max_logprob_error
 
 from agentbolt.engine import ModelEngine
-from agentbolt.engine.batcher import MIN_SHARED_PREFIX, _common_length
+from agentbolt.engine.prefix import MIN_SHARED_PREFIX, common_length
 
 SYSTEM = {
     "role": "system",
@@ -49,10 +49,10 @@ def _record_prefill_widths(engine: ModelEngine) -> list[tuple[int, int]]:
     return widths
 
 
-def test_common_length() -> None:
-    assert _common_length([(1, 2, 3), (1, 2, 4), (1, 2)]) == 2
-    assert _common_length([(1, 2), (1, 2)]) == 2
-    assert _common_length([(5,), (1, 2)]) == 0
+def testcommon_length() -> None:
+    assert common_length([(1, 2, 3), (1, 2, 4), (1, 2)]) == 2
+    assert common_length([(1, 2), (1, 2)]) == 2
+    assert common_length([(5,), (1, 2)]) == 0
 
 
 @pytest.fixture
@@ -72,7 +72,7 @@ async def test_shared_and_kept_prefixes_are_computed_once_and_stay_exact(prefix_
     prompts = [r["prompt_token_ids"] for r in [first, *together, sampled]]
     assert len(widths) >= 3, widths
     assert widths[0] == (len(prompts[0]), len(prompts[0]))  # nothing to share yet
-    shared = _common_length([tuple(p) for p in prompts])
+    shared = common_length([tuple(p) for p in prompts])
     assert shared >= MIN_SHARED_PREFIX
     for new, columns in widths[1:]:  # later prefills start from the kept prefix
         assert new <= columns - shared, widths
@@ -82,7 +82,7 @@ async def test_shared_and_kept_prefixes_are_computed_once_and_stay_exact(prefix_
 async def test_a_weight_update_drops_the_kept_prefix(prefix_engine: ModelEngine) -> None:
     engine = prefix_engine
     await engine.chat(_body("Hi", max_tokens=3))
-    assert engine._batcher._prefix is not None
+    assert engine._batcher._kept.kept is not None
     state = {k: v * 1.5 if k.endswith("proj.weight") else v for k, v in engine.model.state_dict().items()}
     engine.update_weights(state_dict=state)
     again = await engine.chat(_body("Hi there", max_tokens=5))
