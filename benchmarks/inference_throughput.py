@@ -49,6 +49,8 @@ Targets from the issue: >= 1.5x static-batch generate and >= 4x llama-cpp-python
     python benchmarks/inference_throughput.py [--requests 32] [--max-tokens 64] [--dtype bfloat16] [--repeat 3]
     python benchmarks/inference_throughput.py --quick      # 1 round, 16 tokens, 1 baseline thread count
 
+``--adapters N`` compares instead N LoRA adapters served per row, every batch mixing them, with
+one merged adapter (``benchmarks/lora_adapters.py``).
 ``--engine-forwards default,engine`` also runs the engine server with its own Llama forward pass
 (:mod:`agentbolt.engine.forward`, ``--forward engine``) beside the command's default, in the same
 rounds.
@@ -747,6 +749,14 @@ def main() -> None:
         help="only compare decode steps run in the main thread and in a second thread, in process",
     )
     parser.add_argument(
+        "--adapters",
+        type=int,
+        default=0,
+        help="only compare N LoRA adapters served per row (every batch mixing them) with one merged "
+        "adapter, in process (benchmarks/lora_adapters.py)",
+    )
+    parser.add_argument("--adapter-rank", type=int, default=8, help="rank of the --adapters LoRAs")
+    parser.add_argument(
         "--profile-steps",
         action="store_true",
         help="only profile the decode steps of one in-process batch (torch.profiler): where a step's time goes",
@@ -762,6 +772,11 @@ def main() -> None:
         "forward_ab": forward_ab,
         "decode_attention_ab": decode_attention_ab,
     }
+    if args.adapters:
+        from lora_adapters import adapters_ab
+
+        adapters_ab(prompts(args.requests), args)
+        return
     for flag, study in only.items():
         if getattr(args, flag):
             study(prompts(args.requests), args)

@@ -21,16 +21,9 @@ GRPO groups) and their cache rows copied.
 Shared prompt prefixes are computed once (:mod:`agentbolt.engine.prefix`).
 
 With ``forward="auto"`` or ``"engine"`` the forward passes of a Llama-family model (SmolLM2
-included) are the engine's own (:mod:`agentbolt.engine.forward`): no 4-D mask built by
-transformers each step, RoPE from precomputed tables, a cheaper RMSNorm and attention straight on
-the batch's KV cache, with every linear product still a call of the model's own layers. Other
-models keep transformers' forward (``ModelEngine.stats()["forward"]`` says which serves).
-Decode steps of SmolLM2 (bfloat16, packed weights, 32 rows) were 1.07-1.11x faster than with
-transformers' forward on one thread (seven runs) and 1.14-1.15x on two (medians of 62-124 steps
-each, the two alternated step by step in one process, on a 2-core machine shared with other jobs,
-load average 1.0-3.4); the matrix products (~63% of a step) and the flash attention kernel (~21%)
-are unchanged. Served over HTTP with the loop in the main thread it was faster in every round
-(``EngineConfig.forward``, whose default it is).
+included) are the engine's own (:mod:`agentbolt.engine.forward`, where their speed is measured);
+other models keep transformers' forward (``ModelEngine.stats()["forward"]`` says which serves).
+LoRA adapters served beside each other (:mod:`agentbolt.engine.lora_rows`) need the engine's own.
 
 On CPU the thread count of the forward passes is re-chosen from measured step times
 (:mod:`agentbolt.engine.threads`): on a shared machine one thread can beat two by several times.
@@ -62,6 +55,7 @@ import torch.nn.functional as F
 from agentbolt.engine import kv_cache
 from agentbolt.engine.forward import FORWARDS, LlamaForward, unsupported_reason
 from agentbolt.engine.kernels import available as kernels_available
+from agentbolt.engine.lora_rows import Adapter, RowAdapters
 from agentbolt.engine.matmul import PackedMatmul, make_matmul_mode
 from agentbolt.engine.prefix import MIN_SHARED_PREFIX, KeptPrefix
 from agentbolt.engine.sampling import sample_step
@@ -154,6 +148,10 @@ class Batcher:
             raise ValueError(f"forward='engine' is not available for this model: {reason}")
         else:
             self.forward_note = reason
+        self.adapters = RowAdapters() if self.own_forward is not None else None
+        """LoRA adapters served per row, beside the weights (None: transformers' forward serves)."""
+        if self.own_forward is not None:
+            self.own_forward.adapters = self.adapters
 
     @property
     def attention(self) -> str:
@@ -257,18 +255,8 @@ class Batcher:
 
     def _idle(self) -> None:
         """Nothing runs or was admitted: hand the heap's free pages back once (the first idle
-        step after work), then wait for a request.
-
-        The batch's key-value cache, logits and activations are freed into glibc's heaps, which
-        keep them mapped (its mmap threshold rises to 32 MB as blocks are freed). Served 40
-        mixed batches of 1-32 chats (``benchmarks/engine_memory.py``, SmolLM2 in bfloat16, 2-core
-        EPYC), ``agentbolt model serve`` held 2.18-2.24 GB between batches at the end without
-        this, 1.37 GB with it (0.98 GB at start; the rest is mostly oneDNN's compiled kernels),
-        in the same time (237-243 s against 240-251 s; 41 hand-backs, 1.4-1.5 s together). The
-        peak inside the largest batch is about the same (2.12-2.14 GB against 2.18-2.24). One
-        ``malloc_trim`` per idle moment costs the next batch the page faults of the memory it
-        touches again, once, where mapping every large block would cost them at every large
-        allocation of every step. Without glibc nothing is handed back, and nothing counted."""
+        step after work; :func:`agentbolt.memory.release_free_memory`, where it is measured),
+        then wait for a request."""
         if self._worked and self.release_idle_memory:
             started = time.perf_counter()
             if release_free_memory():
@@ -316,8 +304,16 @@ class Batcher:
         return [[s for s in g if not s.cancelled.is_set()] for g in taken]
 
     def _forward(
-        self, ids_BT: torch.Tensor, mask_BL: torch.Tensor, pos_BT: torch.Tensor, cache
+        self,
+        ids_BT: torch.Tensor,
+        mask_BL: torch.Tensor,
+        pos_BT: torch.Tensor,
+        cache,
+        adapters: list | None = None,
     ) -> torch.Tensor:
+        """The last position's logits of each row; ``adapters``: each row's LoRA adapter (None: none)."""
+        if self.adapters is not None:
+            self.adapters.select(adapters or [None] * ids_BT.shape[0])
         if self.own_forward is not None:
             with self.matmul_mode or contextlib.nullcontext():
                 return self.own_forward(ids_BT, mask_BL, pos_BT, cache).cpu()
@@ -341,10 +337,18 @@ class Batcher:
         self.prefills += 1
         if self.tuner:
             self.tuner.prefill_threads()
+        for adapter in dict.fromkeys(g[0].adapter for g in groups):  # each adapter's rows apart
+            self._prefill_rows([g for g in groups if g[0].adapter == adapter], adapter)
+
+    def _prefill_rows(self, groups: list[list[Sequence]], adapter: Adapter | None) -> None:
         prompts = list(dict.fromkeys(tuple(g[0].prompt_ids) for g in groups))  # identical prompts once
-        shared, common = self._kept.shared_length(prompts)
+        shared, common = self._kept.shared_length(prompts, adapter)
+
+        def forward(ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any) -> torch.Tensor:
+            return self._forward(ids, mask, pos, cache, [adapter] * ids.shape[0])
+
         if shared >= MIN_SHARED_PREFIX:
-            kv = self._kept.keys_values(prompts[0][:shared], self._forward)
+            kv = self._kept.keys_values(prompts[0][:shared], forward)
             cache = kv_cache.cache_with_prefix(kv, len(prompts))
         else:
             shared, cache = 0, kv_cache.new_cache()
@@ -354,12 +358,14 @@ class Batcher:
         # the shared prefix, then each prompt's own tokens left-padded: padding may sit mid-row
         mask_PL = torch.tensor([[1] * shared + [0] * (width - len(s)) + [1] * len(s) for s in suffixes])
         pos_PT = (mask_PL.cumsum(-1) - 1).clamp(min=0)[:, shared:]
-        logits_PV = self._forward(ids_PT, mask_PL, pos_PT, cache)
-        self._kept.remember(prompts[0][: common if len(prompts) > 1 else len(prompts[0])], cache, mask_PL)
+        logits_PV = forward(ids_PT, mask_PL, pos_PT, cache)
+        self._kept.remember(
+            prompts[0][: common if len(prompts) > 1 else len(prompts[0])], cache, mask_PL, adapter
+        )
         seqs = [s for g in groups for s in g]
         rows = torch.tensor([prompts.index(tuple(s.prompt_ids)) for s in seqs])
         for seq in seqs:
-            seq.versions.append(self.version)
+            seq.versions.append(seq.adapter.name if seq.adapter else self.version)
         kv_cache.select_rows(cache, rows)
         self._record(seqs, logits_PV[rows])
         self._merge(seqs, cache, mask_PL[rows])
@@ -371,7 +377,7 @@ class Batcher:
         self._mask_BL = torch.cat([self._mask_BL, torch.ones(len(seqs), 1, dtype=torch.long)], dim=1)
         threads = self.tuner.next_threads(len(seqs)) if self.tuner else 0
         started = time.perf_counter()
-        logits_BV = self._forward(last_B1, self._mask_BL, pos_B1, self._cache)
+        logits_BV = self._forward(last_B1, self._mask_BL, pos_B1, self._cache, [s.adapter for s in seqs])
         if self.tuner:
             self.tuner.record(threads, time.perf_counter() - started, len(seqs))
         self._record(seqs, logits_BV)
@@ -452,7 +458,7 @@ class Batcher:
             update.future.set_exception(exc)
         else:
             for seq in self._running:  # only when the drain timed out
-                seq.versions.append(self.version)
+                seq.versions.append(seq.adapter.name if seq.adapter else self.version)
             update.future.set_result(self.version)
         self._worked = True  # the old weights' packed copies are free now
         with self._cond:

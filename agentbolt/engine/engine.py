@@ -21,6 +21,7 @@ import torch
 
 from agentbolt.engine.batcher import Batcher
 from agentbolt.engine.config import EngineConfig
+from agentbolt.engine.lora_rows import Adapter, LoraPair
 from agentbolt.engine.matmul import cpu_matmul_mode
 from agentbolt.engine.model_files import DEFAULT_MODEL, SMOLLM2_DIRNAME, ensure_model
 from agentbolt.engine.prepare import RequestPreparer
@@ -59,6 +60,8 @@ class ModelEngine:
         self._weights = WeightManager(model)
         self._update_lock = threading.Lock()
         self._served_names = {name}
+        self._unloaded: set[str] = set()
+        """LoRA adapters unloaded: a request naming one is refused, never served by the base."""
         self._prepare = RequestPreparer(tokenizer, self.max_context, self._served_names)
         self._batcher = Batcher(
             model,
@@ -219,13 +222,13 @@ class ModelEngine:
     async def chat(self, request: Mapping[str, Any]) -> dict[str, Any]:
         """Answer an OpenAI ``/v1/chat/completions`` body (``stream`` is ignored here)."""
         req, prompt_ids, params = self._prepare.chat(request, self.config)
-        seqs = await self._generate(prompt_ids, params, req.n)
+        seqs = await self._generate(prompt_ids, params, req.n, req.model)
         return chat_response(req, self.name, self.tokenizer, prompt_ids, seqs)
 
     async def complete(self, request: Mapping[str, Any]) -> dict[str, Any]:
         """Answer an OpenAI ``/v1/completions`` body (``stream`` is ignored here)."""
         req, prompts, params = self._prepare.completion(request, self.config)
-        runs = [self._generate(ids, p, req.n) for (_, ids), p in zip(prompts, params, strict=True)]
+        runs = [self._generate(ids, p, req.n, req.model) for (_, ids), p in zip(prompts, params, strict=True)]
         seqs = [s for group in await asyncio.gather(*runs) for s in group]
         return completion_response(req, self.name, self.tokenizer, prompts, seqs)
 
@@ -241,22 +244,38 @@ class ModelEngine:
         async for chunk in stream_chat(self, req, prompt_ids, params):
             yield chunk
 
-    def make_sequences(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[Sequence]:
+    def make_sequences(
+        self, prompt_ids: list[int], params: SamplingParams, n: int, model: str | None = None
+    ) -> list[Sequence]:
+        """``n`` sequences of the prompt; ``model`` naming a loaded LoRA adapter runs them on it."""
         tok = self.tokenizer  # decode only (stop strings): safe from the engine thread
+        adapters = self._batcher.adapters
+        adapter = adapters.loaded.get(model) if adapters is not None and model is not None else None
+        if adapter is None and model in self._unloaded:  # never the base in an adapter's place
+            raise EngineRequestError(
+                f"the LoRA adapter {model!r} was unloaded; this engine serves: {', '.join(sorted(self._served_names))}",
+                status_code=404,
+                param="model",
+                code="model_not_found",
+            )
 
         def decode(ids: list[int]) -> str:
             return tok.decode(ids, skip_special_tokens=True)
 
         seeds = [None if params.seed is None else params.seed + i for i in range(n)]
-        return [Sequence(list(prompt_ids), replace(params, seed=s), decode=decode) for s in seeds]
+        return [
+            Sequence(list(prompt_ids), replace(params, seed=s), decode=decode, adapter=adapter) for s in seeds
+        ]
 
     def submit(self, seqs: list[Sequence]) -> None:
         self.start()
         self._batcher.submit(seqs)
 
-    async def _generate(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[Sequence]:
+    async def _generate(
+        self, prompt_ids: list[int], params: SamplingParams, n: int, model: str | None = None
+    ) -> list[Sequence]:
         loop = asyncio.get_running_loop()
-        seqs = self.make_sequences(prompt_ids, params, n)
+        seqs = self.make_sequences(prompt_ids, params, n, model)
         futures = [loop.create_future() for _ in seqs]
         for seq, fut in zip(seqs, futures, strict=True):
             seq.on_done = partial(_call_soon, loop, fut)
@@ -310,15 +329,48 @@ class ModelEngine:
     async def aupdate_weights(self, *args: Any, **kwargs: Any) -> int | str:
         return await asyncio.to_thread(self.update_weights, *args, **kwargs)
 
-    def load_lora_adapter(
-        self, lora_name: str, lora_path: str, version: int | str | None = None
-    ) -> int | str:
-        """vLLM's ``/v1/load_lora_adapter``: merge the adapter and serve it under ``lora_name`` too."""
-        result = self.update_weights(
-            adapter_path=lora_path, version=version if version is not None else lora_name
-        )
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> str:
+        """vLLM's ``/v1/load_lora_adapter``: serve the adapter under ``lora_name`` beside the
+        weights and any other adapter (:mod:`agentbolt.engine.lora_rows`). A request whose
+        ``model`` is ``lora_name`` runs it; its responses' ``model_version`` is ``lora_name``.
+        Loading a name again replaces it for new requests. To change the weights themselves,
+        merge an adapter with :meth:`update_weights`."""
+        adapters = self._batcher.adapters
+        if adapters is None:
+            raise EngineRequestError(
+                "serving LoRA adapters side by side needs the engine's own forward pass "
+                f"({self._batcher.forward_note}); merge an adapter with update_weights instead",
+                param="lora_path",
+            )
+        if lora_name == self.name:
+            raise EngineRequestError(f"{lora_name!r} is the base model's name: name the adapter otherwise")
+        pairs = self._weights.prepare_row_adapter(lora_path)
+        layers = {
+            self.model.get_submodule(n.rsplit(".", 1)[0]): LoraPair(a, b) for n, (a, b) in pairs.items()
+        }
+        adapters.loaded = {**adapters.loaded, lora_name: Adapter(lora_name, layers)}
         self._served_names.add(lora_name)
-        return result
+        self._unloaded.discard(lora_name)
+        log.info("serving LoRA adapter %s from %s", lora_name, lora_path)
+        return lora_name
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        """vLLM's ``/v1/unload_lora_adapter``: new requests may no longer name it; sequences
+        running on it finish on it. 404 for a name not loaded."""
+        adapters = self._batcher.adapters
+        if adapters is None or lora_name not in adapters.loaded:
+            loaded = (
+                ", ".join(sorted(adapters.loaded)) if adapters is not None and adapters.loaded else "none"
+            )
+            raise EngineRequestError(
+                f"no LoRA adapter named {lora_name!r} is loaded (loaded: {loaded})",
+                status_code=404,
+                param="lora_name",
+                code="not_found",
+            )
+        adapters.loaded = {n: a for n, a in adapters.loaded.items() if n != lora_name}
+        self._served_names.discard(lora_name)
+        self._unloaded.add(lora_name)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, seq: Sequence) -> None:

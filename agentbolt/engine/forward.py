@@ -42,6 +42,13 @@ function with less of that work around the matrix products:
   either way); only the last position of each row goes through the final norm and the output
   layer.
 
+Decode steps of SmolLM2 (bfloat16, packed weights, 32 rows) were 1.07-1.11x faster than with
+transformers' forward on one thread (seven runs) and 1.14-1.15x on two (medians of 62-124 steps
+each, the two alternated step by step in one process, on a 2-core machine shared with other jobs,
+load average 1.0-3.4); the matrix products (~63% of a step) and the flash attention kernel (~21%)
+are unchanged. Served over HTTP with the loop in the main thread it was faster in every round
+(``EngineConfig.forward``, whose default it is).
+
 ``unsupported_reason(model)`` says why a model cannot take this path (it takes a
 ``LlamaForCausalLM`` with a static RoPE type, sdpa or eager attention, LlamaRMSNorm norms and
 gate/up/down MLPs); anything
@@ -132,6 +139,8 @@ class LlamaForward:
         self.packed: Any = None
         """The :class:`~agentbolt.engine.matmul.PackedMatmul` mode the caller enters around this
         forward pass, if any: its products are then called directly (``PackedMatmul.project``)."""
+        self.adapters: Any = None
+        """The :class:`~agentbolt.engine.lora_rows.RowAdapters` whose rows this pass serves, if any."""
         self.silu = getattr(config, "hidden_act", None) == "silu"
         """The MLP's activation is SiLU, which ``kernels.silu_mul`` computes."""
         self._tables_for(max(max_positions, int(getattr(config, "max_position_embeddings", 0))))
@@ -252,12 +261,14 @@ class LlamaForward:
     def _project(self, x: torch.Tensor, *layers: torch.nn.Module) -> list[torch.Tensor]:
         """Each layer applied to ``x``: through ``self.packed`` directly where it takes them, else
         by calling the layers (inside whatever mode the caller entered)."""
+        out = None
         if self.packed is not None:
             with torch._C.DisableTorchFunction():
                 out = self.packed.project(x, layers)
-            if out is not None:
-                return out
-        return [layer(x) for layer in layers]
+        out = out if out is not None else [layer(x) for layer in layers]
+        if self.adapters is not None and self.adapters.active:  # LoRA adapters served per row
+            out = [self.adapters.add_delta(layer, x, o) for layer, o in zip(layers, out, strict=True)]
+        return out
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, half: int) -> torch.Tensor:

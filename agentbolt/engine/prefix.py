@@ -48,12 +48,17 @@ class KeptPrefix:
         self.limit = limit
         """The longest prefix kept, in tokens (the batcher's prefill_tokens)."""
         self.kept: tuple[tuple[int, ...], KeysValues] | None = None
+        self.adapter: Any = None
+        """The LoRA adapter the kept keys and values were computed under (None: none)."""
 
     def clear(self) -> None:
         self.kept = None
 
-    def shared_length(self, prompts: list[tuple[int, ...]]) -> tuple[int, int]:
-        """(prompt tokens to take from one shared prefix, common prefix of the prompts themselves)."""
+    def shared_length(self, prompts: list[tuple[int, ...]], adapter: Any = None) -> tuple[int, int]:
+        """(prompt tokens to take from one shared prefix, common prefix of the prompts themselves),
+        for prompts run under ``adapter``: a prefix kept under another is not theirs."""
+        if self.adapter is not adapter:
+            self.kept = None
         common = common_length(prompts) if len(prompts) > 1 else 0
         cached = 0
         if self.kept is not None:
@@ -74,9 +79,12 @@ class KeptPrefix:
         forward(ids, torch.ones(1, n, dtype=torch.long), torch.arange(base, n)[None], cache)
         return [(layer.keys, layer.values) for layer in cache.layers]
 
-    def remember(self, tokens: tuple[int, ...], cache: Any, mask_PL: torch.Tensor) -> None:
-        """Keep row 0's keys and values for ``tokens`` (its first tokens) for later prefills."""
+    def remember(
+        self, tokens: tuple[int, ...], cache: Any, mask_PL: torch.Tensor, adapter: Any = None
+    ) -> None:
+        """Keep row 0's keys and values for ``tokens`` (its first tokens), computed under
+        ``adapter``, for later prefills."""
         if not MIN_SHARED_PREFIX <= len(tokens) <= self.limit:
             return
         columns = mask_PL[0].nonzero().squeeze(1)[: len(tokens)]
-        self.kept = (tokens, kv_cache.row_columns(cache, 0, columns))
+        self.kept, self.adapter = (tokens, kv_cache.row_columns(cache, 0, columns)), adapter

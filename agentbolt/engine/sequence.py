@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from agentbolt.engine.lora_rows import Adapter
 from agentbolt.engine.sampling import SamplingParams
 
 __all__ = ["Sequence"]
@@ -36,6 +37,8 @@ class Sequence:
     finish_reason: str | None = None
     stop_text_end: int | None = None
     """Where the text ends when a stop string matched (None: the whole decoded text)."""
+    adapter: Adapter | None = None
+    """The LoRA adapter served beside the weights that generates it (None: the weights alone)."""
     versions: list[int | str] = field(default_factory=list)
     """Model versions that computed this sequence, in order (more than one = weights changed mid-way)."""
     error: BaseException | None = None

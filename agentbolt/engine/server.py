@@ -2,9 +2,10 @@
 
 Routes are thin: each parses JSON, calls the engine, and maps ``EngineRequestError`` to an
 OpenAI error body (``{"error": {"message", "type", "param", "code"}}``) with its status.
-Weight updates (``/v1/load_lora_adapter``, vLLM's route and body, and ``/v1/update_weights``
-with a checkpoint ``path``, this engine's own) run in a worker thread so the event loop keeps
-serving while running requests drain. vLLM 0.34.0 has no ``/v1/update_weights``: its
+LoRA adapters are served side by side as vLLM serves them (``/v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter``, vLLM's routes and bodies; a request names one as its ``model``).
+Weight updates (``/v1/update_weights`` with a checkpoint ``path``, this engine's own) run in a
+worker thread so the event loop keeps serving while running requests drain. vLLM 0.34.0 has no ``/v1/update_weights``: its
 ``POST /update_weights`` (no ``/v1``, only with ``VLLM_SERVER_DEV_MODE=1``) takes
 ``update_info`` for a weight-transfer engine (NCCL or IPC), not a path
 (``tests/contracts/vllm_0_34_0.json``, ``behaviour.update_weights``).
@@ -117,10 +118,14 @@ def create_engine_app(engine: ModelEngine) -> FastAPI:
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> dict[str, Any]:
         body = _require(await _json_body(request), "lora_name", "lora_path")
-        version = await asyncio.to_thread(
-            engine.load_lora_adapter, body["lora_name"], body["lora_path"], body.get("version")
-        )
+        version = await asyncio.to_thread(engine.load_lora_adapter, body["lora_name"], body["lora_path"])
         return {"status": "ok", "lora_name": body["lora_name"], "model_version": version}
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> dict[str, Any]:
+        body = _require(await _json_body(request), "lora_name")
+        engine.unload_lora_adapter(body["lora_name"])
+        return {"status": "ok", "lora_name": body["lora_name"]}
 
     @app.post("/v1/update_weights")
     async def update_weights(request: Request) -> dict[str, Any]:

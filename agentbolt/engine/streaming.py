@@ -35,7 +35,9 @@ class Generator(Protocol):
     @property
     def version(self) -> int | str: ...
 
-    def make_sequences(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[Sequence]: ...
+    def make_sequences(
+        self, prompt_ids: list[int], params: SamplingParams, n: int, model: str | None = None
+    ) -> list[Sequence]: ...
 
     def submit(self, seqs: list[Sequence]) -> None: ...
 
@@ -66,7 +68,7 @@ async def stream_chat(
     async for chunk in _stream(
         engine,
         head,
-        [engine.make_sequences(prompt_ids, params, req.n)],
+        [engine.make_sequences(prompt_ids, params, req.n, req.model)],
         opening,
         lambda choice, final: _chunk(engine, req, choice, final),
         len(prompt_ids) if (req.stream_options or {}).get("include_usage") else None,
@@ -104,7 +106,9 @@ async def stream_completion(
         choice.offset = len(first["text"])
         return {"choices": [first]}
 
-    groups = [engine.make_sequences(ids, p, req.n) for (_, ids), p in zip(prompts, params, strict=True)]
+    groups = [
+        engine.make_sequences(ids, p, req.n, req.model) for (_, ids), p in zip(prompts, params, strict=True)
+    ]
     include_usage = (req.stream_options or {}).get("include_usage")
     async for chunk in _stream(
         engine,

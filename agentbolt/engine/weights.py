@@ -76,7 +76,40 @@ class WeightManager:
         return out
 
     def prepare_adapter(self, adapter_path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+        """The adapter merged: ``{param_name: base + delta}`` (and its ``modules_to_save``)."""
+        config, pairs, full = self._adapter_parts(Path(adapter_path))
+        merged = {name: self._merge_lora(name, ab, config) for name, ab in pairs.items()}
+        return {**merged, **full}
+
+    def prepare_row_adapter(
+        self, adapter_path: str | os.PathLike[str]
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The adapter unmerged, for serving beside others (:mod:`agentbolt.engine.lora_rows`):
+        ``{param_name: (A, B * scale)}`` in float32. An adapter that replaces whole
+        weights (``modules_to_save``) cannot be served per row and is refused."""
         folder = Path(adapter_path)
+        config, pairs, full = self._adapter_parts(folder)
+        if config.get("fan_in_fan_out"):
+            raise EngineRequestError("fan_in_fan_out adapters (Conv1D layers) cannot be served per row")
+        if full:
+            raise EngineRequestError(
+                f"adapter at {folder} replaces whole weights ({', '.join(sorted(full))}): it cannot be "
+                "served beside other adapters; merge it with update_weights instead",
+                param="lora_path",
+            )
+        out = {}
+        for name, ab in pairs.items():
+            param, scale = self.params[name], self._scale(ab["module"], ab, config)
+            a, b = ab["A"].float(), ab["B"].float() * scale
+            if (b.shape[0], a.shape[1]) != tuple(param.shape):
+                raise EngineRequestError(
+                    f"LoRA for {name!r} has shape {(b.shape[0], a.shape[1])}, expected {tuple(param.shape)}"
+                )
+            out[name] = (a.to(param.device), b.to(param.device))  # float32: small, fast on every CPU
+        return out
+
+    def _adapter_parts(self, folder: Path) -> tuple[dict, dict[str, dict[str, Any]], dict[str, torch.Tensor]]:
+        """The adapter's config, its LoRA pairs by parameter name, its full weights."""
         config = self._adapter_config(folder)
         tensors = self._adapter_tensors(folder)
         pairs: dict[str, dict[str, torch.Tensor]] = {}
@@ -90,10 +123,9 @@ class WeightManager:
             else:  # modules_to_save: a full replacement of that weight
                 name = self._param_name(_strip(key).replace(".modules_to_save.default", ""))
                 full[name] = self._checked(name, tensor)
-        merged = {name: self._merge_lora(name, ab, config) for name, ab in self._by_param(pairs).items()}
-        if not merged and not full:
+        if not pairs and not full:
             raise EngineRequestError(f"adapter at {folder} holds no LoRA weights", param="lora_path")
-        return {**merged, **full}
+        return config, self._by_param(pairs), full
 
     # ----------------------------------------------------------- engine thread: copy
     def apply_state_dict(self, weights: Mapping[str, torch.Tensor]) -> None:
@@ -153,12 +185,14 @@ class WeightManager:
             out[self._param_name(module)] = ab | {"module": module}
         return out
 
-    def _merge_lora(self, name: str, ab: dict, config: dict) -> torch.Tensor:
-        module = ab["module"]
+    @staticmethod
+    def _scale(module: str, ab: dict, config: dict) -> float:
         rank = _pattern_value(config.get("rank_pattern") or {}, module, config.get("r", ab["A"].shape[0]))
         alpha = _pattern_value(config.get("alpha_pattern") or {}, module, config.get("lora_alpha", rank))
-        scale = alpha / (rank**0.5 if config.get("use_rslora") else rank)
-        delta = (ab["B"].float() @ ab["A"].float()) * scale
+        return float(alpha / (rank**0.5 if config.get("use_rslora") else rank))
+
+    def _merge_lora(self, name: str, ab: dict, config: dict) -> torch.Tensor:
+        delta = (ab["B"].float() @ ab["A"].float()) * self._scale(ab["module"], ab, config)
         if config.get("fan_in_fan_out"):
             delta = delta.T
         param = self.params[name]

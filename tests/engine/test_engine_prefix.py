@@ -32,10 +32,10 @@ def _record_prefill_widths(engine: ModelEngine) -> list[tuple[int, int]]:
     batcher, widths, inside = engine._batcher, [], []
     forward, prefill = batcher._forward, batcher._prefill
 
-    def recording_forward(ids_BT, mask_BL, pos_BT, cache):
+    def recording_forward(ids_BT, mask_BL, pos_BT, cache, adapters=None):
         if inside:
             inside[-1] = (ids_BT.shape[1], mask_BL.shape[1])  # the last one is the prompts' pass
-        return forward(ids_BT, mask_BL, pos_BT, cache)
+        return forward(ids_BT, mask_BL, pos_BT, cache, adapters)
 
     def recording_prefill(groups):
         inside.append(None)
