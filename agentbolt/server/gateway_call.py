@@ -101,7 +101,9 @@ class Target:
     ranked: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def pick(self, model: Any) -> tuple[str, LLM]:
-        """The LLM resource serving ``model``: the one whose model matches, else the first."""
+        """The LLM resource serving ``model``: the one whose model matches, else the only one.
+        With several (roles: ``planner``, ``solver``) and none matching, 404 naming them: a call
+        is never recorded as another role's."""
         if not self.llms:
             raise Refused(
                 400, "this rollout's resources have no LLM resource to forward to", "invalid_request_error"
@@ -109,7 +111,15 @@ class Target:
         for name, llm in self.llms.items():
             if llm.model == model:
                 return name, llm
-        return next(iter(self.llms.items()))
+        if len(self.llms) == 1:
+            return next(iter(self.llms.items()))
+        known = ", ".join(f"{name} (model {llm.model!r})" for name, llm in self.llms.items())
+        raise Refused(
+            404,
+            f"the model {model!r} is none of this rollout's LLM resources: {known}",
+            "not_found_error",
+            "model",
+        )
 
 
 @dataclass(frozen=True)

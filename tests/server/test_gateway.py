@@ -488,3 +488,29 @@ def test_keys_from_config_and_redaction_everywhere(tmp_path, upstream, caplog):
         assert secret not in events and secret not in caplog.text
     for call in upstream.calls:  # the runner's token never travels upstream
         assert runner_token not in json.dumps(call.headers)
+
+
+def test_each_call_is_recorded_as_its_roles_and_an_unknown_role_is_a_404_naming_them(rig, upstream):
+    """Two LLM resources (roles) in one rollout: a call goes to, and is recorded as, the one
+    whose model it names; any other model is refused, never recorded as some role's call."""
+    planner = LLM(base_url=upstream.base_url, model="double")
+    solver = LLM(base_url=upstream.base_url, model="double-solver")
+    rig.client.publish_resources({"planner": planner, "solver": solver})
+    rig.client.enqueue([RolloutCreate(task=Task(data={"q": "hi"}))])
+    claim = rig.client.dequeue("w1")
+    assert claim is not None
+    roles = claim.resources.resources
+    for role, model in (("planner", "double"), ("solver", "double-solver"), ("planner", "double-solver")):
+        client = openai.OpenAI(base_url=roles[role].base_url, api_key=roles[role].api_key, max_retries=0)
+        client.chat.completions.create(model=model, messages=MESSAGES)
+    with pytest.raises(openai.NotFoundError) as refused:
+        client.chat.completions.create(model="critic", messages=MESSAGES)
+    message = refused.value.body["message"]  # type: ignore[index]
+    assert (
+        "'critic'" in message
+        and "planner (model 'double')" in message
+        and "solver (model 'double-solver')" in message
+    )
+    calls = rig.llm_calls(claim.rollout.id)
+    # by the model asked for, whichever role's client asked
+    assert [c.data["resource"] for c in calls] == ["planner", "solver", "solver"]
