@@ -68,7 +68,10 @@ __all__ = ["APO", "APOResult", "APOStats", "Candidate", "pareto_front", "prompt_
 
 @dataclass
 class APO(RewardOptions, Algorithm):
-    """Optimize one prompt resource; see the module docstring."""
+    """Optimize one prompt resource from the agent's runs (--method bootstrap or rewrite).
+
+    ``bootstrap`` adds worked examples from the agent's own successful runs (no other model
+    needed); ``rewrite`` has an optimizer model rewrite the prompt."""
 
     prompt_resource: str = "system_prompt"
     """Name of the ``PromptTemplate`` resource to optimize; the other resources are kept."""
