@@ -106,17 +106,20 @@ def demonstrations(
 ) -> list[Demo]:
     """The demonstrations ``rollouts`` give: the runs scored at least ``min_score`` on reward
     ``choice``, as text of at most ``max_chars`` (a longer one is left out, never cut), one per
-    distinct conversation, in the order of ``rollouts``."""
-    good = [r for r in rollouts if (s := score_of(r, choice)) is not None and s >= min_score]
-    conversations = [(r.task.id, _conversation(client, r)) for r in good]
-    conversations = [(task, c) for task, c in conversations if any(m.get("role") == "assistant" for m in c)]
-    skip = _shared_prefix([c for _, c in conversations])
+    distinct conversation, in the order of ``rollouts``. The turns every run of the batch opens
+    with (an agent's own fixed example turns) are left out of each."""
+    runs = [(r, _conversation(client, r)) for r in rollouts]
+    runs = [(r, c) for r, c in runs if any(m.get("role") == "assistant" for m in c)]
+    skip = _shared_prefix([c for _, c in runs])
     demos, seen = list[Demo](), set[str]()
-    for task, conversation in conversations:
+    for rollout, conversation in runs:
+        score = score_of(rollout, choice)
+        if score is None or score < min_score:
+            continue
         text = render_conversation(conversation[skip:])
         if len(text) <= max_chars and text not in seen:
             seen.add(text)
-            demos.append(Demo(task, text))
+            demos.append(Demo(rollout.task.id, text))
     return demos
 
 

@@ -363,3 +363,32 @@ def test_instructions_given_and_rewritten_are_searched_with_the_examples(
     starts = {c.prompt.split("\n\n")[0] for c in tried}
     assert used == {0, 1, 2} and starts == {SEED, mine, "Rewritten: say ANSWER: word."}
     assert result.best_val == 1.0
+
+
+class ShowingAgent(WordAgent):
+    """Opens every conversation with the same worked exchange of its own, before the task."""
+
+    def execute_rollout(self, task: Task) -> float:
+        prompt, llm = self.get_resource("system_prompt"), self.get_resource("llm")
+        client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key or "x", max_retries=0, timeout=30)
+        messages: Any = [
+            {"role": "system", "content": prompt},
+            {"role": "user", "content": "Say the word cat."},
+            {"role": "assistant", "content": "ANSWER: cat"},
+            {"role": "user", "content": task.data["q"]},
+        ]
+        reply = client.chat.completions.create(model=llm.model, messages=messages).choices[0].message.content
+        return float((reply or "").strip() == f"ANSWER: {task.data['word']}")
+
+
+def test_the_agents_own_fixed_turns_are_not_an_example(
+    model: ExampleModel, tmp_path: Path, stopper: list[ServerThread]
+) -> None:
+    """One run succeeds; the turns all eight runs open with are left out of its example."""
+    one_easy = [{**t, "q": t["q"].replace(" (easy)", "")} if t["id"] != "train-0" else t for t in TRAIN]
+    apo = APO(bootstrap_tasks=8, bootstrap_rounds=1, trials=1, batch_timeout=60.0)
+    result, _, server = _fit(apo, model, tmp_path, agent=ShowingAgent(), train=one_easy)
+    stopper.append(server)
+    assert result.stats.demos == 1
+    example = result.best_prompt.split(HEADER, 1)[1]
+    assert "Say the word apple (easy)." in example and "cat" not in example
