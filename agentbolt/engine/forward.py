@@ -267,7 +267,8 @@ class LlamaForward:
                 out = self.packed.project(x, layers)
         out = out if out is not None else [layer(x) for layer in layers]
         if self.adapters is not None and self.adapters.active:  # LoRA adapters served per row
-            out = [self.adapters.add_delta(layer, x, o) for layer, o in zip(layers, out, strict=True)]
+            with torch._C.DisableTorchFunction():  # small float32 products: no matmul mode's
+                out = [self.adapters.add_delta(layer, x, o) for layer, o in zip(layers, out, strict=True)]
         return out
 
     @staticmethod
