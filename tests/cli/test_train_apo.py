@@ -23,8 +23,8 @@ def test_bootstrap_from_the_command_line_on_the_bundled_model(tmp_path: Path) ->
     run = tmp_path / "run"
     argv = [
         *("train", "apo", "--method", "bootstrap"),
-        *("--train", f"{SPEC}?size=16", "--val", f"{SPEC}?size=8"),
-        *("--bootstrap-tasks", "16", "--bootstrap-rounds", "1", "--trials", "2"),
+        *("--train", f"{SPEC}?size=12", "--val", f"{SPEC}?size=6"),
+        *("--bootstrap-tasks", "12", "--bootstrap-rounds", "1", "--trials", "1"),
         *("--run-dir", str(run)),
     ]
     env = {**os.environ, "PYTHONHASHSEED": "0", "COLUMNS": "200"}
