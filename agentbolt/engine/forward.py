@@ -268,7 +268,7 @@ class LlamaForward:
         out = out if out is not None else [layer(x) for layer in layers]
         if self.adapters is not None and self.adapters.active:  # LoRA adapters served per row
             with torch._C.DisableTorchFunction():  # small float32 products: no matmul mode's
-                out = [self.adapters.add_delta(layer, x, o) for layer, o in zip(layers, out, strict=True)]
+                out = self.adapters.add_deltas(layers, x, out)
         return out
 
     @staticmethod

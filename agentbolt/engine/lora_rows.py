@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -44,10 +45,11 @@ class Adapter:
 class RowAdapters:
     """The adapters loaded by name, and the rows of each in the forward pass being run.
 
-    A layer's products for a batch are two, whatever the adapters in it: ``x`` times every
-    adapter's ``a`` stacked (``h``: each row gets every adapter's rank columns), ``h`` masked to
-    the row's own adapter's columns, times every ``b`` stacked. No rows are gathered or
-    scattered; the extra work is the other adapters' few rank columns per row."""
+    The products for a batch do not depend on how many adapters it mixes: ``x`` times every
+    adapter's ``a`` stacked, for the layers that share ``x`` at once (``h``: each row gets every
+    adapter's rank columns), ``h`` masked to the row's own adapter's columns, times each layer's
+    ``b`` stacked. No rows are gathered or scattered; the extra work is the other adapters' few
+    rank columns per row."""
 
     def __init__(self) -> None:
         self.loaded: dict[str, Adapter] = {}
@@ -57,6 +59,7 @@ class RowAdapters:
         self._key: tuple[int, ...] = ()
         self._stacks: dict[torch.nn.Module, tuple[torch.Tensor, torch.Tensor, tuple[int, ...]] | None] = {}
         self._masks: dict[tuple[int, ...], torch.Tensor] = {}
+        self._groups: dict[tuple[torch.nn.Module, ...], Any] = {}
 
     def select(self, rows: Sequence[Adapter | None]) -> None:
         """The adapter of each row of the next forward pass (None: the base model)."""
@@ -66,7 +69,7 @@ class RowAdapters:
             return
         key = tuple(id(a) for a in self._active)
         if key != self._key:  # another set of adapters: stack their layers anew
-            self._key, self._stacks = key, {}
+            self._key, self._stacks, self._groups = key, {}, {}
         where = {id(a): i for i, a in enumerate(self._active)}
         self._row_index = torch.tensor([where[id(r)] if r is not None else -1 for r in rows])
 
@@ -90,16 +93,39 @@ class RowAdapters:
             )
         return self._stacks[layer]
 
-    def add_delta(self, layer: torch.nn.Module, x_BTI: torch.Tensor, out_BTO: torch.Tensor) -> torch.Tensor:
-        """``out_BTO`` (the base layer's output for ``x_BTI``) plus each row's adapter delta."""
-        stack = self._stack(layer)
-        if stack is None:
-            return out_BTO
-        a, b, owners = stack
+    def add_deltas(
+        self, layers: Sequence[torch.nn.Module], x_BTI: torch.Tensor, outs: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """``outs`` (the base layers' outputs for the same ``x_BTI``: a layer's q, k and v, or
+        gate and up) plus each row's adapter deltas: one product for every ``a`` of the layers
+        together, then one per layer for its ``b``."""
+        key = tuple(layers)
+        group = self._groups.get(key)
+        if group is None:
+            stacks = [(i, st) for i, layer in enumerate(layers) if (st := self._stack(layer)) is not None]
+            edges = [0]
+            for _, (a, _b, _o) in stacks:
+                edges.append(edges[-1] + a.shape[0])
+            group = self._groups[key] = (
+                (
+                    torch.cat([a for _, (a, _b, _o) in stacks]),
+                    stacks,
+                    edges,
+                    sum((o for _, (_a, _b, o) in stacks), ()),
+                )
+                if stacks
+                else None
+            )
+        if group is None:
+            return outs
+        a_all, stacks, edges, owners = group
         mask = self._masks.get(owners)
         if mask is None:  # row r keeps the rank columns of its own adapter
-            rows = self._row_index.to(a.device)[:, None]
-            mask = (rows == torch.tensor(owners, device=a.device)[None, :]).to(a.dtype)[:, None, :]
+            rows = self._row_index.to(a_all.device)[:, None]
+            mask = (rows == torch.tensor(owners, device=a_all.device)[None, :]).to(a_all.dtype)[:, None, :]
             self._masks[owners] = mask
-        h = (x_BTI.to(a.dtype) @ a.T) * mask
-        return out_BTO + (h @ b.T).to(out_BTO.dtype)
+        h = (x_BTI.to(a_all.dtype) @ a_all.T) * mask
+        outs = list(outs)
+        for n, (i, (_a, b, _o)) in enumerate(stacks):
+            outs[i] = outs[i] + (h[..., edges[n] : edges[n + 1]] @ b.T).to(outs[i].dtype)
+        return outs
