@@ -42,6 +42,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench_util import grpo_on_task
+
 RUBRICS = {
     "calculator": (
         "The assistant is asked an arithmetic question and must use a calculator tool. A correct "
@@ -219,39 +221,22 @@ def _all(store: Any, **filters: Any) -> Any:
 def train(reward: str, steps: int, val_tasks: int, judge: Any, seed: int) -> dict[str, Any]:
     """GRPO on the calculator task trained on ``reward`` ("agent": the true reward; "judge": the
     pointwise judge ``judge``, a JudgeModel); held-out success by the true reward."""
-    from rich.console import Console
-
-    from agentbolt import PromptTemplate, Trainer
-    from agentbolt.algorithms.grpo import GRPO
     from agentbolt.evaluators import PointwiseJudge
     from agentbolt.tasks import TASKS
 
     task = TASKS["calculator"]
-    run_dir = Path(tempfile.mkdtemp(prefix=f"bench-judge-train-{reward}-"))
     evaluators = [PointwiseJudge(RUBRICS["calculator"], judge, name="judge")] if reward == "judge" else []
-    algo = GRPO(
+    result, run_dir, seconds = grpo_on_task(
+        task,
+        f"bench-judge-train-{reward}-",
+        task.train_tasks(256, seed=1),
+        task.heldout_tasks(val_tasks, seed=2),
         steps=steps,
-        tasks_per_step=4,
-        group_size=8,
         seed=seed,
-        val_every=0,
-        checkpoint_every=0,
-        plot=False,
         reward=reward,
         evaluators=evaluators,
         asynchronous=False,  # on-policy, as docs/evaluators.md's figures were measured: only the reward differs
     )
-    log = (run_dir / "log.txt").open("w")
-    t0 = time.perf_counter()
-    result = Trainer(
-        algo,
-        n_runners=1,
-        runner_concurrency=32,
-        run_dir=run_dir,
-        console=Console(file=log, width=200),
-        resources={"system_prompt": PromptTemplate(template=task.system_prompt, engine="plain")},
-    ).fit(task.agent(), task.train_tasks(256, seed=1), task.heldout_tasks(val_tasks, seed=2))
-    log.close()
     truth = heldout_success(run_dir)
     steps_ = [h for h in result.history if h.get("step", 0) > 0]
     return {
@@ -261,7 +246,7 @@ def train(reward: str, steps: int, val_tasks: int, judge: Any, seed: int) -> dic
         "reward_pending": sum(h.get("reward_pending", 0) for h in steps_),
         "reward_errors": sum(h.get("reward_errors", 0) for h in steps_),
         "train_success": [h.get("success") for h in steps_],
-        "seconds": time.perf_counter() - t0,
+        "seconds": seconds,
         "run_dir": str(run_dir),
     }
 

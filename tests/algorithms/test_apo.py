@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import openai
 import pytest
@@ -37,8 +37,37 @@ from agentbolt.server.run import free_port
 Fault = tuple[str, Any]  # ("text" | "raw", str) | ("status", int) | ("sleep", seconds) | ("pass", "")
 
 
+class ChatDouble:
+    """A test double's OpenAI-compatible ``/v1/chat/completions`` (its ``_chat``), served by
+    uvicorn on 127.0.0.1 in a thread while the ``with`` block runs."""
+
+    def _serve_chat(self) -> None:
+        self.port = free_port()
+        app = FastAPI()
+        app.post("/v1/chat/completions")(self._chat)
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        )
+
+    async def _chat(self, request: Request) -> Response:
+        raise NotImplementedError
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def __enter__(self) -> Self:
+        threading.Thread(target=self.server.run, daemon=True).start()
+        while not self.server.started:
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+
+
 @dataclass
-class ScriptedOptimizer:
+class ScriptedOptimizer(ChatDouble):
     """TEST DOUBLE: a deterministic OpenAI-compatible chat endpoint on 127.0.0.1 - not a model.
 
     APO's critique requests get ``critique``; its rewrite requests get ``rewrite(current_prompt,
@@ -53,24 +82,8 @@ class ScriptedOptimizer:
     seen: list[tuple[str, str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.port, self.rewrites = free_port(), 0
-        app = FastAPI()
-        app.post("/v1/chat/completions")(self._chat)
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
-        self.server = uvicorn.Server(config)
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    def __enter__(self) -> ScriptedOptimizer:
-        threading.Thread(target=self.server.run, daemon=True).start()
-        while not self.server.started:
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
+        self.rewrites = 0
+        self._serve_chat()
 
     def kinds(self, kind: str) -> list[str]:
         return [text for k, text in self.seen if k == kind]

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import io
 import re
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,8 +16,7 @@ from typing import Any
 
 import openai
 import pytest
-import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import Request
 from rich.console import Console
 
 from agentbolt import LLM, LitAgent, PromptTemplate, Task, Trainer
@@ -31,14 +28,13 @@ from agentbolt.evaluators import FunctionEvaluator
 from agentbolt.evaluators.record import RolloutRecord
 from agentbolt.runner.agent import emit_reward
 from agentbolt.server import ServerConfig, ServerThread
-from agentbolt.server.run import free_port
-from tests.algorithms.test_apo import _answer
+from tests.algorithms.test_apo import ChatDouble, _answer
 
 SEED = "Answer with one line 'ANSWER: <word>'."
 
 
 @dataclass
-class ExampleModel:
+class ExampleModel(ChatDouble):
     """TEST DOUBLE of the agent's model: ``ANSWER: <the word asked for>`` when the question says
     ``(easy)`` or the system prompt holds an ``Assistant: ANSWER:`` line (a worked example);
     otherwise ``no idea``. ``systems`` keeps every system prompt it was sent."""
@@ -46,25 +42,7 @@ class ExampleModel:
     systems: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.port = free_port()
-        app = FastAPI()
-        app.post("/v1/chat/completions")(self._chat)
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
-        )
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    def __enter__(self) -> ExampleModel:
-        threading.Thread(target=self.server.run, daemon=True).start()
-        while not self.server.started:
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
+        self._serve_chat()
 
     async def _chat(self, request: Request) -> Any:
         body = await request.json()

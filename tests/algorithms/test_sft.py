@@ -145,15 +145,22 @@ class _FakeClient:
         return {rid: self.events[rid] for rid in rollout_ids}
 
 
-def test_rows_come_from_the_last_attempt_only(tmp_path: Path) -> None:
-    events = {"ro-1": [llm_call([1, 2], [9, 9, 9], attempt="at-1"), llm_call([1, 2], [5, 6], attempt="at-2")]}
-    ctx = TrainContext(
-        client=_FakeClient(events),
+def _context(events: dict[str, list[Event]], run_dir: Path, console: Console | None = None) -> TrainContext:
+    """A context whose client serves ``events`` (no server: ``SFT._rows`` reads events only)."""
+    extra = {"console": console} if console is not None else {}
+    return TrainContext(
+        client=_FakeClient(events),  # type: ignore[arg-type]
         server_url="",
         train_tasks=[],
-        val_tasks=[],  # type: ignore[arg-type]
-        run_dir=tmp_path,
+        val_tasks=[],
+        run_dir=run_dir,
+        **extra,
     )
+
+
+def test_rows_come_from_the_last_attempt_only(tmp_path: Path) -> None:
+    events = {"ro-1": [llm_call([1, 2], [9, 9, 9], attempt="at-1"), llm_call([1, 2], [5, 6], attempt="at-2")]}
+    ctx = _context(events, tmp_path)
     rows, duplicates, stats = SFT()._rows(ctx, [make_rollout("ro-1", "t", 1.0)], 1)
     assert [r.input_ids for r in rows] == [(1, 2, 5, 6)] and stats.calls == 1
 
@@ -164,14 +171,7 @@ def test_a_round_prints_how_many_calls_it_skipped_for_lack_of_ids(tmp_path: Path
     text_only.data["choices"][0].update(token_ids=None, logprobs=None)
     events = {"ro-1": [llm_call([1, 2], [5, 6])], "ro-2": [text_only]}
     out = io.StringIO()
-    ctx = TrainContext(
-        client=_FakeClient(events),
-        server_url="",
-        train_tasks=[],
-        val_tasks=[],  # type: ignore[arg-type]
-        run_dir=tmp_path,
-        console=Console(file=out, width=200),
-    )
+    ctx = _context(events, tmp_path, Console(file=out, width=200))
     kept = [make_rollout("ro-1", "t", 1.0), make_rollout("ro-2", "t", 1.0)]
     rows, _, stats = SFT()._rows(ctx, kept, 3)
     assert len(rows) == 1 and stats.skipped_no_ids == 1 and stats.calls == 2
