@@ -48,6 +48,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from agentbolt.schemas import SYSTEM_SOURCES, Event, EventSource, EventType
+from agentbolt.turns import drop_examples
 
 __all__ = [
     "AdapterStats",
@@ -459,7 +460,7 @@ def _clean_message(raw: dict[str, Any]) -> dict[str, Any]:
     return message
 
 
-def _chat_row(event: Event) -> dict[str, Any] | None:
+def _chat_row(event: Event, examples: bool = True) -> dict[str, Any] | None:
     data = event.data
     # a Responses call the gateway translated keeps the chat request the model was asked
     request = data.get("chat_request") if data.get("endpoint") == "responses" else data.get("request")
@@ -467,7 +468,11 @@ def _chat_row(event: Event) -> dict[str, Any] | None:
     response = choices[0].get("message") if choices else None
     if not request or data.get("error") or not response:
         return None
-    messages = [_clean_message(m) for m in request.get("messages", [])]
+    messages = request.get("messages", [])
+    messages = [
+        _clean_message(m)
+        for m in (messages if examples else drop_examples(messages, data.get("examples", 0)))
+    ]
     row: dict[str, Any] = {"messages": [*messages, _clean_message({"role": "assistant", **response})]}
     if request.get("tools"):
         row["tools"] = request["tools"]
@@ -478,12 +483,13 @@ def _continues(row: dict[str, Any], later: dict[str, Any]) -> bool:
     return row.get("tools") == later.get("tools") and _is_prefix(row["messages"], later["messages"])
 
 
-def to_chat_rows(events: Sequence[Event]) -> list[dict[str, Any]]:
+def to_chat_rows(events: Sequence[Event], examples: bool = True) -> list[dict[str, Any]]:
     """``{"messages": [...], "tools": [...]?}`` rows: a call's request messages plus its
     response message (choice 0), for every chat call whose conversation no later call continues
     - for a linear agent that is just the last call. Keys are normalized, so identical
-    conversations give identical rows; dedupe across rollouts with :func:`chat_row_key`."""
-    rows = [row for e in system_calls(events) if (row := _chat_row(e)) is not None]
+    conversations give identical rows; dedupe across rollouts with :func:`chat_row_key`.
+    ``examples`` False: without the example turns the gateway put in (:mod:`agentbolt.turns`)."""
+    rows = [row for e in system_calls(events) if (row := _chat_row(e, examples)) is not None]
     return [row for i, row in enumerate(rows) if not any(_continues(row, later) for later in rows[i + 1 :])]
 
 

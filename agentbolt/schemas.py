@@ -30,6 +30,7 @@ from pydantic import (
 from agentbolt.errors import InvalidTransition
 
 __all__ = [
+    "MAX_EXAMPLE_TURNS",
     "MAX_INT32",
     "AgentEvent",
     "AgentEvents",
@@ -64,6 +65,7 @@ __all__ = [
     "Event",
     "EventCreate",
     "EventSource",
+    "ExampleTurn",
     "EventType",
     "Mode",
     "ModelWeights",
@@ -576,6 +578,18 @@ class PromptTemplate(BaseModel):
 
 _URL_PATTERN = r"^https?://[\x21-\x7e]+$"
 MAX_UPSTREAMS = 64
+MAX_EXAMPLE_TURNS = 64
+
+
+class ExampleTurn(BaseModel):
+    """One message of a worked example an ``LLM`` resource carries: a chat message of the
+    user, the assistant or a tool (other fields a chat message may have, such as ``tool_calls``
+    or ``tool_call_id``, are kept)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
 
 
 class LLM(BaseModel):
@@ -602,6 +616,15 @@ class LLM(BaseModel):
         default_factory=list,
         max_length=MAX_UPSTREAMS,
         description="more servers of the same model beside base_url; the gateway spreads attempts over them",
+    )
+    examples: list[ExampleTurn] = Field(
+        default_factory=list,
+        max_length=MAX_EXAMPLE_TURNS,
+        description=(
+            "worked example turns the gateway puts after the leading system messages of every chat"
+            " or Responses call through this resource (see agentbolt.turns); an agent's claim never"
+            " carries them"
+        ),
     )
 
     @model_validator(mode="after")

@@ -96,6 +96,7 @@ def ours(spec: str, seed: int, args: argparse.Namespace, served: Any) -> dict[st
             bootstrap_tasks=args.bootstrap_tasks,
             trials=args.trials,
             max_demos=args.max_demos,
+            demos_as=args.demos_as,
             seed=seed,
             batch_timeout=3600.0,
         )
@@ -107,7 +108,7 @@ def ours(spec: str, seed: int, args: argparse.Namespace, served: Any) -> dict[st
         row: dict[str, Any] = {
             "spec": spec,
             "seed": seed,
-            "side": "agentbolt",
+            "side": _side(args.demos_as),
             "constant": constant_answer([t.data.get("answer") for t in heldout]),
             "seconds": round(seconds, 1),
             "rollouts": result.stats.rollouts,
@@ -115,6 +116,7 @@ def ours(spec: str, seed: int, args: argparse.Namespace, served: Any) -> dict[st
             "val_seed": result.seed_val,
             "val_best": result.best_val,
             "best_prompt": result.best_prompt,
+            "best_turns": result.best_turns,
         }
         with Client(server.url) as client:
             for name, version in (("before", result.seed_version), ("after", result.published_version)):
@@ -126,6 +128,12 @@ def ours(spec: str, seed: int, args: argparse.Namespace, served: Any) -> dict[st
         runner.stop()
         thread.join(30)
     return row
+
+
+def _side(demos_as: str) -> str:
+    """Our side's name: ``agentbolt`` with the examples as chat turns (the default), else
+    ``agentbolt-text``."""
+    return "agentbolt" if demos_as == "turns" else f"agentbolt-{demos_as}"
 
 
 def dspy(spec: str, seed: int, args: argparse.Namespace, served: Any) -> dict[str, Any]:
@@ -185,7 +193,7 @@ def serving() -> Any:
 def report(results: Path) -> None:
     rows = [json.loads(p.read_text()) for p in sorted(results.glob("*.json")) if "-seed" in p.name]
     print(
-        f"{'task':<42} {'side':<10} {'seeds':>5} {'sampled before -> after':>26} {'greedy before -> after':>26} {'time':>8}"
+        f"{'task':<42} {'side':<15} {'seeds':>5} {'sampled before -> after':>26} {'greedy before -> after':>26} {'time':>8}"
     )
     for (spec, side), group in _groups(rows).items():
 
@@ -202,7 +210,7 @@ def report(results: Path) -> None:
         extra = f"  constant answer {statistics.mean(constants):.0%}" if constants else ""
         if side == "dspy":
             extra += f"  parse failures {sum(r.get('parse_failures', 0) for r in group)}"
-        print(f"{spec:<42} {side:<10} {len(group):>5} {sampled:>26} {greedy:>26} {seconds:>7.0f}s{extra}")
+        print(f"{spec:<42} {side:<15} {len(group):>5} {sampled:>26} {greedy:>26} {seconds:>7.0f}s{extra}")
 
 
 def _groups(rows: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
@@ -225,6 +233,9 @@ def main() -> None:
     parser.add_argument("--bootstrap-tasks", type=int, default=32)
     parser.add_argument("--trials", type=int, default=6)
     parser.add_argument("--max-demos", type=int, default=3)
+    parser.add_argument(
+        "--demos-as", choices=["turns", "text"], default="turns", help="how our examples reach the model"
+    )
     parser.add_argument("--dspy", action="store_true", help="also run DSPy's side")
     parser.add_argument("--results", type=Path, default=HERE / "results" / "apo")
     parser.add_argument("--report", action="store_true", help="only print the table from the result files")
@@ -234,7 +245,7 @@ def main() -> None:
         report(args.results)
         return
     os.environ.setdefault("PYTHONHASHSEED", "0")
-    sides = [("agentbolt", ours)] + ([("dspy", dspy)] if args.dspy else [])
+    sides = [(_side(args.demos_as), ours)] + ([("dspy", dspy)] if args.dspy else [])
     if args.dspy and any(not spec.startswith("reasoning_gym:") for spec in args.tasks.split(",")):
         raise SystemExit("--dspy: DSPy's side is written for reasoning-gym specs only")
     with serving() as served:
@@ -246,7 +257,8 @@ def main() -> None:
                         continue
                     row = run(spec, seed, args, served)
                     path.write_text(json.dumps(row, indent=1))
-                    print(json.dumps({k: v for k, v in row.items() if k != "best_prompt"}), flush=True)
+                    shown = {k: v for k, v in row.items() if k not in ("best_prompt", "best_turns")}
+                    print(json.dumps(shown), flush=True)
     report(args.results)
 
 

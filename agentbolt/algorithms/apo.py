@@ -88,6 +88,10 @@ class APO(RewardOptions, Algorithm):
     """bootstrap: rounds of bootstrapping; each after the first shows the examples found so far."""
     demo_min_score: float = 1.0
     """bootstrap: the reward a run needs to become a worked example."""
+    demos_as: Literal["turns", "text"] = "turns"
+    """bootstrap: how worked examples reach the model. ``turns``: as chat turns, the example
+    turns of the LLM resource the run was recorded through, which the gateway puts into every
+    call (a small model learns from these); ``text``: written into the prompt under a header."""
     instructions: list[str] = field(default_factory=list)
     """bootstrap: more instructions to try in place of the seed's (it is always tried)."""
     strategy: Literal["beam", "pareto"] = "beam"
@@ -188,6 +192,8 @@ class APO(RewardOptions, Algorithm):
             )
         if self.method not in ("bootstrap", "rewrite"):
             raise ConfigError(f"APO: unknown method {self.method!r} (bootstrap or rewrite)")
+        if self.demos_as not in ("turns", "text"):
+            raise ConfigError(f"APO: unknown demos_as {self.demos_as!r} (turns or text)")
         if self.strategy not in ("beam", "pareto"):
             raise ConfigError(f"APO: unknown strategy {self.strategy!r} (beam or pareto)")
         if not ctx.train_tasks:

@@ -14,11 +14,18 @@ default; after DSPy's BootstrapFewShotWithRandomSearch, Khattab et al. 2023).
 2. **Instructions.** The seed prompt, the ``instructions`` the user gives, and, when an optimizer
    model is configured (``optimizer_model`` or ``optimizer_base_url``), ``branch_factor``
    rewrites of the seed from its bootstrap runs (the ``rewrite`` method's critique and rewrite).
-3. **Search.** ``trials`` candidates, each an instruction followed by up to ``max_demos``
+3. **Search.** ``trials`` candidates, each an instruction with up to ``max_demos``
    demonstrations: the first is the seed instruction with the first demonstrations found, the
    others a random instruction with a random number of randomly drawn demonstrations. Each is
    scored on the validation batch through the real runners, pinned to a trial resources
    version. The seed is scored too and wins ties, so the result never scores below it.
+
+How a candidate shows its demonstrations (``demos_as``): by default as chat turns, the example
+turns (``LLM.examples``, :mod:`agentbolt.turns`) of the LLM resource each was recorded through,
+which the gateway puts into every call after the system prompt; the prompt resource holds the
+instruction alone. A small model learns from turns and not from the same text in its prompt
+(``docs/training.md``). ``demos_as="text"`` writes them into the prompt under :data:`HEADER`
+instead, for an agent whose calls do not go through the gateway.
 
 Records and budget are the ``rewrite`` method's (see :mod:`agentbolt.algorithms.apo`): trials are
 trial versions, never the latest, each with a scored version in the dashboard (its score, its
@@ -35,8 +42,9 @@ from typing import TYPE_CHECKING, Any
 
 from agentbolt.adapters import latest_attempt, to_chat_rows
 from agentbolt.algorithms.apo_optimizer import pick_examples, run_record, score_of
-from agentbolt.algorithms.apo_search import Candidate, Search
-from agentbolt.schemas import PromptTemplate
+from agentbolt.algorithms.apo_search import Candidate, Search, candidate_key
+from agentbolt.schemas import LLM, MAX_EXAMPLE_TURNS, PromptTemplate
+from agentbolt.turns import render_conversation
 
 if TYPE_CHECKING:
     from agentbolt.client import Client
@@ -49,7 +57,6 @@ POOL = 4
 """Bootstrapping stops once ``POOL * max_demos`` demonstrations are found."""
 DRAWS = 50
 """Random draws tried for a candidate not scored before, before the search stops."""
-_ROLES = {"user": "User", "assistant": "Assistant", "tool": "Tool"}
 
 
 @dataclass(frozen=True)
@@ -59,34 +66,26 @@ class Demo:
     task_id: str
     text: str
     """The conversation as plain text, one ``Role: content`` line per message."""
+    resource: str = ""
+    """The LLM resource its conversation was recorded through."""
+    messages: tuple[dict[str, Any], ...] = ()
+    """The conversation as chat messages (user, assistant, tool)."""
 
 
-def _content(message: dict[str, Any]) -> str:
-    content = message.get("content")
-    if isinstance(content, list):  # content parts: their text
-        content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-    text = str(content or "").strip()
-    calls = [
-        f"[calls {c.get('function', {}).get('name')}({c.get('function', {}).get('arguments')})]"
-        for c in message.get("tool_calls") or []
-    ]
-    return " ".join([text, *calls]).strip()
-
-
-def render_conversation(messages: Sequence[dict[str, Any]]) -> str:
-    """``User: ...`` / ``Assistant: ...`` / ``Tool: ...`` lines, one per message."""
-    return "\n".join(f"{_ROLES.get(str(m.get('role')), str(m.get('role')))}: {_content(m)}" for m in messages)
-
-
-def _conversation(client: Client, rollout: Rollout) -> list[dict[str, Any]]:
-    """The longest conversation the system recorded for the rollout's last attempt, without
-    system (or developer) messages; empty when nothing was recorded."""
+def _conversation(client: Client, rollout: Rollout) -> tuple[str, list[dict[str, Any]]]:
+    """The longest conversation the system recorded for the rollout's last attempt, and the LLM
+    resource it went through, without system (or developer) messages and without the example
+    turns the gateway put in; empty when nothing was recorded."""
     events = latest_attempt(client.all_events(rollout.id, type=["llm_call"]))
-    rows = to_chat_rows(events)
-    if not rows:
-        return []
-    messages = max(rows, key=lambda row: len(row["messages"]))["messages"]
-    return [m for m in messages if m.get("role") not in ("system", "developer")]
+    found: tuple[str, list[dict[str, Any]]] = ("", [])
+    for resource in dict.fromkeys(str(e.data.get("resource") or "") for e in events):
+        rows = to_chat_rows(
+            [e for e in events if str(e.data.get("resource") or "") == resource], examples=False
+        )
+        for row in rows:
+            if len(row["messages"]) > len(found[1]):
+                found = (resource, row["messages"])
+    return found[0], [m for m in found[1] if m.get("role") not in ("system", "developer")]
 
 
 def _shared_prefix(conversations: Sequence[list[dict[str, Any]]]) -> int:
@@ -108,18 +107,18 @@ def demonstrations(
     ``choice``, as text of at most ``max_chars`` (a longer one is left out, never cut), one per
     distinct conversation, in the order of ``rollouts``. The turns every run of the batch opens
     with (an agent's own fixed example turns) are left out of each."""
-    runs = [(r, _conversation(client, r)) for r in rollouts]
-    runs = [(r, c) for r, c in runs if any(m.get("role") == "assistant" for m in c)]
-    skip = _shared_prefix([c for _, c in runs])
+    runs = [(r, *_conversation(client, r)) for r in rollouts]
+    runs = [(r, name, c) for r, name, c in runs if any(m.get("role") == "assistant" for m in c)]
+    skip = _shared_prefix([c for _, _, c in runs])
     demos, seen = list[Demo](), set[str]()
-    for rollout, conversation in runs:
+    for rollout, resource, conversation in runs:
         score = score_of(rollout, choice)
         if score is None or score < min_score:
             continue
         text = render_conversation(conversation[skip:])
         if len(text) <= max_chars and text not in seen:
             seen.add(text)
-            demos.append(Demo(rollout.task.id, text))
+            demos.append(Demo(rollout.task.id, text, resource, tuple(conversation[skip:])))
     return demos
 
 
@@ -134,6 +133,14 @@ def compose(instruction: str, demos: Sequence[Demo], f_string: bool) -> str:
     return f"{instruction}\n\n{HEADER}\n\n{body}"
 
 
+def as_turns(demos: Sequence[Demo]) -> dict[str, list[dict[str, Any]]]:
+    """The demonstrations as example turns, by the LLM resource each was recorded through."""
+    turns: dict[str, list[dict[str, Any]]] = {}
+    for demo in demos:
+        turns.setdefault(demo.resource, []).extend(demo.messages)
+    return turns
+
+
 class _Bootstrap:
     """One bootstrap run over the rewrite method's search state (pool, records, budget)."""
 
@@ -141,21 +148,40 @@ class _Bootstrap:
         self.s, self.apo, self.f_string = search, search.apo, f_string
         self.demos: list[Demo] = []
         self.next_task = 0
+        llms = {n: r for n, r in search.base.resources.items() if isinstance(r, LLM)}
+        # room left for example turns in each LLM resource (a resource holds at most 64)
+        self.room = {n: MAX_EXAMPLE_TURNS - len(r.examples) for n, r in llms.items()}
 
-    def compose(self, instruction: str, demos: Sequence[Demo]) -> str:
-        return compose(instruction, demos, self.f_string)
+    def fits(self, instruction: str, demos: Sequence[Demo]) -> bool:
+        """Whether the demonstrations, with the instruction, fit ``max_prompt_chars`` (and, as
+        turns, the room their LLM resources have left)."""
+        if len(compose(instruction, demos, self.f_string)) > self.apo.max_prompt_chars:
+            return False
+        turns = as_turns(demos) if self.apo.demos_as == "turns" else {}
+        return all(n in self.room and len(m) <= self.room[n] for n, m in turns.items())
 
-    def candidate(self, prompt: str, note: str, extra: dict[str, Any], r: int) -> Candidate:
-        """The pool's candidate of ``prompt``, else a new trial version of it."""
+    def compose(self, instruction: str, demos: Sequence[Demo]) -> tuple[str, dict[str, list[dict[str, Any]]]]:
+        """The candidate's prompt and example turns: the demonstrations as turns of their LLM
+        resources (``demos_as="turns"``) or written into the prompt (``"text"``)."""
+        if self.apo.demos_as == "turns":
+            return instruction, as_turns(demos)
+        return compose(instruction, demos, self.f_string), {}
+
+    def candidate(
+        self, composed: tuple[str, dict[str, list[dict[str, Any]]]], note: str, extra: dict[str, Any], r: int
+    ) -> Candidate:
+        """The pool's candidate of ``composed`` (a prompt and its turns), else a new trial of it."""
+        prompt, turns = composed
+        parent = self.s.pool[0].version
+        new = Candidate(prompt, -1, round=r, parent=parent, order=len(self.s.pool), turns=turns)
         for cand in self.s.pool:
-            if cand.prompt == prompt:
+            if cand.key() == new.key():
                 return cand
-        meta = {"stage": "trial", "round": r, "parent": self.s.pool[0].version, **extra}
-        version = self.s._publish(prompt, meta)
-        cand = Candidate(prompt, version, round=r, parent=self.s.pool[0].version, order=len(self.s.pool))
-        cand.note, cand.extra = note, extra
-        self.s.pool.append(cand)
-        return cand
+        meta = {"stage": "trial", "round": r, "parent": parent, **extra}
+        new.version = self.s._publish(prompt, meta, turns=turns)
+        new.note, new.extra = note, extra
+        self.s.pool.append(new)
+        return new
 
     def bootstrap(self, seed: Candidate) -> list[Rollout]:
         """Bootstrap rounds; the seed's own training runs (for the optimizer's rewrites)."""
@@ -171,10 +197,11 @@ class _Bootstrap:
                 break
             batch = tasks[self.next_task : self.next_task + size]
             self.next_task += size
-            shown = self.demos[: self.apo.max_demos]
-            prompt = seed.prompt if r == 0 or not shown else self.compose(seed.prompt, shown)
+            shown = self.demos[: self.apo.max_demos] if r > 0 else []
+            while shown and not self.fits(seed.prompt, shown):
+                shown = shown[:-1]
             extra = {"method": "bootstrap", "demos": [d.task_id for d in shown]}
-            cand = seed if prompt == seed.prompt else self.candidate(prompt, "bootstrap", extra, 0)
+            cand = self.candidate(self.compose(seed.prompt, shown), "bootstrap", extra, 0) if shown else seed
             runs = self.s._train(cand, batch, force=True) or []
             if cand is seed:
                 seed_runs += runs
@@ -202,22 +229,24 @@ class _Bootstrap:
                 found.append(new)
         return list(dict.fromkeys(found))
 
-    def draw(self, trial: int, instructions: Sequence[str]) -> tuple[str, list[Demo], int] | None:
-        """A candidate not validated before: (prompt, its demonstrations, its instruction)."""
+    def draw(
+        self, trial: int, instructions: Sequence[str]
+    ) -> tuple[tuple[str, dict[str, list[dict[str, Any]]]], list[Demo], int] | None:
+        """A candidate not validated before: (its prompt and turns, its demonstrations, its
+        instruction)."""
         rng, most = self.s.rng, min(self.apo.max_demos, len(self.demos))
-        scored = {c.prompt for c in self.s.pool if c.val is not None}
+        scored = {c.key() for c in self.s.pool if c.val is not None}
         for attempt in range(DRAWS):
             if trial == 1 and attempt == 0:
                 which, demos = 0, self.demos[:most]
             else:
                 which = rng.randrange(len(instructions))
                 demos = rng.sample(self.demos, rng.randint(1, most)) if most else []
-            prompt = self.compose(instructions[which], demos)
-            while len(prompt) > self.apo.max_prompt_chars and demos:
+            while demos and not self.fits(instructions[which], demos):
                 demos = demos[:-1]
-                prompt = self.compose(instructions[which], demos)
-            if prompt not in scored:
-                return prompt, demos, which
+            composed = self.compose(instructions[which], demos)
+            if candidate_key(*composed) not in scored:
+                return composed, demos, which
         return None
 
     def search(self, instructions: Sequence[str]) -> None:
@@ -225,10 +254,15 @@ class _Bootstrap:
             drawn = self.draw(trial, instructions)
             if drawn is None or not self.s._afford(len(self.s.val_tasks)):
                 break
-            prompt, demos, which = drawn
-            extra = {"method": "bootstrap", "demos": [d.task_id for d in demos], "instruction": which}
+            composed, demos, which = drawn
+            extra = {
+                "method": "bootstrap",
+                "demos": [d.task_id for d in demos],
+                "demos_as": self.apo.demos_as,
+                "instruction": which,
+            }
             note = f"{len(demos)} demos ({', '.join(d.task_id for d in demos) or '-'}), instruction {which}"
-            cand = self.candidate(prompt, note, extra, trial)
+            cand = self.candidate(composed, note, extra, trial)
             cand.round, cand.note, cand.extra = trial, note, extra
             self.s._validate(cand)
             self.s._record(cand)

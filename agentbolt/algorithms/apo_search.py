@@ -6,6 +6,7 @@ or Pareto selection, critique and rewrite). See :mod:`agentbolt.algorithms.apo`.
 from __future__ import annotations
 
 import difflib
+import json
 import math
 import random
 import uuid
@@ -22,12 +23,13 @@ from agentbolt.algorithms.apo_optimizer import APOStats, Optimizer, pick_example
 from agentbolt.algorithms.base import TrainContext, run_rollouts
 from agentbolt.algorithms.rewards import RewardChoice
 from agentbolt.console import print_line
-from agentbolt.schemas import Mode, PromptTemplate, Resources, Rollout, Task
+from agentbolt.schemas import LLM, ExampleTurn, Mode, PromptTemplate, Resources, Rollout, Task
+from agentbolt.turns import render_conversation
 
 if TYPE_CHECKING:
     from agentbolt.algorithms.apo import APO
 
-__all__ = ["APOResult", "Candidate", "Search", "pareto_front", "report", "select_beam"]
+__all__ = ["APOResult", "Candidate", "Search", "candidate_key", "pareto_front", "report", "select_beam"]
 
 
 @dataclass
@@ -46,10 +48,21 @@ class Candidate:
     note: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
     """More of its record's metadata (the bootstrap method's demonstrations)."""
+    turns: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    """Example turns it adds to LLM resources, by resource name (the bootstrap method's
+    demonstrations as chat turns)."""
+
+    def key(self) -> str:
+        return candidate_key(self.prompt, self.turns)
 
     def rank(self) -> tuple[float, bool, int]:
         """Higher is better: validation score, then the seed, then the earlier candidate."""
         return (self.val if self.val is not None else -math.inf, self.parent is None, -self.order)
+
+
+def candidate_key(prompt: str, turns: dict[str, list[dict[str, Any]]]) -> str:
+    """What tells two candidates apart: the prompt and the example turns."""
+    return prompt if not turns else json.dumps([prompt, turns], sort_keys=True)
 
 
 @dataclass(frozen=True)
@@ -68,6 +81,8 @@ class APOResult:
     front: list[int]
     """Versions of the final beam, or of the final Pareto front."""
     stats: APOStats
+    best_turns: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    """The example turns the best candidate adds to LLM resources, by resource name."""
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -247,12 +262,24 @@ class Search:
         if cand.val is None:
             cand.note = "; ".join(filter(None, [cand.note, "no validation run scored"]))
 
-    def _publish(self, prompt: str, metadata: dict[str, Any], trial: bool = True) -> int:
-        """A version of the base resources with ``prompt``; a trial unless it is the final best."""
+    def _publish(
+        self,
+        prompt: str,
+        metadata: dict[str, Any],
+        trial: bool = True,
+        turns: dict[str, list[dict[str, Any]]] | None = None,
+    ) -> int:
+        """A version of the base resources with ``prompt`` (and ``turns`` after each named LLM
+        resource's own example turns); a trial unless it is the final best."""
         resources = dict(self.base.resources)
         old = resources.get(self.apo.prompt_resource)
         engine = old.engine if isinstance(old, PromptTemplate) else "f-string"
         resources[self.apo.prompt_resource] = PromptTemplate(template=prompt, engine=engine)
+        for name, messages in (turns or {}).items():
+            llm = resources[name]
+            assert isinstance(llm, LLM)
+            added = [ExampleTurn.model_validate(m) for m in messages]
+            resources[name] = llm.model_copy(update={"examples": [*llm.examples, *added]})
         meta = {
             "algorithm": "apo",
             "run": self.run_id,
@@ -272,7 +299,7 @@ class Search:
         }
 
     def _record(self, cand: Candidate) -> None:
-        cand.record_version = self._publish(cand.prompt, self._scores_meta(cand, "scored"))
+        cand.record_version = self._publish(cand.prompt, self._scores_meta(cand, "scored"), turns=cand.turns)
         self._row(str(cand.version), str(cand.parent or "-"), cand.train, cand.val, cand.note, cand.round)
 
     def _row(
@@ -292,7 +319,7 @@ class Search:
 
     def finish(self) -> APOResult:
         best, seed = max(self.pool, key=Candidate.rank), self.pool[0]
-        published = self._publish(best.prompt, self._scores_meta(best, "best"), trial=False)
+        published = self._publish(best.prompt, self._scores_meta(best, "best"), trial=False, turns=best.turns)
         beam = self.apo.strategy == "beam"
         front = select_beam(self.pool, self.apo.beam_width) if beam else pareto_front(self.pool)
         return APOResult(
@@ -306,6 +333,7 @@ class Search:
             history=list(self.pool),
             front=[c.version for c in front],
             stats=self.stats,
+            best_turns=best.turns,
         )
 
 
@@ -327,5 +355,16 @@ def report(console: Console, result: APOResult, table: Table | None) -> None:
     console.print(Panel(result.best_prompt, title=title))
     seed, best = result.seed_prompt.splitlines(), result.best_prompt.splitlines()
     diff = "\n".join(difflib.unified_diff(seed, best, "seed", "best", lineterm=""))
-    console.print(Syntax(diff, "diff") if diff else "(the seed prompt won: no change)")
+    for name, turns in result.best_turns.items():
+        console.print(
+            Panel(render_conversation(turns), title=f"example turns added to LLM resource {name!r}")
+        )
+    if not diff:
+        console.print(
+            "(the seed's prompt, with example turns)"
+            if result.best_turns
+            else "(the seed prompt won: no change)"
+        )
+    else:
+        console.print(Syntax(diff, "diff"))
     console.print(f"APO stats: {result.stats.as_dict()}")

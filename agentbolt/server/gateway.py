@@ -82,6 +82,7 @@ from agentbolt.server.gateway_upstreams import rank_servers
 from agentbolt.server.openai_format import CHAT, RESPONSES, check_request, openai_error, prepare
 from agentbolt.server.responses import Untranslatable, new_id, with_history
 from agentbolt.server.store_caller import StoreCaller
+from agentbolt.turns import insert_examples
 
 __all__ = ["Gateway"]
 
@@ -194,7 +195,8 @@ class Gateway:
         except Refused as exc:
             return exc.response()
         responses = asked.responses
-        if responses is not None and self.responses.may_serve(server):
+        # example turns go into the chat form: a Responses call that carries them is translated
+        if responses is not None and not llm.examples and self.responses.may_serve(server):
             payload, wants = self.responses.prepare(server, responses)
             passed = ForwardedCall(
                 target, resource, llm, RESPONSES, responses, wants, key, started, t0, try_of, upstream=server
@@ -206,6 +208,7 @@ class Gateway:
         body = await self._chat_body(asked, target)
         if isinstance(body, Response):
             return body
+        body, examples = insert_examples(body, llm.examples)
         rejected = self.sender.rejected(server)
         payload, wants = prepare(
             asked.endpoint, body, "return_token_ids" not in rejected, "logprobs" not in rejected
@@ -225,6 +228,7 @@ class Gateway:
             responses,
             response_id,
             upstream=server,
+            examples=examples,
         )
         return await self._send(call, payload)
 

@@ -27,14 +27,15 @@ PLACEHOLDER_KEY = "agentbolt"  # the api_key of a claim whose store minted no ag
 
 def rewrite_claim(claim: Claim, request: Request) -> Claim:
     """Point the claim's LLM resources at this attempt's gateway, with the attempt's agent key
-    as api_key: never the caller's own bearer token (a runner's or an admin's rights)."""
+    as api_key: never the caller's own bearer token (a runner's or an admin's rights). Their
+    example turns are left out: the gateway puts them into every call itself."""
     if claim.resources is None or not any(isinstance(r, LLM) for r in claim.resources.resources.values()):
         return claim
     base = str(request.base_url).rstrip("/")
     url = f"{base}/gateway/{claim.rollout.id}/{claim.attempt.id}/v1"
     key = claim.agent_key or PLACEHOLDER_KEY
     resources = {
-        name: res.model_copy(update={"base_url": url, "api_key": key, "upstreams": []})
+        name: res.model_copy(update={"base_url": url, "api_key": key, "upstreams": [], "examples": []})
         if isinstance(res, LLM)
         else res
         for name, res in claim.resources.resources.items()

@@ -160,6 +160,7 @@ class ForwardedCall:
     response_id: str | None = None  # the id of the Response answering it
     upstream: str = ""  # the model server's base URL it is sent to (one of the resource's)
     tried: tuple[str, ...] = ()  # servers it failed to reach (nothing sent)
+    examples: int = 0  # example turns the gateway put into ``request`` (its LLM resource's)
 
     def elapsed_ms(self) -> float:
         return round((time.perf_counter() - self.t0) * 1000, 3)

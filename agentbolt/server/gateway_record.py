@@ -107,6 +107,8 @@ class CallRecorder:
         }
         if call.responses is not None:  # what the model was actually asked, as a chat call
             data["chat_request"] = call.request
+        if call.examples:  # the request holds example turns the gateway put in
+            data["examples"] = call.examples
         return data
 
     def error_data(

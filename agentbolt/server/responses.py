@@ -20,6 +20,8 @@ import time
 import uuid
 from typing import Any
 
+from agentbolt.turns import drop_examples
+
 __all__ = [
     "REQUEST_SCHEMA",
     "Untranslatable",
@@ -249,7 +251,7 @@ def history_of(data: dict[str, Any]) -> list[dict[str, Any]]:
     """The conversation a recorded Responses call leaves for the next call that names it as
     ``previous_response_id``: what the model was asked (less that call's instructions, which
     OpenAI does not carry over) and its answer."""
-    messages = list(data["chat_request"]["messages"])
+    messages = drop_examples(data["chat_request"]["messages"], data.get("examples", 0))
     if data["request"].get("instructions"):
         messages = messages[1:]
     answer = data["choices"][0]["message"]

@@ -1,8 +1,8 @@
 """APO's bootstrap method through the real server, gateway and runner.
 
 The agent's model is a TEST DOUBLE (:class:`ExampleModel`, a deterministic OpenAI-compatible
-endpoint on 127.0.0.1): it answers a task right when the task is easy, or when its system prompt
-holds a worked example, so what the search finds is known. The bundled model's run is in
+endpoint on 127.0.0.1): it answers a task right when the task is easy, or when it is shown a worked
+example (as chat turns, or in its system prompt), so what the search finds is known. The bundled model's run is in
 ``tests/cli/test_train_apo.py``."""
 
 from __future__ import annotations
@@ -21,13 +21,14 @@ from rich.console import Console
 
 from agentbolt import LLM, LitAgent, PromptTemplate, Task, Trainer
 from agentbolt.algorithms.apo import APO, APOResult
-from agentbolt.algorithms.apo_bootstrap import HEADER, compose, render_conversation
+from agentbolt.algorithms.apo_bootstrap import HEADER, compose
 from agentbolt.client import Client
 from agentbolt.errors import ConfigError
 from agentbolt.evaluators import FunctionEvaluator
 from agentbolt.evaluators.record import RolloutRecord
 from agentbolt.runner.agent import emit_reward
 from agentbolt.server import ServerConfig, ServerThread
+from agentbolt.turns import render_conversation
 from tests.algorithms.test_apo import ChatDouble, _answer
 
 SEED = "Answer with one line 'ANSWER: <word>'."
@@ -36,10 +37,12 @@ SEED = "Answer with one line 'ANSWER: <word>'."
 @dataclass
 class ExampleModel(ChatDouble):
     """TEST DOUBLE of the agent's model: ``ANSWER: <the word asked for>`` when the question says
-    ``(easy)`` or the system prompt holds an ``Assistant: ANSWER:`` line (a worked example);
-    otherwise ``no idea``. ``systems`` keeps every system prompt it was sent."""
+    ``(easy)``, or it is shown a worked example: an earlier assistant turn ``ANSWER: ...``, or an
+    ``Assistant: ANSWER:`` line in the system prompt; otherwise ``no idea``. ``systems`` keeps
+    every system prompt it was sent, ``turns`` how many messages came before the question."""
 
     systems: list[str] = field(default_factory=list)
+    turns: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._serve_chat()
@@ -48,9 +51,12 @@ class ExampleModel(ChatDouble):
         body = await request.json()
         system = next((m["content"] for m in body["messages"] if m["role"] == "system"), "")
         self.systems.append(system)
+        self.turns.append(len(body["messages"]) - 1)
         question = body["messages"][-1]["content"]
         word = re.search(r"the word (\w+)", question)
-        shown = "Assistant: ANSWER:" in system
+        earlier = body["messages"][:-1]
+        turn = any(m["role"] == "assistant" and str(m["content"]).startswith("ANSWER:") for m in earlier)
+        shown = "Assistant: ANSWER:" in system or turn
         return _answer(
             body, f"ANSWER: {word.group(1)}" if word and ("(easy)" in question or shown) else "no idea"
         )
@@ -96,6 +102,11 @@ def model() -> Iterator[ExampleModel]:
         yield m
 
 
+def _shown(result: APOResult) -> str:
+    """What the best candidate shows the model: its prompt, then its example turns as text."""
+    return "\n".join([result.best_prompt, *(render_conversation(t) for t in result.best_turns.values())])
+
+
 def _fit(
     apo: APO,
     model: ExampleModel,
@@ -126,21 +137,28 @@ def stopper() -> Iterator[list[ServerThread]]:
         s.__exit__(None, None, None)
 
 
+@pytest.mark.parametrize("demos_as", ["turns", "text"])
 def test_worked_examples_from_successful_training_runs_win(
-    model: ExampleModel, tmp_path: Path, stopper: list[ServerThread]
+    demos_as: str, model: ExampleModel, tmp_path: Path, stopper: list[ServerThread]
 ) -> None:
-    apo = APO(bootstrap_tasks=4, bootstrap_rounds=2, trials=3, max_demos=2, batch_timeout=60.0)
+    apo = APO(
+        bootstrap_tasks=4, bootstrap_rounds=2, trials=3, max_demos=2, batch_timeout=60.0, demos_as=demos_as
+    )
     result, out, server = _fit(apo, model, tmp_path)
     stopper.append(server)
     # the seed solves the one easy validation task; any prompt with an example solves them all
     assert result.seed_val == pytest.approx(0.25) and result.best_val == 1.0
-    assert result.best_prompt.startswith(SEED + "\n\n" + HEADER)
+    if demos_as == "text":
+        assert result.best_prompt.startswith(SEED + "\n\n" + HEADER) and not result.best_turns
+    else:  # the prompt is the seed's; the examples are turns of the LLM resource
+        assert result.best_prompt == SEED and list(result.best_turns) == ["llm"]
+        assert max(model.turns) >= 3 and set(model.systems) == {SEED}
     # round 1: the seed solves the easy ones of its 4 training tasks (1 or 2: the order is
     # shuffled); round 2, shown one, solves all 4 of its own (the seed alone would give <= 2)
     assert result.stats.demos in (5, 6) and result.stats.rollouts == 4 + 4 + 4 + 3 * 4
-    examples = re.findall(r"User: (.*)\nAssistant: (.*)", result.best_prompt)
+    examples = re.findall(r"User: (.*)\nAssistant: (.*)", _shown(result))
     assert examples and all(answer == f"ANSWER: {q.split()[3].rstrip('.')}" for q, answer in examples), (
-        result.best_prompt
+        _shown(result)
     )
     train_questions = {t["q"] for t in TRAIN}
     assert {q for q, _ in examples} <= train_questions  # never a validation task
@@ -148,6 +166,8 @@ def test_worked_examples_from_successful_training_runs_win(
         latest = client.latest_resources()
         assert latest is not None and latest.version == result.published_version
         assert latest.resources["system_prompt"].template == result.best_prompt  # type: ignore[union-attr]
+        published = [t.model_dump(exclude_none=True) for t in latest.resources["llm"].examples]  # type: ignore[union-attr]
+        assert published == result.best_turns.get("llm", [])
         versions = client.list_resources(limit=100).items
         scored = [v for v in versions if v.metadata.get("stage") == "scored"]
         assert all(
@@ -180,8 +200,8 @@ def test_examples_come_only_from_runs_the_chosen_reward_scored(
     stopper.append(server)
     # of the 8 bootstrap runs only the 2 easy ones scored 1 by the scorer: 2 examples, not 8
     assert result.stats.demos == 2
-    assert "the word apple (easy)" in result.best_prompt and "pear" in result.best_prompt
-    assert "plum" not in result.best_prompt
+    assert "the word apple (easy)" in _shown(result) and "pear" in _shown(result)
+    assert "plum" not in _shown(result)
 
 
 def test_without_a_successful_run_the_seed_is_kept(
@@ -192,7 +212,7 @@ def test_without_a_successful_run_the_seed_is_kept(
         APO(bootstrap_tasks=4, trials=2, batch_timeout=60.0), model, tmp_path, train=hard
     )
     stopper.append(server)
-    assert result.best_prompt == SEED and result.stats.demos == 0
+    assert result.best_prompt == SEED and not result.best_turns and result.stats.demos == 0
     assert "no successful training run" in out
 
 
@@ -293,8 +313,9 @@ def _said_the_word(run: Any) -> float:
     return float(run.stdout.strip() == f"ANSWER: {run.task.data['word']}")
 
 
+@pytest.mark.parametrize("demos_as", ["turns", "text"])
 def test_a_program_reading_its_prompt_from_a_file_is_optimized(
-    model: ExampleModel, tmp_path: Path, stopper: list[ServerThread]
+    demos_as: str, model: ExampleModel, tmp_path: Path, stopper: list[ServerThread]
 ) -> None:
     import sys
 
@@ -303,13 +324,20 @@ def test_a_program_reading_its_prompt_from_a_file_is_optimized(
     script = tmp_path / "agent.py"
     script.write_text(PROGRAM)
     agent = Program([sys.executable, str(script)], scorer=_said_the_word, timeout=60)
-    apo = APO(bootstrap_tasks=8, bootstrap_rounds=1, trials=2, batch_timeout=120.0)
+    apo = APO(bootstrap_tasks=8, bootstrap_rounds=1, trials=2, batch_timeout=120.0, demos_as=demos_as)
     result, _, server = _fit(apo, model, tmp_path, agent=agent, engine="plain")
     stopper.append(server)
-    assert result.seed_val == pytest.approx(0.25) and result.best_val == 1.0
-    assert result.stats.demos == 2 and HEADER in result.best_prompt
-    # the program sent the model the prompts it read from the file: the seed's, then candidates'
-    assert SEED in model.systems and any(HEADER in s for s in model.systems)
+    assert result.seed_val == pytest.approx(0.25) and result.best_val == 1.0 and result.stats.demos == 2
+    if demos_as == "turns":
+        assert result.best_prompt == SEED and result.best_turns["llm"]
+        # the program sent the prompt it read from the file (the seed's) and its question
+        # alone; the gateway put the examples in between
+        assert set(model.systems) == {SEED} and max(model.turns) >= 3
+    else:
+        assert HEADER in result.best_prompt and not result.best_turns
+        # the program sent the prompts it read from the file: the seed's, then candidates'
+        assert SEED in model.systems and any(HEADER in s for s in model.systems)
+        assert max(model.turns) == 1
 
 
 def test_instructions_given_and_rewritten_are_searched_with_the_examples(
@@ -352,7 +380,7 @@ class ShowingAgent(WordAgent):
         messages: Any = [
             {"role": "system", "content": prompt},
             {"role": "user", "content": "Say the word cat."},
-            {"role": "assistant", "content": "ANSWER: cat"},
+            {"role": "assistant", "content": "cat"},
             {"role": "user", "content": task.data["q"]},
         ]
         reply = client.chat.completions.create(model=llm.model, messages=messages).choices[0].message.content
@@ -368,5 +396,5 @@ def test_the_agents_own_fixed_turns_are_not_an_example(
     result, _, server = _fit(apo, model, tmp_path, agent=ShowingAgent(), train=one_easy)
     stopper.append(server)
     assert result.stats.demos == 1
-    example = result.best_prompt.split(HEADER, 1)[1]
+    example = _shown(result)
     assert "Say the word apple (easy)." in example and "cat" not in example

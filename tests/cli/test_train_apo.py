@@ -45,9 +45,11 @@ def test_bootstrap_from_the_command_line_on_the_bundled_model(tmp_path: Path) ->
     best = max(scored, key=lambda v: v.metadata["scores"]["val"] or 0.0)
     assert latest is not None and not latest.trial and latest.metadata["stage"] == "best"
     assert latest.metadata["scores"]["val"] == best.metadata["scores"]["val"]
-    assert latest.resources["system_prompt"].template.startswith(seed_prompt)  # type: ignore[union-attr]
+    # the examples are chat turns of the LLM resource: the prompt stays the seed's
+    assert latest.resources["system_prompt"].template == seed_prompt  # type: ignore[union-attr]
     for v in scored:
         demos = v.metadata.get("demos")
-        text = v.resources["system_prompt"].template  # type: ignore[union-attr]
+        turns = v.resources["llm"].examples  # type: ignore[union-attr]
         # every trial's examples are whole recorded conversations: each holds the model's reply
-        assert demos is None or text.count("\nAssistant: ") == len(demos)
+        assert demos is None or [t.role for t in turns] == ["user", "assistant"] * len(demos)
+        assert v.resources["system_prompt"].template == seed_prompt  # type: ignore[union-attr]

@@ -1,6 +1,6 @@
 """A bootstrap APO run's trials in the dashboard (headless Chromium): every scored candidate
 shows its validation score in the version list, and its page shows the scores, the version its
-rollouts ran with, its worked examples and its prompt. The agent's model is the test double of
+rollouts ran with, its worked examples (example turns of its LLM resource) and its prompt. The agent's model is the test double of
 ``tests/algorithms/test_apo_bootstrap.py``."""
 
 from __future__ import annotations
@@ -46,7 +46,11 @@ def test_apo_trials_show_their_scores_examples_and_prompts(page: Any, empty_serv
     chips = page.locator(".version-detail .chips").inner_text()
     assert "Validation score" in chips and "Worked examples" in chips and "train-" in chips
     assert f"v{result.best_version}" in chips  # the version its rollouts ran with
-    page.locator("#res-system_prompt").get_by_role("button", name="Full text").click()
-    assert HEADER in page.locator("#res-system_prompt pre").inner_text()
+    # the worked examples are chat turns of the LLM resource, shown on its card
+    llm = page.locator("#res-llm")
+    assert f"{len(result.best_turns['llm'])}, put into every call by the gateway" in llm.inner_text()
+    turns = llm.locator("pre").inner_text()
+    assert "User: Say the word" in turns and "Assistant: ANSWER:" in turns
+    assert HEADER not in page.locator("#res-system_prompt").inner_text()  # the prompt is the seed's
     assert_contrast(page)
     shoot(page, "resources-apo-trials")

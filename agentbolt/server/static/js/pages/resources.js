@@ -104,14 +104,23 @@ function promptCard(d, r, name, res, ctx) {
   });
 }
 
+const ROLE = { user: "User", assistant: "Assistant", tool: "Tool" };
+
+// example turns as the lines APO's report prints: "User: ..." / "Assistant: ..."
+function turnsText(turns) {
+  return turns.map((m) => `${ROLE[m.role] || m.role}: ${typeof m.content === "string" ? m.content : json(m.content ?? m.tool_calls ?? "", 0)}`).join("\n");
+}
+
 function llmCard(d, r, name, res) {
   const prev = previousOf(d.items, r.version, name);
   const changed = prev && json(prev.resources[name]) !== json(res);
-  return card(h("span", {}, mono(name), h("span", { class: "kind" }, KIND_LABEL[res.type])), facts([
+  const turns = res.examples || [];
+  return card(h("span", {}, mono(name), h("span", { class: "kind" }, KIND_LABEL[res.type])), h("div", {}, facts([
     ["Model", mono(res.model)],
     ["Base URL", mono(res.base_url)],
     ["Sampling", Object.keys(res.sampling_parameters || {}).length ? mono(json(res.sampling_parameters, 0)) : h("span", { class: "faint" }, "defaults")],
-  ]), { id: `res-${name}`, subtitle: !prev ? "New in this version" : changed ? `Changed from v${prev.version}` : `Unchanged since v${prev.version}`, cls: "resource-card" });
+    ["Example turns", turns.length ? `${turns.length}, put into every call by the gateway` : h("span", { class: "faint" }, "none")],
+  ]), turns.length ? codeBlock(turnsText(turns), { label: `${name} example turns`, cls: "prompt-text" }) : null), { id: `res-${name}`, subtitle: !prev ? "New in this version" : changed ? `Changed from v${prev.version}` : `Unchanged since v${prev.version}`, cls: "resource-card" });
 }
 
 function weightsCard(d, r, name, res) {
