@@ -3,7 +3,9 @@
 - ``reasoning_gym:<dataset>?<option>=<value>&...``: a reasoning-gym dataset, scored by the
   dataset's own scorer (:mod:`agentbolt.tasks.reasoning_gym`);
 - ``gymnasium:<env id>?<option>=<value>&...``: a Gymnasium toy-text environment played as text,
-  one model turn per environment step (:mod:`agentbolt.tasks.gymnasium_text`).
+  one model turn per environment step (:mod:`agentbolt.tasks.gymnasium_text`);
+- ``agentbolt:<task>?size=...``: one of agentbolt's own tasks (``calculator``, ``chain``,
+  ``guess``), so that ``--train`` and ``--val`` can draw them too.
 
 Three options are agentbolt's own: ``size`` and ``seed``, how many tasks a spec given as
 ``agentbolt train --train`` / ``--val`` draws and from which seed (256 from seed 1 for training,
@@ -40,9 +42,9 @@ __all__ = [
     "spec_tasks",
 ]
 
-SOURCES = {"reasoning_gym": "reasoning_gym", "gymnasium": "gymnasium"}
+SOURCES = {"reasoning_gym": "reasoning_gym", "gymnasium": "gymnasium", "agentbolt": "agentbolt"}
 """Each spec prefix and the module its package installs."""
-SPEC_FORMS = "reasoning_gym:<dataset>[?option=value&...], gymnasium:<env id>[?option=value&...]"
+SPEC_FORMS = "reasoning_gym:<dataset>[?option=value&...], gymnasium:<env id>[?option=value&...], agentbolt:<task>[?size=N]"
 DRAWS: dict[str, tuple[int, int]] = {"train": (256, 1), "heldout": (96, 2)}
 """Tasks drawn and their seed, by split, when the spec gives no ``size`` / ``seed``."""
 
@@ -158,7 +160,9 @@ def external_task(spec: str | TaskSpec) -> BuiltinTask:
     module = SOURCES[parsed.source]
     if importlib.util.find_spec(module) is None:
         raise MissingExtra(f"the task {parsed.label!r}", ("envs",), module)
-    if parsed.source == "reasoning_gym":
+    if parsed.source == "agentbolt":
+        task = _own_task(parsed)
+    elif parsed.source == "reasoning_gym":
         from agentbolt.tasks.reasoning_gym import reasoning_gym_task
 
         task = reasoning_gym_task(parsed.name, parsed.options, parsed.label)
@@ -176,3 +180,15 @@ def spec_tasks(spec: str, split: Split) -> tuple[BuiltinTask, list[Task]]:
     task = external_task(parsed)
     size, seed = DRAWS[split]
     return task, task.make_tasks(parsed.size or size, seed if parsed.seed is None else parsed.seed, split)
+
+
+def _own_task(parsed: TaskSpec) -> BuiltinTask:
+    """agentbolt's own task a spec names; ValueError naming the choices, or the options it takes
+    (``size``, ``seed`` and ``max_tokens`` only)."""
+    from agentbolt.tasks import TASKS
+
+    if parsed.name not in TASKS:
+        raise ValueError(f"{parsed.label!r}: no such task; agentbolt's own: {', '.join(TASKS)}")
+    if parsed.options:
+        raise ValueError(f"{parsed.label!r}: agentbolt's own tasks take size, seed and max_tokens only")
+    return TASKS[parsed.name]

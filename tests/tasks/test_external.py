@@ -83,6 +83,8 @@ def test_a_spec_names_source_task_options_and_the_draw() -> None:
         ("gymnasium:FrozenLake-v2", "did you mean FrozenLake-v1"),
         ("gymnasium:FrozenLake-v1?is_slippery=1", "is_slippery expects true or false"),
         ("gymnasium:Blackjack-v1?max_turns=0", "max_turns must be at least 1"),
+        ("agentbolt:calculater", "no such task; agentbolt's own: calculator, chain, guess"),
+        ("agentbolt:calculator?digits=3", "take size, seed and max_tokens only"),
     ],
 )
 def test_a_bad_spec_says_what_is_wrong(spec: str, message: str) -> None:
@@ -170,6 +172,16 @@ def test_spec_tasks_draws_size_from_seed_and_the_data_travels_as_json() -> None:
     assert all(t.id.startswith("rg-spell_backward-") and "-heldout-" in t.id for t in tasks)
     for t in [*tasks, *spec_tasks(f"{LAKE}?size=3", "train")[1]]:
         assert json.loads(json.dumps(t.data)) == t.data
+
+
+def test_agentbolts_own_tasks_are_specs_too() -> None:
+    """``agentbolt:calculator?size=N`` draws the built-in task's own tasks, as its methods do."""
+    task, tasks = spec_tasks("agentbolt:calculator?size=6&seed=3", "train")
+    assert task is get_task("calculator") and get_task("agentbolt:calculator") is task
+    assert [t.id for t in tasks] == [t.id for t in task.train_tasks(6, seed=3)]
+    held = spec_tasks("agentbolt:calculator?size=4", "heldout")[1]
+    assert [t.id for t in held] == [t.id for t in task.heldout_tasks(4, seed=2)]
+    assert not {t.id for t in held} & {t.id for t in task.train_tasks(256, seed=1)}
 
 
 # ---------------------------------------------------------------------------- reasoning-gym
