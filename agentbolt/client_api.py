@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
+from urllib.parse import quote
 
 import httpx
 import orjson
@@ -56,6 +57,7 @@ __all__ = [
     "EVENTS_BATCH",
     "Api",
     "ApiRequest",
+    "gateway_url",
     "Registration",
     "RequestError",
     "ServerError",
@@ -359,3 +361,10 @@ class Api:
             "trial": trial,
         }
         return _write("/api/resources", _resources, json=body)
+
+
+def gateway_url(base: str, rollout_id: str, attempt_id: str, role: str | None = None) -> str:
+    """The OpenAI base URL of an attempt's gateway on the server at ``base``; with ``role``,
+    the URL of that role's LLM resource (every call there is the role's)."""
+    role_part = f"/role/{quote(role, safe='')}" if role is not None else ""
+    return f"{base}/gateway/{rollout_id}/{attempt_id}{role_part}/v1"

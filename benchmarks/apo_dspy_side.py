@@ -9,17 +9,21 @@ and calls it:
     .venv-dspy/bin/python benchmarks/apo_dspy_side.py --tasks TASKS.json \\
         --base-url http://127.0.0.1:8001/v1 --budget 200 --seed 1 --json OUT.json
 
-``--tasks``: a JSON object ``{"spec": "reasoning_gym:<dataset>?...", "dataset": "<dataset>",
-"train": [data, ...], "val": [data, ...], "heldout": [data, ...]}``, where each ``data`` is a
-task's data as agentbolt's reasoning-gym source makes it (``Task.data``: ``dataset``,
-``options``, ``question``, ``answer``, ``metadata``). The scorer is rebuilt from it as agentbolt
-rebuilds it (``reasoning_gym.create_dataset(dataset, **options).score_answer`` on ``{question,
-answer, metadata}``, 0 when it raises), with the same reasoning-gym version; success is a score of
-1.0.
+``--tasks``: a JSON object ``{"spec": "reasoning_gym:<dataset>?..." or "calculator", "dataset":
+"<dataset>", "train": [data, ...], "val": [data, ...], "heldout": [data, ...]}``, where each
+``data`` is a task's data as agentbolt makes it (``Task.data``). For a reasoning-gym spec
+(``dataset``, ``options``, ``question``, ``answer``, ``metadata``) the scorer is rebuilt as
+agentbolt rebuilds it (``reasoning_gym.create_dataset(dataset, **options).score_answer`` on
+``{question, answer, metadata}``, 0 when it raises), with the same reasoning-gym version; success
+is a score of 1.0. For ``calculator`` (``question``, ``expression``, ``answer``) success is the
+right number; that is more lenient than agentbolt's side, whose reward also asks for the exact
+tool-call line, then the answer line.
 
-The program, as DSPy's docs write one: ``dspy.Predict("question -> answer")`` with
-``dspy.ChatAdapter``, the model ``dspy.LM("openai/smollm2", temperature=1.0, cache=False)``. Where
-it departs from DSPy's defaults, and why:
+The programs, as DSPy's docs write them, with ``dspy.ChatAdapter`` and the model
+``dspy.LM("openai/smollm2", temperature=1.0, cache=False)``: ``dspy.Predict("question ->
+answer")`` for a reasoning-gym spec; for ``calculator``, ``dspy.ReAct("question -> answer:
+float", tools=[calculator])`` (at most 3 tool steps), the tool evaluating the arithmetic as
+agentbolt's calculator does. Where it departs from DSPy's defaults, and why:
 
 - ``max_labeled_demos=0``: labelled demonstrations are gold answers, which agentbolt's optimizer
   never sees; only demonstrations bootstrapped from the model's own successful runs are used.
@@ -30,7 +34,7 @@ it departs from DSPy's defaults, and why:
   failing second request to a run. A reply the ChatAdapter cannot parse is an
   ``AdapterParseError``: the run scores 0 and counts as a parse failure.
 - The budget. A rollout is one run of the program on one task (one ``Predict`` call, one model
-  request): bootstrapping runs on training tasks and the candidates' runs on validation tasks
+  request; one ``ReAct`` call, one model request per step): bootstrapping runs on training tasks and the candidates' runs on validation tasks
   alike. DSPy's random search evaluates the zero-shot program on validation (``|val|`` runs),
   then per candidate bootstraps over the training tasks until it has its demonstrations (at most
   ``|train|`` runs) and evaluates on validation (``|val|`` runs). Its "labels only" candidate is
@@ -53,6 +57,7 @@ import importlib.metadata
 import json
 import os
 import random
+import re
 import threading
 import time
 from typing import Any
@@ -102,8 +107,35 @@ def score(data: dict[str, Any], answer: str | None) -> float:
         return 0.0
 
 
+def right_number(data: dict[str, Any], answer: Any) -> float:
+    """The calculator's success: ``answer`` is the task's number."""
+    try:
+        return float(abs(float(str(answer).strip()) - float(data["answer"])) < 1e-6)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression of whole numbers, + - * / and parentheses."""
+    if not re.fullmatch(r"[0-9+\-*/(). ]{1,64}", expression):
+        return "error: only numbers and + - * / ( ) are allowed"
+    try:
+        return str(eval(expression, {"__builtins__": {}}))  # noqa: S307 - checked to arithmetic above
+    except Exception as exc:  # division by zero, a malformed expression
+        return f"error: {exc}"
+
+
 def metric(example: dspy.Example, prediction: dspy.Prediction, trace: Any = None) -> bool:
+    if "dataset" not in example.task:  # the calculator task
+        return right_number(example.task, prediction.answer) >= 1.0
     return score(example.task, prediction.answer) >= 1.0
+
+
+def program_for(spec: str) -> dspy.Module:
+    """The untrained program for the task ``spec`` names."""
+    if spec == "calculator":
+        return dspy.ReAct("question -> answer: float", tools=[calculator], max_iters=3)
+    return dspy.Predict("question -> answer")
 
 
 def examples(tasks: list[dict[str, Any]]) -> list[dspy.Example]:
@@ -122,15 +154,20 @@ class Counts:
     requests: int = 0
     """Model requests (``dspy.LM`` calls)."""
     parse_failures: int = 0
-    """Runs whose reply the adapter could not parse (``AdapterParseError``)."""
+    """``Predict`` calls whose reply the adapter could not parse (``AdapterParseError``): one
+    per failed run of a ``Predict`` program; a ``ReAct`` run may have several."""
     other_errors: int = 0
     """Runs that failed otherwise (a request refused, a timeout)."""
 
 
 class Counter(BaseCallback):
-    """Counts into ``self.phases[self.phase]``; thread-safe (DSPy evaluates in threads)."""
+    """Counts into ``self.phases[self.phase]``; thread-safe (DSPy evaluates in threads). A run is
+    a call of a ``unit`` module (the program's top module); parse failures are counted on any
+    ``Predict`` inside it."""
 
-    def __init__(self) -> None:
+    def __init__(self, unit: type = dspy.Predict) -> None:
+        self.unit = unit
+        self._runs: set[str] = set()
         self.phase = "setup"
         self.phases: dict[str, Counts] = {}
         self._lock = threading.Lock()
@@ -140,20 +177,23 @@ class Counter(BaseCallback):
         return self.phases.setdefault(self.phase, Counts())
 
     def on_module_start(self, call_id: str, instance: Any, inputs: dict[str, Any]) -> None:
-        if isinstance(instance, dspy.Predict):
-            with self._lock:
-                self._predicts.add(call_id)
+        with self._lock:
+            if isinstance(instance, self.unit):
+                self._runs.add(call_id)
                 self._counts().runs += 1
+            if isinstance(instance, dspy.Predict):
+                self._predicts.add(call_id)
 
     def on_module_end(self, call_id: str, outputs: Any, exception: BaseException | None = None) -> None:
         with self._lock:
-            if call_id not in self._predicts:
-                return
-            self._predicts.discard(call_id)
-            if isinstance(exception, AdapterParseError):
-                self._counts().parse_failures += 1
-            elif exception is not None:
-                self._counts().other_errors += 1
+            if call_id in self._predicts:
+                self._predicts.discard(call_id)
+                if isinstance(exception, AdapterParseError):
+                    self._counts().parse_failures += 1
+            if call_id in self._runs:
+                self._runs.discard(call_id)
+                if exception is not None and not isinstance(exception, AdapterParseError):
+                    self._counts().other_errors += 1
 
     def on_lm_start(self, call_id: str, instance: Any, inputs: dict[str, Any]) -> None:
         with self._lock:
@@ -198,9 +238,7 @@ def optimize(
         max_errors=NO_LIMIT,
     )
     started = time.perf_counter()
-    program = optimizer.compile(
-        dspy.Predict("question -> answer"), trainset=train, valset=val, restrict=seeds
-    )
+    program = optimizer.compile(program_for(args.spec), trainset=train, valset=val, restrict=seeds)
     wall_s = time.perf_counter() - started
     search = {
         "num_candidate_programs": num_candidates,
@@ -209,7 +247,7 @@ def optimize(
         "max_labeled_demos": 0,
         "max_rounds": 1,
         "candidate_val_scores": [c["score"] / 100.0 for c in program.candidate_programs],
-        "demos_in_best": len(program.demos),
+        "demos_in_best": sum(len(p.demos) for p in program.predictors()),
         "wall_s": round(wall_s, 2),
     }
     return program, search
@@ -221,10 +259,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     train = examples(tasks["train"])
     random.Random(args.seed).shuffle(train)
     val, heldout = examples(tasks["val"]), examples(tasks["heldout"])
-    for data in tasks["train"][:1]:  # build the scorer before the clock starts
+    for data in tasks["train"][:1] if tasks.get("dataset") else []:  # the scorer, before the clock
         score(data, None)
 
-    counter = Counter()
+    args.spec = tasks.get("spec")
+    counter = Counter(dspy.ReAct if args.spec == "calculator" else dspy.Predict)
     lm = dspy.LM(
         "openai/smollm2",
         api_base=args.base_url,
@@ -238,7 +277,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dspy.configure(lm=lm, adapter=dspy.ChatAdapter(use_json_adapter_fallback=False), callbacks=[counter])
 
     counter.phase = "heldout_before"
-    before = success(dspy.Predict("question -> answer"), heldout, args.threads)
+    before = success(program_for(args.spec), heldout, args.threads)
     counter.phase = "optimization"
     program, search = optimize(args, train, val)
     counter.phase = "heldout_after_sampled"

@@ -8,9 +8,10 @@ validation included):
 - **agentbolt**: ``APO(method="bootstrap")`` through a real server, runner and gateway, the
   task's own agent (its system prompt the seed); the seed's and the best prompt's held-out
   success measured after, sampled (temperature 1) and greedy.
-- **DSPy** (``--dspy``, reasoning-gym specs): ``benchmarks/apo_dspy_side.py`` in the virtualenv
-  ``benchmarks/dspy_env.sh`` makes (PyPI ``dspy``), its BootstrapFewShotWithRandomSearch on a
-  ``question -> answer`` program, pointed at the same engine's OpenAI-compatible endpoint; its
+- **DSPy** (``--dspy``, reasoning-gym specs and ``calculator``): ``benchmarks/apo_dspy_side.py``
+  in the virtualenv ``benchmarks/dspy_env.sh`` makes (PyPI ``dspy``), its
+  BootstrapFewShotWithRandomSearch on a ``question -> answer`` program (``dspy.ReAct`` with a
+  calculator tool for ``calculator``), pointed at the same engine's OpenAI-compatible endpoint; its
   untrained program's held-out success is measured sampled only.
 
 Tasks: ``--train`` training tasks then ``--val`` validation tasks from the spec's training draw
@@ -159,6 +160,7 @@ def dspy(spec: str, seed: int, args: argparse.Namespace, served: Any) -> dict[st
         str(HERE / "apo_dspy_side.py"),
         *("--tasks", str(tasks_file), "--base-url", served.base_url),
         *("--budget", str(args.budget), "--seed", str(seed), "--json", str(out)),
+        *(("--max-tokens", "128") if spec == "calculator" else ()),  # room for ReAct's three fields
     ]
     subprocess.run(command, check=True, env={**os.environ, "PYTHONHASHSEED": "0"})
     got = json.loads(out.read_text())
@@ -246,8 +248,10 @@ def main() -> None:
         return
     os.environ.setdefault("PYTHONHASHSEED", "0")
     sides = [(_side(args.demos_as), ours)] + ([("dspy", dspy)] if args.dspy else [])
-    if args.dspy and any(not spec.startswith("reasoning_gym:") for spec in args.tasks.split(",")):
-        raise SystemExit("--dspy: DSPy's side is written for reasoning-gym specs only")
+    if args.dspy and any(
+        not spec.startswith("reasoning_gym:") and spec != "calculator" for spec in args.tasks.split(",")
+    ):
+        raise SystemExit("--dspy: DSPy's side is written for reasoning-gym specs and the calculator only")
     with serving() as served:
         for spec in args.tasks.split(","):
             for seed in (int(s) for s in args.seeds.split(",")):

@@ -27,13 +27,14 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from agentbolt.client_api import gateway_url
 from agentbolt.errors import ConfigError
 from agentbolt.runner.attempt import AttemptCycle
 from agentbolt.runner.kube_api import KubeApi, KubeError
 from agentbolt.runner.kube_template import ATTEMPT_ANNOTATION, SECRET_KEY, job_secret
 from agentbolt.runner.program import PLACEHOLDER_KEY, llm_of
-from agentbolt.runner.program_io import prompt_variables
-from agentbolt.schemas import Claim
+from agentbolt.runner.program_io import prompt_variables, role_variables
+from agentbolt.schemas import LLM, Claim
 
 __all__ = [
     "SECRET_ENV",
@@ -79,11 +80,19 @@ def variables(claim: Claim, public_url: str, llm: str | None) -> tuple[dict[str,
     """The contract's variables (docs/agents.md), on the public address, and what goes in the
     Job's Secret (its key -> value)."""
     rollout_id, attempt_id = claim.rollout.id, claim.attempt.id
+    llms = {
+        n: r for n, r in (claim.resources.resources if claim.resources else {}).items() if isinstance(r, LLM)
+    }
+
+    def url_of(name: str, _: LLM) -> str:  # with several roles, each its own URL (rewrite_claim's)
+        return gateway_url(public_url, rollout_id, attempt_id, name if len(llms) > 1 else None)
+
     env: dict[str, str] = {}
     resource = llm_of(claim.resources, llm)
     if resource is not None:
+        name = next(n for n, r in llms.items() if r is resource)
         env.update(
-            OPENAI_BASE_URL=f"{public_url}/gateway/{rollout_id}/{attempt_id}/v1",
+            OPENAI_BASE_URL=url_of(name, resource),
             OPENAI_MODEL=resource.model,
             AGENTBOLT_MODEL=resource.model,
         )
@@ -94,6 +103,7 @@ def variables(claim: Claim, public_url: str, llm: str | None) -> tuple[dict[str,
         AGENTBOLT_EVENTS_URL=f"{public_url}/agent/{rollout_id}/{attempt_id}/events",
     )
     env.update(prompt_variables(claim.resources, None))  # the prompts' text; no file in a pod
+    env.update(role_variables(claim.resources, url_of))
     return env, {SECRET_KEY: claim.agent_key or PLACEHOLDER_KEY}
 
 

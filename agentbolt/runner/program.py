@@ -50,6 +50,7 @@ from agentbolt.runner.program_io import (
     check_template,
     prompt_variables,
     render,
+    role_variables,
     secret_free_environ,
 )
 from agentbolt.runner.program_reward import (
@@ -262,6 +263,7 @@ class Program(LitAgent):
             AGENTBOLT_RESULT_FILE=str(paths.result),
         )
         env.update(prompt_variables(ctx.resources, paths.root / "prompts"))
+        env.update(role_variables(ctx.resources, lambda _, resource: resource.base_url))
         if self.run_as is not None:
             env.update(self.run_as.environment(paths.home))
         for name, template in self.env.items():

@@ -8,12 +8,12 @@ import asyncio
 import json
 import re
 import string
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from agentbolt.errors import AgentboltError, ConfigError
-from agentbolt.schemas import PromptTemplate, Resources
+from agentbolt.schemas import LLM, PromptTemplate, Resources
 
 __all__ = [
     "OUTPUT_LIMIT",
@@ -23,6 +23,7 @@ __all__ = [
     "check_template",
     "prompt_variables",
     "render",
+    "role_variables",
     "secret_free_environ",
 ]
 
@@ -93,13 +94,32 @@ def prompt_variables(resources: Resources | None, folder: Path | None) -> dict[s
     for name, resource in (resources.resources if resources else {}).items():
         if not isinstance(resource, PromptTemplate):
             continue
-        key = re.sub(r"[^A-Za-z0-9]", "_", name).upper()
+        key = _variable(name)
         env[f"AGENTBOLT_PROMPT_{key}"] = resource.template
         if folder is not None:  # None: a Kubernetes pod, which shares no file system with us
             folder.mkdir(exist_ok=True)
             path = folder / f"{key.lower()}.txt"
             path.write_text(resource.template, encoding="utf-8")
             env[f"AGENTBOLT_PROMPT_{key}_FILE"] = str(path)
+    return env
+
+
+def _variable(name: str) -> str:
+    """A resource's name as part of a variable name: capitals, anything but letters and digits
+    as ``_`` (``system_prompt`` -> ``SYSTEM_PROMPT``)."""
+    return re.sub(r"[^A-Za-z0-9]", "_", name).upper()
+
+
+def role_variables(resources: Resources | None, url_of: Callable[[str, LLM], str]) -> dict[str, str]:
+    """Every LLM resource of the rollout (every role of a system of agents), for a program to
+    call the one it means: its gateway URL (``url_of(name, resource)``) in
+    ``AGENTBOLT_LLM_<NAME>_BASE_URL`` and its model in ``AGENTBOLT_LLM_<NAME>_MODEL``. Each
+    role's URL records its calls as that role's, whatever model they name."""
+    env: dict[str, str] = {}
+    for name, resource in (resources.resources if resources else {}).items():
+        if isinstance(resource, LLM):
+            env[f"AGENTBOLT_LLM_{_variable(name)}_BASE_URL"] = url_of(name, resource)
+            env[f"AGENTBOLT_LLM_{_variable(name)}_MODEL"] = resource.model
     return env
 
 

@@ -155,20 +155,28 @@ class Gateway:
         return llm.base_url if ranked is None else self.upstreams.pick(ranked)
 
     async def _route(
-        self, rollout_id: str, attempt_id: str, model: Any, try_of: CallTry | None = None
+        self,
+        rollout_id: str,
+        attempt_id: str,
+        model: Any,
+        try_of: CallTry | None = None,
+        role: str | None = None,
     ) -> tuple[Target, str, LLM, str, str | None]:
-        """The attempt, the resource serving ``model``, its server and that server's key."""
+        """The attempt, the resource serving the call (``role``'s, else ``model``'s), its
+        server and that server's key."""
         target = await self.target(rollout_id, attempt_id, try_of)
-        resource, llm = target.pick(model)
+        resource, llm = target.pick(model, role)
         server = self.server(target, resource, llm)
         return target, resource, llm, server, await self.keys.resolve(llm, target.resources_version, server)
 
     # ------------------------------------------------------------------ forwarding
 
-    async def forward(self, request: Request, rollout_id: str, attempt_id: str, endpoint: str) -> Response:
+    async def forward(
+        self, request: Request, rollout_id: str, attempt_id: str, endpoint: str, role: str | None = None
+    ) -> Response:
         started, t0 = time.time(), time.perf_counter()
         return await self.forward_raw(
-            await request.body(), request.headers, rollout_id, attempt_id, endpoint, started, t0
+            await request.body(), request.headers, rollout_id, attempt_id, endpoint, started, t0, role
         )
 
     async def forward_raw(
@@ -180,17 +188,18 @@ class Gateway:
         endpoint: str,
         started: float,
         t0: float,
+        role: str | None = None,
     ) -> Response:
         """Forward one call: its body as sent, and its headers (``idempotency-key`` and
         ``x-stainless-retry-count`` are read, in lower case); ``started``: its wall-clock time,
-        ``t0``: its ``perf_counter``."""
+        ``t0``: its ``perf_counter``; ``role``: the LLM resource its URL named, if any."""
         asked = _asked(raw, endpoint)
         if isinstance(asked, Response):
             return asked
         try_of = CallTry.of(headers, raw)
         try:
             target, resource, llm, server, key = await self._route(
-                rollout_id, attempt_id, (asked.responses or asked.body).get("model"), try_of
+                rollout_id, attempt_id, (asked.responses or asked.body).get("model"), try_of, role
             )
         except Refused as exc:
             return exc.response()
@@ -273,10 +282,10 @@ class Gateway:
 
     # ------------------------------------------------------------------ models
 
-    async def models(self, rollout_id: str, attempt_id: str) -> Response:
+    async def models(self, rollout_id: str, attempt_id: str, role: str | None = None) -> Response:
         """The upstream's model list, or one built from the rollout's LLM resources."""
         try:
-            target, _, _, server, key = await self._route(rollout_id, attempt_id, None)
+            target, _, _, server, key = await self._route(rollout_id, attempt_id, None, role=role)
         except Refused as exc:
             return exc.response()
         headers = {"authorization": f"Bearer {key}"} if key else {}

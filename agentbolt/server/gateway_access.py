@@ -15,6 +15,7 @@ from typing import Any
 
 from fastapi import Request
 
+from agentbolt.client_api import gateway_url
 from agentbolt.errors import NotFound
 from agentbolt.schemas import LLM, Claim, Resources
 from agentbolt.server.config import ServerConfig
@@ -27,15 +28,24 @@ PLACEHOLDER_KEY = "agentbolt"  # the api_key of a claim whose store minted no ag
 
 def rewrite_claim(claim: Claim, request: Request) -> Claim:
     """Point the claim's LLM resources at this attempt's gateway, with the attempt's agent key
-    as api_key: never the caller's own bearer token (a runner's or an admin's rights). Their
-    example turns are left out: the gateway puts them into every call itself."""
+    as api_key: never the caller's own bearer token (a runner's or an admin's rights). With
+    several (the roles of a system of agents), each gets its role's own URL, so a call is the
+    role's whatever model it names. Their example turns are left out: the gateway puts them into
+    every call itself."""
     if claim.resources is None or not any(isinstance(r, LLM) for r in claim.resources.resources.values()):
         return claim
     base = str(request.base_url).rstrip("/")
-    url = f"{base}/gateway/{claim.rollout.id}/{claim.attempt.id}/v1"
     key = claim.agent_key or PLACEHOLDER_KEY
+    roles = sum(isinstance(r, LLM) for r in claim.resources.resources.values()) > 1
     resources = {
-        name: res.model_copy(update={"base_url": url, "api_key": key, "upstreams": [], "examples": []})
+        name: res.model_copy(
+            update={
+                "base_url": gateway_url(base, claim.rollout.id, claim.attempt.id, name if roles else None),
+                "api_key": key,
+                "upstreams": [],
+                "examples": [],
+            }
+        )
         if isinstance(res, LLM)
         else res
         for name, res in claim.resources.resources.items()

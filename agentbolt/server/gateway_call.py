@@ -100,26 +100,38 @@ class Target:
     # resource name -> its servers in this attempt's order (only resources naming several)
     ranked: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
-    def pick(self, model: Any) -> tuple[str, LLM]:
-        """The LLM resource serving ``model``: the one whose model matches, else the only one.
-        With several (roles: ``planner``, ``solver``) and none matching, 404 naming them: a call
-        is never recorded as another role's."""
+    def pick(self, model: Any, role: str | None = None) -> tuple[str, LLM]:
+        """The LLM resource serving the call: the one whose model matches ``model``; where
+        several match (two roles on one model), the one named ``role`` by the call's URL (a
+        role's own base URL, ``.../role/<name>/v1``), else the first; with none matching, the
+        only one. With several (roles: ``planner``, ``solver``) and none matching, 404 naming
+        them: a call is never recorded as another role's. A ``role`` that is no LLM resource is
+        a 404 naming them too. No ``model`` (the model list): the role's, else the first."""
         if not self.llms:
             raise Refused(
                 400, "this rollout's resources have no LLM resource to forward to", "invalid_request_error"
             )
-        for name, llm in self.llms.items():
-            if llm.model == model:
-                return name, llm
+        if role is not None and role not in self.llms:
+            raise Refused(404, f"no role {role!r}: {self._roles()}", "not_found_error")
+        if model is None:  # a model list: the role's server, else the first one's
+            name = role or next(iter(self.llms))
+            return name, self.llms[name]
+        matching = [name for name, llm in self.llms.items() if llm.model == model]
+        if matching:
+            name = role if role in matching else matching[0]
+            return name, self.llms[name]
         if len(self.llms) == 1:
             return next(iter(self.llms.items()))
-        known = ", ".join(f"{name} (model {llm.model!r})" for name, llm in self.llms.items())
         raise Refused(
             404,
-            f"the model {model!r} is none of this rollout's LLM resources: {known}",
+            f"the model {model!r} is none of this rollout's LLM resources: {self._roles()}",
             "not_found_error",
             "model",
         )
+
+    def _roles(self) -> str:
+        """This rollout's LLM resources (its roles), each with its model."""
+        return ", ".join(f"{name} (model {llm.model!r})" for name, llm in self.llms.items())
 
 
 @dataclass(frozen=True)

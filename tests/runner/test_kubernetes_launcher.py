@@ -172,6 +172,12 @@ def test_one_job_per_attempt_with_the_contract_and_each_outcome(server, double, 
         assert env["OPENAI_BASE_URL"] == f"{PUBLIC}/gateway/{ok}/{a.id}/v1"
         assert env["AGENTBOLT_EVENTS_URL"] == f"{PUBLIC}/agent/{ok}/{a.id}/events"
         assert env["OPENAI_MODEL"] == env["AGENTBOLT_MODEL"] == "tiny"
+        # its one LLM resource as a role's variables too (one resource: the plain URL)
+        llm_vars = {k: v for k, v in env.items() if k.startswith("AGENTBOLT_LLM_")}
+        assert (
+            len(llm_vars) == 2
+            and env[next(k for k in llm_vars if k.endswith("_BASE_URL"))] == env["OPENAI_BASE_URL"]
+        )
         assert "OPENAI_API_KEY" not in env  # not in the Job: in its Secret
         assert _env(job, double)["OPENAI_API_KEY"].startswith("ak_")
         assert env["AGENTBOLT_ROLLOUT_ID"] == ok and env["AGENTBOLT_ATTEMPT_ID"] == a.id

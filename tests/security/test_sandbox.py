@@ -52,6 +52,8 @@ DOCUMENTED = {
     "AGENTBOLT_ATTEMPT_ID",
     "AGENTBOLT_EVENTS_URL",
     "AGENTBOLT_RESULT_FILE",
+    "AGENTBOLT_LLM_LLM_BASE_URL",  # the LLM resource named llm, as a role (docs/agents.md)
+    "AGENTBOLT_LLM_LLM_MODEL",
     "HOME",
     "TMPDIR",
     "PATH",

@@ -1,4 +1,6 @@
-"""The gateway's routes: ``/gateway/{rollout_id}/{attempt_id}/v1/...`` (see
+"""The gateway's routes: ``/gateway/{rollout_id}/{attempt_id}/v1/...``, and for one role of a
+system of several agents ``/gateway/{rollout_id}/{attempt_id}/role/{role}/v1/...``: the LLM
+resource named ``role`` serves every call there, whatever model it names (see
 :mod:`agentbolt.server.gateway` for what a call does).
 
 The POST routes are documented by the router but served by :class:`GatewayFastPath`, a pure
@@ -47,29 +49,58 @@ def _openapi_body(endpoint: str) -> dict[str, Any]:
 
 
 def router(gateway: Gateway) -> APIRouter:
-    api = APIRouter(prefix="/gateway/{rollout_id}/{attempt_id}/v1", tags=["gateway"])
-
-    @api.post("/chat/completions", openapi_extra=_openapi_body(CHAT), responses=_RESPONSES)
-    async def chat_completions(rollout_id: str, attempt_id: str, request: Request) -> Response:
-        """OpenAI chat completions, forwarded to the rollout's LLM and recorded."""
-        return await gateway.forward(request, rollout_id, attempt_id, CHAT)
-
-    @api.post("/completions", openapi_extra=_openapi_body(COMPLETIONS), responses=_RESPONSES)
-    async def completions(rollout_id: str, attempt_id: str, request: Request) -> Response:
-        """OpenAI (legacy) completions, forwarded to the rollout's LLM and recorded."""
-        return await gateway.forward(request, rollout_id, attempt_id, COMPLETIONS)
-
-    @api.post("/responses", openapi_extra=_openapi_body(RESPONSES), responses=_RESPONSES)
-    async def responses(rollout_id: str, attempt_id: str, request: Request) -> Response:
-        """OpenAI Responses API: passed to an upstream that serves it, else answered through
-        the rollout's LLM as a chat completion and recorded with its token ids."""
-        return await gateway.forward(request, rollout_id, attempt_id, RESPONSES)
-
-    @api.get("/models")
-    async def models(rollout_id: str, attempt_id: str) -> Response:
-        return await gateway.models(rollout_id, attempt_id)
-
+    api = APIRouter(tags=["gateway"])
+    for prefix in (
+        "/gateway/{rollout_id}/{attempt_id}/v1",
+        "/gateway/{rollout_id}/{attempt_id}/role/{role}/v1",
+    ):
+        _routes(api, prefix, gateway)
     return api
+
+
+def _routes(api: APIRouter, prefix: str, gateway: Gateway) -> None:
+    """The gateway's routes under ``prefix`` (``role`` is None where it has no ``{role}``)."""
+    role_doc = " The LLM resource named in the path serves it." if "{role}" in prefix else ""
+
+    @api.post(
+        f"{prefix}/chat/completions",
+        openapi_extra=_openapi_body(CHAT),
+        responses=_RESPONSES,
+        description=f"OpenAI chat completions, forwarded to the rollout's LLM and recorded.{role_doc}",
+    )
+    async def chat_completions(
+        rollout_id: str, attempt_id: str, request: Request, role: str | None = None
+    ) -> Response:
+        return await gateway.forward(request, rollout_id, attempt_id, CHAT, role)
+
+    @api.post(
+        f"{prefix}/completions",
+        openapi_extra=_openapi_body(COMPLETIONS),
+        responses=_RESPONSES,
+        description=f"OpenAI (legacy) completions, forwarded to the rollout's LLM and recorded.{role_doc}",
+    )
+    async def completions(
+        rollout_id: str, attempt_id: str, request: Request, role: str | None = None
+    ) -> Response:
+        return await gateway.forward(request, rollout_id, attempt_id, COMPLETIONS, role)
+
+    @api.post(
+        f"{prefix}/responses",
+        openapi_extra=_openapi_body(RESPONSES),
+        responses=_RESPONSES,
+        description=(
+            "OpenAI Responses API: passed to an upstream that serves it, else answered through the"
+            f" rollout's LLM as a chat completion and recorded with its token ids.{role_doc}"
+        ),
+    )
+    async def responses(
+        rollout_id: str, attempt_id: str, request: Request, role: str | None = None
+    ) -> Response:
+        return await gateway.forward(request, rollout_id, attempt_id, RESPONSES, role)
+
+    @api.get(f"{prefix}/models")
+    async def models(rollout_id: str, attempt_id: str, role: str | None = None) -> Response:
+        return await gateway.models(rollout_id, attempt_id, role)
 
 
 class GatewayFastPath:
@@ -84,7 +115,7 @@ class GatewayFastPath:
         if call is None:
             await self.app(scope, receive, send)
             return
-        rollout_id, attempt_id, endpoint = call
+        rollout_id, attempt_id, endpoint, role = call
         started, t0 = time.time(), time.perf_counter()
         # the body and the two headers a call reads, straight from ASGI: Starlette's request
         # object costs more than they do
@@ -98,7 +129,7 @@ class GatewayFastPath:
         }
         try:
             response = await self.gateway.forward_raw(
-                body, headers, rollout_id, attempt_id, endpoint, started, t0
+                body, headers, rollout_id, attempt_id, endpoint, started, t0, role
             )
         except Exception:
             log.exception("gateway call on %s failed", scope["path"])
@@ -108,13 +139,18 @@ class GatewayFastPath:
         await response(scope, receive, send)
 
 
-def _gateway_post(scope: dict[str, Any]) -> tuple[str, str, str] | None:
-    """(rollout id, attempt id, endpoint) of a gateway POST; ``None`` for any other request."""
+def _gateway_post(scope: dict[str, Any]) -> tuple[str, str, str, str | None] | None:
+    """(rollout id, attempt id, endpoint, role or None) of a gateway POST; ``None`` for any
+    other request."""
     path = scope.get("path", "")
     if scope["type"] != "http" or scope["method"] != "POST" or not path.startswith("/gateway/"):
         return None
     parts = path.split("/", 5)  # "", "gateway", rollout, attempt, "v1", endpoint
+    role = None
+    if len(parts) == 6 and parts[4] == "role":  # ... attempt, "role", name/v1/endpoint
+        role, slash, rest = parts[5].partition("/v1/")
+        parts = [*parts[:4], "v1", rest] if slash and role and "/" not in role else []
     endpoint = _ENDPOINTS.get(parts[5]) if len(parts) == 6 and parts[4] == "v1" else None
     if endpoint is None or not (parts[2] and parts[3]):
         return None
-    return parts[2], parts[3], endpoint
+    return parts[2], parts[3], endpoint, role
