@@ -365,6 +365,7 @@ class Api:
 
 def gateway_url(base: str, rollout_id: str, attempt_id: str, role: str | None = None) -> str:
     """The OpenAI base URL of an attempt's gateway on the server at ``base``; with ``role``,
-    the URL of that role's LLM resource (every call there is the role's)."""
+    the URL of that role's LLM resource (a call there with the role's model is the role's, even
+    where other roles share the model)."""
     role_part = f"/role/{quote(role, safe='')}" if role is not None else ""
     return f"{base}/gateway/{rollout_id}/{attempt_id}{role_part}/v1"

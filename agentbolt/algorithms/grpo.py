@@ -173,7 +173,12 @@ class GRPO(GRPOConfig, Algorithm):
     ) -> GRPOResult:
         shown = columns(self.reward_plan().is_agent_only, self.asynchronous)
         record = StepRecord(
-            ctx.console, log, history, shown, CollapseWatch(self.collapse_entropy, self.collapse_steps)
+            ctx.console,
+            log,
+            history,
+            shown,
+            CollapseWatch(self.collapse_entropy, self.collapse_steps),
+            self.llm_resource,
         )
         progress = task_bars(ctx.console, transient=False)
         run = _Run(ctx, policy, state, progress, version, [_served_version(policy, start)])

@@ -95,7 +95,8 @@ class GRPOConfig(RewardOptions):
     group keeps its members; an agent that raises fails at once (training only on the runs that
     survived retries would bias the update). Retried samples are counted per step."""
     llm_resource: str = "llm"
-    """Name of the LLM resource the agent reads."""
+    """Name of the LLM resource the agent reads (the policy's role): only the calls it served
+    train the policy (:mod:`agentbolt.algorithms.roles`)."""
     sampling: dict[str, Any] = field(default_factory=lambda: {"temperature": 1.0})
     seed: int = 0
     plot: bool = True

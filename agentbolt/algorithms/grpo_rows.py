@@ -20,6 +20,7 @@ from agentbolt.algorithms.credit import compute_advantages
 from agentbolt.algorithms.grpo_config import GRPOConfig
 from agentbolt.algorithms.importance import behaviour_version
 from agentbolt.algorithms.rewards import tally
+from agentbolt.algorithms.roles import role_calls
 from agentbolt.client import Client
 from agentbolt.schemas import Event, Rollout, Task
 
@@ -68,15 +69,15 @@ def rows_of(
     ``skipped_no_ids`` counts their model calls recorded without token ids (nothing to train
     on: :class:`~agentbolt.adapters.AdapterStats`)."""
     traj_rows: list[TrajectoryRow] = []
-    gen_tokens = 0
+    gen_tokens = other_roles = 0
     adapter = AdapterStats()
     for rollouts in kept.values():
         for r in rollouts:
             # Only the attempt that finished: a retried rollout's lost attempt may have made
-            # model calls too, and its reward is not theirs.
-            rows, stats = to_trajectories(
-                latest_attempt(events[r.id]), reward=batch.value(r), group_id=r.group_id, task_id=r.task.id
-            )
+            # model calls too, and its reward is not theirs. Only this policy's role's calls.
+            own, left_out = role_calls(latest_attempt(events[r.id]), config.llm_resource)
+            other_roles += left_out
+            rows, stats = to_trajectories(own, reward=batch.value(r), group_id=r.group_id, task_id=r.task.id)
             traj_rows += rows
             adapter += stats
             gen_tokens += sum(row.num_model_tokens for row in rows)
@@ -87,6 +88,7 @@ def rows_of(
         "zero_spread_groups": adv.zero_spread_groups,
         "prefix_mismatches": adapter.prefix_mismatches,
         "skipped_no_ids": adapter.skipped_no_ids,
+        "other_roles_calls": other_roles,
         **adv.metrics(),
         # the program's own grade against the reward trained on: a reward-hacking signal
         **claim_counts({r.id: events[r.id] for rs in kept.values() for r in rs}),
@@ -108,7 +110,7 @@ def fresh_rows(
     fresh: dict[str, list[Rollout]] = {}
     for group_id, rollouts in finished.items():
         for r in rollouts:
-            seen = behaviour_version(latest_attempt(events[r.id]))
+            seen = behaviour_version(role_calls(latest_attempt(events[r.id]), config.llm_resource)[0])
             lag = version_lag(synced, seen if seen is not None else enqueued_at.get(group_id, synced[-1]))
             lags[lag] += 1
             if lag <= config.max_staleness:

@@ -13,6 +13,7 @@ from rich.table import Table
 from agentbolt.algorithms.base import no_ids_note
 from agentbolt.algorithms.collapse import CollapseWatch
 from agentbolt.algorithms.metrics import MetricsLog
+from agentbolt.algorithms.roles import other_roles_note
 from agentbolt.console import print_line
 
 __all__ = ["COLUMNS", "Columns", "StepRecord", "add_row", "columns", "line", "metrics_table"]
@@ -106,14 +107,16 @@ class StepRecord:
     """A run's step rows as they are recorded: each is checked by the collapse watch (its warning
     printed and kept in the row), appended to ``history``, written to the metrics log and shown
     in the live table, and, on a console that shows nothing live, printed as one line. A step
-    whose rollouts made model calls recorded without token ids says how many it skipped, on a
-    line of its own. A resumed run's ``history`` is shown again and continues the watch's count."""
+    whose rollouts made model calls recorded without token ids, or calls of other roles (LLM
+    resources), says how many it left out, on a line of its own. A resumed run's ``history`` is shown again and continues the watch's count."""
 
     console: Console
     log: MetricsLog
     history: list[dict[str, Any]]
     shown: Columns
     collapse: CollapseWatch
+    role: str = "llm"
+    """The LLM resource the policy is published as: other resources' calls are left out."""
     table: Table = field(init=False)
 
     def __post_init__(self) -> None:
@@ -130,6 +133,11 @@ class StepRecord:
         skipped = row.get("skipped_no_ids")
         if skipped:
             print_line(self.console, f"step {row.get('step')}: {no_ids_note(skipped)}")
+        if row.get("other_roles_calls"):  # a system of agents: only this policy's role trains it
+            print_line(
+                self.console,
+                f"step {row.get('step')}: {other_roles_note(row['other_roles_calls'], self.role)}",
+            )
         self.history.append(row)
         self.log.write(row)
         add_row(self.table, row, self.shown)

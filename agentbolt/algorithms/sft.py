@@ -56,6 +56,7 @@ from agentbolt.algorithms.batch import TrainRow
 from agentbolt.algorithms.evaluate import EvalSummary
 from agentbolt.algorithms.policy import PolicyServer, publish, serve_policy
 from agentbolt.algorithms.rewards import RewardOptions, resolve, reward_names, wait_for_rewards
+from agentbolt.algorithms.roles import other_roles_note, role_calls
 from agentbolt.algorithms.sft_train import TrainStats, eval_loss, select_rollouts, sft_rows, train_rows
 from agentbolt.algorithms.train_state import TrainConfig, TrainState, export_weights, make_train_state
 from agentbolt.console import print_line
@@ -166,7 +167,8 @@ class SFT(RewardOptions, Algorithm):
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
     """Attempts per rollout: a dead runner's rollouts are retried; an agent that raises is not."""
     llm_resource: str = "llm"
-    """Name of the LLM resource the agent reads (pointed at the policy server)."""
+    """Name of the LLM resource the agent reads (pointed at the policy server): only the calls
+    it served train the policy (:mod:`agentbolt.algorithms.roles`)."""
     weights_resource: str = "policy_weights"
     sampling: dict[str, Any] = field(default_factory=lambda: {"temperature": 1.0})
     """Sampling parameters of the LLM resource SFT publishes (diverse runs to pick from)."""
@@ -315,8 +317,10 @@ class SFT(RewardOptions, Algorithm):
         trajectories: list[TrajectoryRow] = []
         adapter = AdapterStats()
         by_rollout = ctx.client.events_of([x.id for x in kept], type=[EventType.LLM_CALL.value])
+        other_roles = 0
         for x in kept:
-            events = latest_attempt(by_rollout[x.id])
+            events, left_out = role_calls(latest_attempt(by_rollout[x.id]), self.llm_resource)
+            other_roles += left_out
             reward = resolve(x, self.reward).value
             found, stats = to_trajectories(events, reward=reward, group_id=x.group_id, task_id=x.task.id)
             trajectories += found
@@ -324,6 +328,8 @@ class SFT(RewardOptions, Algorithm):
         rows, duplicates = sft_rows(trajectories)
         if adapter.skipped_no_ids:
             print_line(ctx.console, f"SFT round {r}: {no_ids_note(adapter.skipped_no_ids)}")
+        if other_roles:
+            print_line(ctx.console, f"SFT round {r}: {other_roles_note(other_roles, self.llm_resource)}")
         return rows, duplicates, adapter
 
     def _train(self, ctx: TrainContext, state: TrainState, rows: list[TrainRow], r: int) -> TrainStats:

@@ -113,8 +113,9 @@ def _variable(name: str) -> str:
 def role_variables(resources: Resources | None, url_of: Callable[[str, LLM], str]) -> dict[str, str]:
     """Every LLM resource of the rollout (every role of a system of agents), for a program to
     call the one it means: its gateway URL (``url_of(name, resource)``) in
-    ``AGENTBOLT_LLM_<NAME>_BASE_URL`` and its model in ``AGENTBOLT_LLM_<NAME>_MODEL``. Each
-    role's URL records its calls as that role's, whatever model they name."""
+    ``AGENTBOLT_LLM_<NAME>_BASE_URL`` and its model in ``AGENTBOLT_LLM_<NAME>_MODEL``. A call
+    to a role's URL with the role's model is recorded as that role's, even where other roles
+    share the model."""
     env: dict[str, str] = {}
     for name, resource in (resources.resources if resources else {}).items():
         if isinstance(resource, LLM):

@@ -29,8 +29,8 @@ PLACEHOLDER_KEY = "agentbolt"  # the api_key of a claim whose store minted no ag
 def rewrite_claim(claim: Claim, request: Request) -> Claim:
     """Point the claim's LLM resources at this attempt's gateway, with the attempt's agent key
     as api_key: never the caller's own bearer token (a runner's or an admin's rights). With
-    several (the roles of a system of agents), each gets its role's own URL, so a call is the
-    role's whatever model it names. Their example turns are left out: the gateway puts them into
+    several (the roles of a system of agents), each gets its role's own URL: a call there naming
+    the model of several roles is that role's (``Target.pick``). Their example turns are left out: the gateway puts them into
     every call itself."""
     if claim.resources is None or not any(isinstance(r, LLM) for r in claim.resources.resources.values()):
         return claim

@@ -1,6 +1,6 @@
 """The roles of a system of agents: with several LLM resources, each gets its own gateway URL
-(``/gateway/<rollout>/<attempt>/role/<name>/v1``), and every call there is recorded as that
-role's, whatever model it names: two roles on one model are told apart. A real server on
+(``/gateway/<rollout>/<attempt>/role/<name>/v1``), and a call there with the role's model is
+recorded as that role's: two roles on one model are told apart. A real server on
 127.0.0.1, the real openai client, a real runner running a program agent; the model server is
 the test double (tests/server/upstream_double.py)."""
 

@@ -1,6 +1,7 @@
 """The gateway's routes: ``/gateway/{rollout_id}/{attempt_id}/v1/...``, and for one role of a
-system of several agents ``/gateway/{rollout_id}/{attempt_id}/role/{role}/v1/...``: the LLM
-resource named ``role`` serves every call there, whatever model it names (see
+system of several agents ``/gateway/{rollout_id}/{attempt_id}/role/{role}/v1/...``: a call
+there is the role's where its model is the role's (even when other roles share that model; a
+model of another role only goes to that role, one no role has is a 404) (see
 :mod:`agentbolt.server.gateway` for what a call does).
 
 The POST routes are documented by the router but served by :class:`GatewayFastPath`, a pure
