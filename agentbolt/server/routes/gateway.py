@@ -49,59 +49,68 @@ def _openapi_body(endpoint: str) -> dict[str, Any]:
     }
 
 
+_DESCRIPTIONS = {
+    CHAT: "OpenAI chat completions, forwarded to the rollout's LLM and recorded.",
+    COMPLETIONS: "OpenAI (legacy) completions, forwarded to the rollout's LLM and recorded.",
+    RESPONSES: (
+        "OpenAI Responses API: passed to an upstream that serves it, else answered through the"
+        " rollout's LLM as a chat completion and recorded with its token ids."
+    ),
+}
+_NAMES = {CHAT: "chat_completions", COMPLETIONS: "completions", RESPONSES: "responses"}
+_ROLE_DOC = " The LLM resource named in the path serves it where several share its model."
+
+
 def router(gateway: Gateway) -> APIRouter:
+    """The routes under ``/gateway/{rollout_id}/{attempt_id}/v1`` and under
+    ``.../role/{role}/v1`` (only the latter takes a role)."""
     api = APIRouter(tags=["gateway"])
-    for prefix in (
-        "/gateway/{rollout_id}/{attempt_id}/v1",
-        "/gateway/{rollout_id}/{attempt_id}/role/{role}/v1",
+    for prefix, roles in (
+        ("/gateway/{rollout_id}/{attempt_id}/v1", False),
+        ("/gateway/{rollout_id}/{attempt_id}/role/{role}/v1", True),
     ):
-        _routes(api, prefix, gateway)
+        for path, endpoint in _ENDPOINTS.items():
+            api.add_api_route(
+                f"{prefix}/{path}",
+                _forward(gateway, endpoint, roles),
+                methods=["POST"],
+                name=_NAMES[endpoint],
+                openapi_extra=_openapi_body(endpoint),
+                responses=_RESPONSES,
+                description=_DESCRIPTIONS[endpoint] + (_ROLE_DOC if roles else ""),
+            )
+        api.add_api_route(f"{prefix}/models", _models(gateway, roles), methods=["GET"], name="models")
     return api
 
 
-def _routes(api: APIRouter, prefix: str, gateway: Gateway) -> None:
-    """The gateway's routes under ``prefix`` (``role`` is None where it has no ``{role}``)."""
-    role_doc = " The LLM resource named in the path serves it." if "{role}" in prefix else ""
+def _forward(gateway: Gateway, endpoint: str, roles: bool) -> Any:
+    """The route handler forwarding ``endpoint`` calls; with ``roles``, for a role's URL."""
+    if roles:
 
-    @api.post(
-        f"{prefix}/chat/completions",
-        openapi_extra=_openapi_body(CHAT),
-        responses=_RESPONSES,
-        description=f"OpenAI chat completions, forwarded to the rollout's LLM and recorded.{role_doc}",
-    )
-    async def chat_completions(
-        rollout_id: str, attempt_id: str, request: Request, role: str | None = None
-    ) -> Response:
-        return await gateway.forward(request, rollout_id, attempt_id, CHAT, role)
+        async def forward_role(rollout_id: str, attempt_id: str, role: str, request: Request) -> Response:
+            return await gateway.forward(request, rollout_id, attempt_id, endpoint, role)
 
-    @api.post(
-        f"{prefix}/completions",
-        openapi_extra=_openapi_body(COMPLETIONS),
-        responses=_RESPONSES,
-        description=f"OpenAI (legacy) completions, forwarded to the rollout's LLM and recorded.{role_doc}",
-    )
-    async def completions(
-        rollout_id: str, attempt_id: str, request: Request, role: str | None = None
-    ) -> Response:
-        return await gateway.forward(request, rollout_id, attempt_id, COMPLETIONS, role)
+        return forward_role
 
-    @api.post(
-        f"{prefix}/responses",
-        openapi_extra=_openapi_body(RESPONSES),
-        responses=_RESPONSES,
-        description=(
-            "OpenAI Responses API: passed to an upstream that serves it, else answered through the"
-            f" rollout's LLM as a chat completion and recorded with its token ids.{role_doc}"
-        ),
-    )
-    async def responses(
-        rollout_id: str, attempt_id: str, request: Request, role: str | None = None
-    ) -> Response:
-        return await gateway.forward(request, rollout_id, attempt_id, RESPONSES, role)
+    async def forward(rollout_id: str, attempt_id: str, request: Request) -> Response:
+        return await gateway.forward(request, rollout_id, attempt_id, endpoint)
 
-    @api.get(f"{prefix}/models")
-    async def models(rollout_id: str, attempt_id: str, role: str | None = None) -> Response:
-        return await gateway.models(rollout_id, attempt_id, role)
+    return forward
+
+
+def _models(gateway: Gateway, roles: bool) -> Any:
+    """The model-list handler; with ``roles``, for a role's URL."""
+    if roles:
+
+        async def models_role(rollout_id: str, attempt_id: str, role: str) -> Response:
+            return await gateway.models(rollout_id, attempt_id, role)
+
+        return models_role
+
+    async def models(rollout_id: str, attempt_id: str) -> Response:
+        return await gateway.models(rollout_id, attempt_id)
+
+    return models
 
 
 class GatewayFastPath:
